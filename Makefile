@@ -1,0 +1,32 @@
+# Quick start: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and pinned so that pip does not pull a multi-GB
+# CUDA build where a CPU wheel is at hand. Override e.g. TORCH_SPEC="torch".
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint fuzz soak bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,examples,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check pyg_atompack tests examples benchmarks
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check pyg_atompack tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,24 @@
+"""Shared pytest fixtures for the whole suite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+GOLDEN_DIR = TESTS_DIR / "data" / "atp"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    """Directory of the golden `.atp` files written by atompack-db."""
+    return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def golden_expected() -> dict:
+    """The parsed `expected.json` describing every golden file."""
+    with open(GOLDEN_DIR / "expected.json", encoding="utf-8") as handle:
+        return json.load(handle)
