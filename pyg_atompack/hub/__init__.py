@@ -1,0 +1,113 @@
+"""Hugging Face Hub / HTTP access: revision pinning, listings, range reads, verified downloads.
+
+This package depends on numpy, huggingface_hub and the format layer
+(:mod:`pyg_atompack.atp`); it never imports torch.
+
+Public API::
+
+    from pyg_atompack import hub
+
+    loc = hub.parse_hf_uri("hf://datasets/org/data@main/omat/train")
+    # HubLocation(repo_id="org/data", revision="main", path_in_repo="omat/train",
+    #             repo_type="dataset")
+
+    sha = hub.resolve_revision("org/data", "main")             # -> 40-hex commit sha
+    files = hub.list_remote_files("org/data", "omat/train", revision=sha, pattern="*.atp")
+    # [RemoteFile(path, size, sha256, url, revision, repo_id, repo_type, blob_id), ...]
+    # sorted by POSIX path; ONE listing request (recursive tree), no per-file requests
+
+    head = hub.fetch_range(files[0], 0, 8192)                    # HTTP Range read -> bytes
+    local = hub.download(files[0], cache_dir)                    # verified (size + sha256)
+    data = hub.fetch_bytes(files[0])                             # verified, in memory only
+
+    with hub.open_hub_atp("org/data", "omat/train", revision="main") as f:
+        len(f); f[-1]; f.read_batch([0, 5, 9], fields=["energy"]); f.n_atoms; f.fields
+        # shards are downloaded (verified) only when a record inside them is first read;
+        # f.download_all() fetches them all now; pickle.dumps(f) carries the listing
+
+What crosses the network, per call: ``resolve_revision`` one API request;
+``list_remote_files`` one tree listing (more pages only past 1000 entries);
+``fetch_range`` exactly the requested bytes; ``download``/``fetch_bytes`` one
+GET of the file, nothing when a verified copy is cached; ``open_hub_atp`` one
+resolve (none for a commit sha), one listing and one 8192-byte range read per
+shard, or nothing at all when that commit's listing is in the cache, so a
+pinned, already-downloaded dataset opens offline. ``n_atoms``/``fields`` of a
+``HubAtpReader`` read only the index / schema blocks of shards not yet
+downloaded.
+
+Every remote failure raises a :class:`HubError` subclass whose message names the
+repository, revision and path: :class:`HubRepositoryNotFoundError`,
+:class:`HubRevisionNotFoundError`, :class:`HubPathNotFoundError`,
+:class:`HubNoShardsError`, :class:`HubIntegrityError` (size/checksum mismatch),
+:class:`HubTransferError` (network/HTTP), :class:`HubURIError` (bad ``hf://``).
+
+Endpoint selection. huggingface_hub reads ``HF_ENDPOINT`` once, when it is first
+imported, into ``huggingface_hub.constants.ENDPOINT``. Setting the environment
+variable later has no effect in a running process. So every function that talks
+to the API takes ``endpoint=`` (``None`` = the client's configured endpoint) and
+passes it to ``HfApi(endpoint=...)`` and ``hf_hub_url(endpoint=...)``. A
+:class:`RemoteFile` carries its full URL, so :func:`fetch_range`,
+:func:`download` and pickled readers in DataLoader workers keep using the
+endpoint they were listed from. For a separate process (a script, ``torchrun``)
+set ``HF_ENDPOINT`` in its environment before it starts. Tests do exactly this
+against the loopback fake Hub in ``tests/servers/fake_hub.py``.
+
+Tokens follow huggingface_hub: ``None`` uses the saved login / ``HF_TOKEN``,
+``False`` sends none, a string is used as is. An explicit token is kept in a
+pickled :class:`HubAtpReader` so that workers can download; do not pickle
+readers to untrusted places.
+"""
+
+from __future__ import annotations
+
+from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp
+from pyg_atompack.hub.errors import (
+    HubError,
+    HubIntegrityError,
+    HubNoShardsError,
+    HubPathNotFoundError,
+    HubRepositoryNotFoundError,
+    HubRevisionNotFoundError,
+    HubTransferError,
+    HubURIError,
+)
+from pyg_atompack.hub.remote import (
+    RemoteFile,
+    is_commit_sha,
+    list_remote_files,
+    resolve_revision,
+)
+from pyg_atompack.hub.transfer import (
+    cached_path,
+    check_bytes,
+    default_cache_dir,
+    download,
+    fetch_bytes,
+    fetch_range,
+)
+from pyg_atompack.hub.uri import HubLocation, parse_hf_uri
+
+__all__ = [
+    "HubAtpReader",
+    "HubError",
+    "HubIntegrityError",
+    "HubLocation",
+    "HubNoShardsError",
+    "HubPathNotFoundError",
+    "HubRepositoryNotFoundError",
+    "HubRevisionNotFoundError",
+    "HubTransferError",
+    "HubURIError",
+    "RemoteFile",
+    "cached_path",
+    "check_bytes",
+    "default_cache_dir",
+    "download",
+    "fetch_bytes",
+    "fetch_range",
+    "is_commit_sha",
+    "list_remote_files",
+    "open_hub_atp",
+    "parse_hf_uri",
+    "resolve_revision",
+]

@@ -1,0 +1,89 @@
+"""On-disk cache of shard listings and header facts, keyed by commit sha.
+
+A commit never changes, so a listing made at a commit sha is valid forever:
+reopening a pinned dataset (a second training run, a restarted job) then costs
+no API call and no header range read. Files live under
+``{cache_dir}/{repo_type}s--{owner}--{name}/listings/{sha}/{hash of path}.json``
+and are written atomically (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from pyg_atompack.hub.remote import RemoteFile
+from pyg_atompack.hub.transfer import repo_cache_folder
+
+_VERSION = 2
+
+
+def listing_file(cache_dir: Path, repo_id: str, repo_type: str, sha: str, path: str) -> Path:
+    """Where the listing of ``path`` at commit ``sha`` is cached.
+
+    Args:
+        cache_dir: Cache root.
+        repo_id: ``owner/name``.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        sha: The commit sha (never a branch name: branches move).
+        path: The listed path inside the repository.
+
+    Returns:
+        The JSON file path.
+    """
+    key = hashlib.sha256(path.encode()).hexdigest()[:16]
+    return repo_cache_folder(cache_dir, repo_id, repo_type) / "listings" / sha / f"{key}.json"
+
+
+def _endpoint_prefix(endpoint: str | None) -> str:
+    from huggingface_hub import constants
+
+    return (endpoint or constants.ENDPOINT).rstrip("/") + "/"
+
+
+def load_listing(
+    file: Path, endpoint: str | None
+) -> tuple[list[RemoteFile], list[dict[str, int]]] | None:
+    """Read a cached listing; ``None`` when absent, unreadable or made via another endpoint.
+
+    Args:
+        file: From :func:`listing_file`.
+        endpoint: The endpoint the caller would list through (``None``: the
+            client's default); a listing whose URLs point elsewhere is ignored.
+
+    Returns:
+        ``(shards, headers)`` or ``None``.
+    """
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if data.get("version") != _VERSION:
+            return None
+        shards = [RemoteFile(**entry) for entry in data["shards"]]
+        headers = [dict(h) for h in data["headers"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # a damaged cache entry only costs a fresh listing
+    if len(shards) != len(headers):
+        return None
+    if any(not s.url.startswith(_endpoint_prefix(endpoint)) for s in shards):
+        return None
+    return shards, headers
+
+
+def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, int]]) -> None:
+    """Write a listing atomically; failures (read-only cache) are ignored.
+
+    Args:
+        file: From :func:`listing_file`.
+        shards: The listed shards.
+        headers: Per shard, the header facts.
+    """
+    payload = {"version": _VERSION, "shards": [asdict(s) for s in shards], "headers": headers}
+    with contextlib.suppress(OSError):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(payload), encoding="utf-8")
+        os.replace(temp, file)

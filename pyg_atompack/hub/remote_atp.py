@@ -1,0 +1,104 @@
+"""What HTTP range reads reveal about a remote ``.atp`` file, without downloading it.
+
+The header slots (first 8192 bytes) give the molecule count and where the
+schema and index blocks are; those two blocks are small (hundreds of bytes,
+and 20 bytes per molecule) and give the fields and the atom counts. Parsing
+is the format layer's (:mod:`pyg_atompack.atp`); this module only fetches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pyg_atompack.hub.remote import RemoteFile
+from pyg_atompack.hub.transfer import fetch_range
+
+HEADER_BYTES = 8192  # both header slots (spec §2)
+
+
+def _header_info(header: Any) -> dict[str, int]:
+    """The header facts this layer keeps, as plain ints (JSON-friendly, picklable)."""
+    names = ("num_molecules", "index_offset", "index_len", "schema_offset", "schema_len",
+             "record_format", "codec")
+    return {name: int(getattr(header, name, 0) or 0) for name in names}
+
+
+def shard_uri(shard: RemoteFile) -> str:
+    """``hf://{type}s/{repo}@{sha}/{path}``: how messages of the format layer name a shard."""
+    return f"hf://{shard.repo_type}s/{shard.repo_id}@{shard.revision}/{shard.path}"
+
+
+def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None) -> dict[str, int]:
+    """Header facts of a remote shard from one range read of its first 8192 bytes.
+
+    Args:
+        shard: The remote ``.atp`` file.
+        token: Hub token.
+
+    Returns:
+        ``num_molecules``, ``index_offset``, ``index_len``, ``schema_offset``,
+        ``schema_len``, ``record_format`` and ``codec`` of the committed slot.
+
+    Raises:
+        pyg_atompack.atp.AtpError: The bytes are not a valid ``.atp`` header.
+    """
+    from pyg_atompack.atp.header import select_header
+
+    head = fetch_range(shard, 0, min(HEADER_BYTES, shard.size), token=token)
+    return _header_info(select_header(head, shard.size, shard_uri(shard)))
+
+
+def remote_n_atoms(
+    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None
+) -> np.ndarray:
+    """Atoms per molecule of a remote shard, from one range read of its index block.
+
+    Args:
+        shard: The remote ``.atp`` file.
+        header: Its facts from :func:`read_shard_header`.
+        token: Hub token.
+
+    Returns:
+        int64 array ``(num_molecules,)``.
+    """
+    from pyg_atompack.atp.index import decode_index
+
+    count = header["num_molecules"]
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    raw = fetch_range(shard, header["index_offset"], header["index_len"], token=token)
+    return decode_index(raw, count, shard_uri(shard))["n_atoms"].astype(np.int64)
+
+
+def remote_fields(
+    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None
+) -> dict | None:
+    """A remote shard's fields from one range read of its schema block.
+
+    Args:
+        shard: The remote ``.atp`` file.
+        header: Its facts from :func:`read_shard_header`.
+        token: Hub token.
+
+    Returns:
+        ``name -> atp.FieldInfo``, or ``None`` when the file has no schema block
+        (atompack 0.2.x files: only a scan of the records can tell).
+    """
+    from pyg_atompack.atp.fields import fields_from_schema
+    from pyg_atompack.atp.schema import decode_schema
+    from pyg_atompack.atp.types import POSITIONS_DTYPE_BY_TAG
+
+    head = header
+    if not head.get("schema_len") or head.get("record_format") not in (2, 3):
+        return None  # 0.2.x file: only a scan of the records can tell (format layer does it)
+    raw = fetch_range(shard, head["schema_offset"], head["schema_len"], token=token)
+    schema = decode_schema(raw, shard_uri(shard))
+    if head.get("record_format") == 2:
+        pos_dtype = np.dtype("<f4")  # spec §5.1: record format 2 positions are always f32
+    elif schema.positions_tag in POSITIONS_DTYPE_BY_TAG:
+        pos_dtype = POSITIONS_DTYPE_BY_TAG[schema.positions_tag]
+    else:
+        return None  # let the format layer raise its own error when the shard is opened
+    return fields_from_schema(schema, pos_dtype)

@@ -1,0 +1,591 @@
+"""pyg_atompack.hub against a loopback fake Hub, with the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import atompack
+import numpy as np
+import pytest
+from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub
+
+from pyg_atompack import hub
+
+REPO = "org/mols"
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------- data
+def _write_shard(path: Path, n_mol: int, n_atoms: int, seed: int) -> None:
+    """A zstd shard written by the reference implementation (atompack-db)."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = atompack.Database(str(path), compression="zstd", overwrite=True)
+    db.add_arrays_batch(
+        rng.normal(size=(n_mol, n_atoms, 3)).astype(np.float32),
+        rng.integers(1, 30, size=(n_mol, n_atoms)).astype(np.uint8),
+        energy=seed * 100.0 + np.arange(n_mol, dtype=np.float64),
+        forces=rng.normal(size=(n_mol, n_atoms, 3)).astype(np.float32),
+    )
+    db.flush()
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    """Three shards of 2, 3 and 4 molecules (3, 2, 4 atoms each) plus a manifest."""
+    root = tmp_path_factory.mktemp("hubdata")
+    _write_shard(root / "train" / "b" / "part_0.atp", 2, 3, seed=1)
+    _write_shard(root / "train" / "part_1.atp", 3, 2, seed=2)
+    _write_shard(root / "train" / "part_2.atp", 4, 4, seed=3)
+    (root / "train" / "manifest.json").write_text(json.dumps({"output_files": []}))
+    (root / "README.md").write_text("fake dataset card\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def files(shard_dir) -> dict[str, bytes]:
+    return {p.relative_to(shard_dir).as_posix(): p.read_bytes()
+            for p in sorted(shard_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def fake_hub() -> FakeHub:
+    yield from serve_fake_hub()
+
+
+@pytest.fixture
+def server(fake_hub: FakeHub, files) -> FakeHub:
+    fake_hub.commit(REPO, files)
+    return fake_hub
+
+
+def _oracle(shard_dir: Path) -> list[tuple[str, int]]:
+    """(shard path, local index) per global index, shard order = POSIX path sort."""
+    shards = sorted(p.relative_to(shard_dir).as_posix() for p in shard_dir.rglob("*.atp"))
+    return [(s, i) for s in shards for i in range(len(atompack.Database.open(str(shard_dir / s))))]
+
+
+def _full_gets(server: FakeHub, fragment: str = ".atp") -> list:
+    return [r for r in server.requests_to("/resolve/", "GET")
+            if fragment in r.path and "range" not in r.headers]
+
+
+# ---------------------------------------------------------------------- URIs
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("hf://datasets/org/data@main/omat/train",
+         hub.HubLocation("org/data", "main", "omat/train", "dataset")),
+        ("hf://datasets/org/data/omat/train/", hub.HubLocation("org/data", None, "omat/train")),
+        ("hf://org/data@" + "a" * 40, hub.HubLocation("org/data", "a" * 40, "")),
+        ("hf://models/org/net@refs%2Fpr%2F3/w.atp",
+         hub.HubLocation("org/net", "refs/pr/3", "w.atp", "model")),
+        ("hf://datasets/org/data//x//", hub.HubLocation("org/data", None, "x")),
+    ],
+)
+def test_parse_hf_uri(uri, expected):
+    assert hub.parse_hf_uri(uri) == expected
+
+
+@pytest.mark.parametrize(
+    "uri", ["s3://bucket/x", "hf://datasets/onlyowner", "hf://datasets/org/data@/x",
+            "hf://datasets/org/data@main/a/../b", "hf://datasets/org@v/data"],
+)
+def test_parse_hf_uri_rejects(uri):
+    with pytest.raises(hub.HubURIError, match="hf://|\\.\\.|owner|revision|URI"):
+        hub.parse_hf_uri(uri)
+
+
+def test_parse_hf_uri_error_is_value_error():
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        hub.parse_hf_uri("hf://datasets/org/data/../../etc")
+
+
+# ---------------------------------------------------------------------- revisions
+def test_resolve_branch_and_sha(fake_hub, files):
+    first = fake_hub.commit(REPO, files)
+    second = fake_hub.commit(REPO, {"extra.atp": b"x"}, replace=False)
+    assert first != second
+    assert hub.resolve_revision(REPO, "main", endpoint=fake_hub.endpoint) == second
+    assert hub.resolve_revision(REPO, first, endpoint=fake_hub.endpoint) == first
+    assert hub.is_commit_sha(first) and not hub.is_commit_sha("main")
+
+
+def test_resolve_errors_name_repo_and_revision(server):
+    with pytest.raises(hub.HubRepositoryNotFoundError, match="org/absent"):
+        hub.resolve_revision("org/absent", endpoint=server.endpoint)
+    with pytest.raises(hub.HubRevisionNotFoundError, match="org/mols.*'v9'"):
+        hub.resolve_revision(REPO, "v9", endpoint=server.endpoint)
+    with pytest.raises(ValueError, match="repo_type"):
+        hub.resolve_revision(REPO, repo_type="bucket", endpoint=server.endpoint)
+
+
+def test_unreachable_endpoint_is_a_transfer_error():
+    spare = FakeHub()
+    endpoint = spare.endpoint
+    spare.server_close()  # nothing listens on that port any more
+    with pytest.raises(hub.HubTransferError, match="org/mols"):
+        hub.resolve_revision(REPO, endpoint=endpoint)
+
+
+# ---------------------------------------------------------------------- listing
+def test_listing_sizes_checksums_and_order(server, files):
+    sha = hub.resolve_revision(REPO, endpoint=server.endpoint)
+    server.clear_requests()
+    listed = hub.list_remote_files(REPO, "train", revision=sha, endpoint=server.endpoint)
+    assert [f.path for f in listed] == sorted(p for p in files if p.startswith("train/"))
+    assert listed[0].path == "train/b/part_0.atp"  # nested dirs sort by POSIX path
+    for f in listed:
+        assert f.size == len(files[f.path])
+        assert f.revision == sha and f.repo_id == REPO
+        assert f.blob_id == git_blob_id(files[f.path])
+        assert f.url == f"{server.endpoint}/datasets/{REPO}/resolve/{sha}/{f.path}"
+        if f.path.endswith(".atp"):
+            assert f.sha256 == hashlib.sha256(files[f.path]).hexdigest()
+        else:
+            assert f.sha256 is None  # plain git file: only the git blob id is known
+    # exactly one request: the recursive tree listing, nothing per file
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", f"/api/datasets/{REPO}/tree/{sha}/train")]
+    assert server.requests[0].query["recursive"] == ["true"]
+
+
+def test_listing_pattern_pagination_and_single_file(server, files):
+    server.page_size = 2  # the client must follow Link: rel="next"
+    atp_files = hub.list_remote_files(REPO, "/train/", revision="main", pattern="*.atp",
+                                      endpoint=server.endpoint)
+    assert [f.path for f in atp_files] == sorted(p for p in files if p.endswith(".atp"))
+    assert len(server.requests_to("/tree/")) >= 2
+    single = hub.list_remote_files(REPO, "train/part_1.atp", revision="main",
+                                   endpoint=server.endpoint)
+    assert [(f.path, f.size) for f in single] == [("train/part_1.atp",
+                                                   len(files["train/part_1.atp"]))]
+    everything = hub.list_remote_files(REPO, revision="main", endpoint=server.endpoint)
+    assert [f.path for f in everything] == sorted(files)
+
+
+def test_listing_errors(server):
+    with pytest.raises(hub.HubPathNotFoundError, match="org/mols.*'main'.*'nowhere'"):
+        hub.list_remote_files(REPO, "nowhere", revision="main", endpoint=server.endpoint)
+    with pytest.raises(hub.HubNoShardsError, match=r"org/mols.*\*\.pt"):
+        hub.list_remote_files(REPO, "train", revision="main", pattern="*.pt",
+                              endpoint=server.endpoint)
+    assert hub.list_remote_files(REPO, "train", revision="main", pattern="*.pt",
+                                 endpoint=server.endpoint, allow_empty=True) == []
+    with pytest.raises(hub.HubURIError, match=r"\.\."):
+        hub.list_remote_files(REPO, "train/../..", revision="main", endpoint=server.endpoint)
+
+
+def test_pinned_sha_keeps_old_content(fake_hub, files, shard_dir, tmp_path):
+    old = fake_hub.commit(REPO, files)
+    changed = dict(files)
+    changed["train/part_1.atp"] = files["train/part_2.atp"]
+    new = fake_hub.commit(REPO, changed)
+    assert hub.resolve_revision(REPO, endpoint=fake_hub.endpoint) == new
+
+    def part_1(rev):
+        listed = hub.list_remote_files(REPO, "train/part_1.atp", revision=rev,
+                                       endpoint=fake_hub.endpoint)
+        return hub.download(listed[0], tmp_path).read_bytes()
+
+    assert part_1(old) == files["train/part_1.atp"]
+    assert part_1(new) == files["train/part_2.atp"]
+    assert part_1("main") == files["train/part_2.atp"]
+
+
+# ---------------------------------------------------------------------- ranges
+def test_fetch_range_reads_only_the_range(server, files):
+    target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
+                                   endpoint=server.endpoint)[0]
+    data = files[target.path]
+    server.clear_requests()
+    assert hub.fetch_range(target, 100, 50) == data[100:150]
+    assert hub.fetch_range(target, len(data) - 7, 7) == data[-7:]
+    assert hub.fetch_range(target, 5, 0) == b""
+    seen = server.requests_to("/resolve/")
+    assert [r.headers["range"] for r in seen] == [
+        "bytes=100-149", f"bytes={len(data) - 7}-{len(data) - 1}"]
+    assert [(r.status, r.body_bytes) for r in seen] == [(206, 50), (206, 7)]
+
+
+def test_fetch_range_bounds(server):
+    target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
+                                   endpoint=server.endpoint)[0]
+    with pytest.raises(ValueError, match="exceeds the file size"):
+        hub.fetch_range(target, target.size - 1, 2)
+    with pytest.raises(ValueError, match="negative"):
+        hub.fetch_range(target, -1, 2)
+
+
+def test_private_repo_needs_token(fake_hub, files):
+    fake_hub.commit("org/private", files, token="s3cret")
+    with pytest.raises(hub.HubRepositoryNotFoundError, match="org/private"):
+        hub.resolve_revision("org/private", token=False, endpoint=fake_hub.endpoint)
+    listed = hub.list_remote_files("org/private", "train", revision="main", token="s3cret",
+                                   endpoint=fake_hub.endpoint)
+    target = listed[-1]
+    with pytest.raises(hub.HubRepositoryNotFoundError, match="org/private"):
+        hub.fetch_range(target, 0, 4, token=False)
+    assert hub.fetch_range(target, 0, 4, token="s3cret") == b"ATPK"
+    assert fake_hub.requests[-1].headers["authorization"] == "Bearer s3cret"
+
+
+# ---------------------------------------------------------------------- downloads
+def test_download_verifies_and_reuses_cache(server, files, tmp_path):
+    listed = hub.list_remote_files(REPO, "train", revision="main", endpoint=server.endpoint)
+    server.clear_requests()
+    for f in listed:
+        local = hub.download(f, tmp_path)
+        assert local.read_bytes() == files[f.path]
+        assert local == hub.cached_path(f, tmp_path)
+    assert len(server.requests_to("/resolve/", "GET")) == len(listed)
+    again = [hub.download(f, tmp_path) for f in listed]
+    assert len(server.requests_to("/resolve/", "GET")) == len(listed)  # nothing refetched
+    assert all(p.exists() for p in again)
+    assert not list(tmp_path.rglob("*.incomplete"))
+
+
+def test_download_detects_wrong_bytes(server, files, tmp_path):
+    path = "train/part_1.atp"
+    true = files[path]
+    target = hub.list_remote_files(REPO, path, revision="main", endpoint=server.endpoint)[0]
+    server.serve_wrong_bytes(REPO, path, bytes(len(true)))  # same size, other content
+    with pytest.raises(hub.HubIntegrityError, match=r"org/mols.*train/part_1\.atp.*sha256"):
+        hub.download(target, tmp_path)
+    assert not hub.cached_path(target, tmp_path).exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    # verify=False only checks the size: the wrong bytes land in the unverified area
+    unverified = hub.download(target, tmp_path, verify=False)
+    assert "unverified" in unverified.parts and unverified.read_bytes() == bytes(len(true))
+    server.serve_wrong_bytes(REPO, path, true[:-10])  # short body
+    with pytest.raises(hub.HubIntegrityError, match=r"train/part_1\.atp"):
+        hub.download(target, tmp_path / "other")
+
+
+def test_download_plain_file_checks_git_blob_id(server, files, tmp_path):
+    target = hub.list_remote_files(REPO, "README.md", revision="main",
+                                   endpoint=server.endpoint)[0]
+    assert hub.download(target, tmp_path).read_bytes() == files["README.md"]
+    server.serve_wrong_bytes(REPO, "README.md", b"FAKE dataset card\n")
+    with pytest.raises(hub.HubIntegrityError, match="git blob id"):
+        hub.download(target, tmp_path / "fresh")
+
+
+def test_fetch_bytes_in_memory(server, files, tmp_path):
+    target = hub.list_remote_files(REPO, "train/b/part_0.atp",
+                                   revision="main", endpoint=server.endpoint)[0]
+    assert hub.fetch_bytes(target) == files[target.path]
+    wrong = bytearray(files[target.path])
+    wrong[-1] ^= 0xFF
+    server.serve_wrong_bytes(REPO, target.path, bytes(wrong))
+    with pytest.raises(hub.HubIntegrityError, match=r"train/b/part_0\.atp.*sha256"):
+        hub.fetch_bytes(target)
+    assert hub.fetch_bytes(target, verify=False) == bytes(wrong)
+    with pytest.raises(hub.HubIntegrityError, match="received 3 bytes"):
+        hub.check_bytes(target, b"abc", verify=False)
+
+
+def test_download_follows_cdn_redirect(server, files, tmp_path):
+    server.redirect_lfs = True
+    target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
+                                   endpoint=server.endpoint)[0]
+    assert hub.fetch_range(target, 0, 4) == b"ATPK"
+    assert hub.download(target, tmp_path).read_bytes() == files[target.path]
+    assert [r.status for r in server.requests_to("/cdn/")] == [206, 200]
+    from huggingface_hub import hf_hub_download  # the real client copes with the redirect too
+
+    local = hf_hub_download(REPO, target.path, repo_type="dataset", endpoint=server.endpoint,
+                            cache_dir=tmp_path / "hf")
+    assert Path(local).read_bytes() == files[target.path]
+
+
+def test_real_client_hf_hub_download_against_fake(server, files, tmp_path):
+    from huggingface_hub import hf_hub_download
+
+    local = hf_hub_download(REPO, "train/part_1.atp", repo_type="dataset",
+                            endpoint=server.endpoint, cache_dir=tmp_path)
+    assert Path(local).read_bytes() == files["train/part_1.atp"]
+
+
+# ---------------------------------------------------------------------- lazy sharded .atp
+def _energies(reader, n):
+    return [float(reader[i].energy) for i in range(n)]
+
+
+def test_open_reads_only_headers(server, shard_dir, tmp_path):
+    sha = hub.resolve_revision(REPO, endpoint=server.endpoint)
+    server.clear_requests()
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    assert len(reader) == 2 + 3 + 4
+    assert reader.shard_lengths.tolist() == [2, 3, 4]  # b/part_0 sorts first
+    assert reader.revision == sha
+    # one resolve (default branch), one listing, one 8192-byte range per shard, nothing else
+    api = [r.path for r in server.requests if r.path.startswith("/api/")]
+    assert api == [f"/api/datasets/{REPO}", f"/api/datasets/{REPO}/tree/{sha}/train"]
+    file_requests = server.requests_to("/resolve/")
+    assert len(file_requests) == 3
+    assert all(r.headers.get("range") == "bytes=0-8191" for r in file_requests)
+    assert sum(r.body_bytes for r in file_requests) == 3 * 8192
+    assert reader.downloaded_shards() == []
+    assert "molecules=9" in repr(reader)
+
+
+def test_reading_downloads_only_the_holding_shard(server, shard_dir, tmp_path):
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    oracle = _oracle(shard_dir / "train")
+    server.clear_requests()
+    mol = reader[3]  # global 3 = second molecule of train/part_1.atp
+    assert [r.path.rsplit("/", 2)[-2:] for r in _full_gets(server)] == [["train", "part_1.atp"]]
+    assert reader.downloaded_shards() == [1]
+    shard, local = oracle[3]
+    ref = atompack.Database.open(str(shard_dir / "train" / shard))[local]
+    np.testing.assert_array_equal(mol.positions, ref.positions)
+    np.testing.assert_array_equal(mol.atomic_numbers, ref.atomic_numbers)
+    np.testing.assert_array_equal(mol.forces, ref.forces)
+    assert mol.energy == ref.energy
+    reader[4]  # same shard: nothing new
+    assert len(_full_gets(server)) == 1
+    assert float(reader[-1].energy) == 303.0  # last molecule of the last shard
+    assert reader.downloaded_shards() == [1, 2]
+    with pytest.raises(IndexError, match="out of range"):
+        reader[9]
+    with pytest.raises(IndexError, match="out of range"):
+        reader[-10]
+
+
+def test_values_match_reference_and_format_layer(server, shard_dir, tmp_path):
+    from pyg_atompack import atp
+
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    expected = []
+    for shard, local in _oracle(shard_dir / "train"):
+        ref = atompack.Database.open(str(shard_dir / "train" / shard))
+        expected.append(float(ref[local].energy))
+    assert _energies(reader, len(reader)) == expected
+    with atp.open(shard_dir / "train") as local:
+        assert len(local) == len(reader)
+        np.testing.assert_array_equal(reader.n_atoms, local.n_atoms)
+        assert set(reader.fields) == set(local.fields)
+        for i in range(len(reader)):
+            np.testing.assert_array_equal(reader[i].positions, local[i].positions)
+            np.testing.assert_array_equal(reader[i].forces, local[i].forces)
+        order = [8, 0, 3, 8, -9, 5]
+        got, ref = reader.read_batch(order), local.read_batch(order)
+        assert set(got) >= {"n_atoms", "positions", "atomic_numbers", "energy", "forces"}
+        for key in ("n_atoms", "positions", "atomic_numbers", "energy", "forces"):
+            np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
+        sub = reader.read_batch([1, 0], fields=["energy"])
+        ref_sub = local.read_batch([1, 0], fields=["energy"])
+        np.testing.assert_array_equal(sub["energy"], ref_sub["energy"])
+        assert "forces" not in sub
+
+
+def test_n_atoms_and_fields_without_downloading(server, shard_dir, tmp_path):
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    server.clear_requests()
+    assert reader.n_atoms.tolist() == [3, 3, 2, 2, 2, 4, 4, 4, 4]
+    assert {"positions", "atomic_numbers", "energy", "forces"} <= set(reader.fields)
+    assert reader.fields["forces"].per_atom
+    assert reader.downloaded_shards() == []
+    assert _full_gets(server) == []
+    assert all("range" in r.headers for r in server.requests_to("/resolve/"))
+
+
+def test_pickled_reader_reuses_listing_and_cache(server, shard_dir, tmp_path):
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    first = float(reader[0].energy)
+    server.clear_requests()
+    clone = pickle.loads(pickle.dumps(reader))
+    assert len(clone) == 9 and clone.downloaded_shards() == []
+    assert float(clone[0].energy) == first
+    assert float(clone[8].energy) == 303.0
+    # the clone listed nothing and re-downloaded nothing already cached
+    assert [r.path for r in server.requests if r.path.startswith("/api/")] == []
+    assert [r.path.rsplit("/", 1)[-1] for r in _full_gets(server)] == ["part_2.atp"]
+    reader.close()
+    clone.close()
+
+
+def test_pickled_reader_in_subprocess(server, tmp_path):
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path / "cache",
+                              endpoint=server.endpoint)
+    blob = tmp_path / "reader.pkl"
+    blob.write_bytes(pickle.dumps(reader))
+    script = (
+        "import pickle, sys\n"
+        "r = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "print(len(r), float(r[2].energy), float(r[-1].energy), r.downloaded_shards())\n"
+    )
+    env = server.subprocess_env()
+    env.pop("HF_ENDPOINT")  # the pickled URLs alone must reach the server
+    out = subprocess.run([sys.executable, "-c", script, str(blob)], capture_output=True,
+                         text=True, env=env, timeout=120, check=True)
+    assert out.stdout.split() == ["9", "200.0", "303.0", "[1,", "2]"]
+    assert {r.path.rsplit("/", 1)[-1] for r in _full_gets(server)} == {"part_1.atp",
+                                                                       "part_2.atp"}
+
+
+def test_listing_cache_skips_api_for_pinned_sha(server, tmp_path):
+    sha = hub.resolve_revision(REPO, endpoint=server.endpoint)
+    hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path, endpoint=server.endpoint)
+    server.clear_requests()
+    again = hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path,
+                             endpoint=server.endpoint)
+    assert len(again) == 9
+    assert server.requests == []
+
+
+def test_hf_uri_and_single_file(server, shard_dir, tmp_path):
+    loc = hub.parse_hf_uri(f"hf://datasets/{REPO}@main/train/part_2.atp")
+    reader = hub.open_hub_atp(loc.repo_id, loc.path_in_repo, revision=loc.revision,
+                              cache_dir=tmp_path, endpoint=server.endpoint)
+    assert len(reader) == 4 and reader.shards[0].path == "train/part_2.atp"
+    assert float(reader[1].energy) == 301.0
+
+
+def test_env_endpoint_in_subprocess(server, tmp_path):
+    """HF_ENDPOINT set before import is honoured when no endpoint= is passed."""
+    script = (
+        "from pyg_atompack import hub\n"
+        f"r = hub.open_hub_atp({REPO!r}, 'train', cache_dir={str(tmp_path)!r})\n"
+        "print(len(r), float(r[0].energy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=server.subprocess_env(), timeout=120, check=True)
+    assert out.stdout.split() == ["9", "100.0"]
+
+
+def test_open_errors(server, tmp_path):
+    with pytest.raises(hub.HubNoShardsError, match=r"org/mols.*no \.atp"):
+        hub.open_hub_atp(REPO, "README.md", cache_dir=tmp_path, endpoint=server.endpoint)
+    with pytest.raises(hub.HubPathNotFoundError, match="missing"):
+        hub.open_hub_atp(REPO, "missing", cache_dir=tmp_path, endpoint=server.endpoint)
+    with pytest.raises(hub.HubRevisionNotFoundError, match="'v2'"):
+        hub.open_hub_atp(REPO, "train", revision="v2", cache_dir=tmp_path,
+                         endpoint=server.endpoint)
+
+
+def test_not_an_atp_file_names_the_remote(fake_hub, tmp_path):
+    from pyg_atompack import atp
+
+    fake_hub.commit("org/bad", {"x/bogus.atp": b"not an atp file" * 1000})
+    with pytest.raises(atp.AtpError, match=r"hf://datasets/org/bad@[0-9a-f]{40}/x/bogus\.atp"):
+        hub.open_hub_atp("org/bad", "x", cache_dir=tmp_path, endpoint=fake_hub.endpoint)
+
+
+def test_corrupted_shard_is_refused_on_first_read(server, files, tmp_path):
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    true = files["train/part_2.atp"]
+    server.serve_wrong_bytes(REPO, "train/part_2.atp", true[:-1] + bytes([true[-1] ^ 1]))
+    with pytest.raises(hub.HubIntegrityError, match=r"train/part_2\.atp"):
+        reader[-1]
+    assert float(reader[0].energy) == 100.0  # other shards stay readable
+
+
+def _assert_same(got, want, where="batch"):
+    """Deep equality of read_batch values (dicts, arrays with dtypes, lists, scalars)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), where
+        for key in want:
+            _assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype, where
+        if want.dtype == object:
+            assert got.shape == want.shape, where
+            for i, (g, w) in enumerate(zip(got, want)):
+                _assert_same(g, w, f"{where}[{i}]")
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=where)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def test_read_batch_across_heterogeneous_shards_matches_local(fake_hub, golden_dir, tmp_path):
+    """Shards with different fields (sparse builtins, custom and ragged properties)."""
+    from pyg_atompack import atp
+
+    layout = {"a/builtins_none.atp": "builtins_none.atp",
+              "b/custom_props_none.atp": "custom_props_none.atp",
+              "c/sparse_builtins.atp": "sparse_builtins.atp"}
+    local_dir = tmp_path / "local"
+    for dest, src in layout.items():
+        (local_dir / dest).parent.mkdir(parents=True, exist_ok=True)
+        (local_dir / dest).write_bytes((golden_dir / src).read_bytes())
+    fake_hub.commit("org/het", local_dir)
+    reader = hub.open_hub_atp("org/het", cache_dir=tmp_path / "cache",
+                              endpoint=fake_hub.endpoint)
+    with atp.open(local_dir) as local:
+        assert len(reader) == len(local) == 11
+        assert list(reader.fields) == list(local.fields)
+        for order in ([10, 0, 6, 1, 5], [7, 6, 5], [0, 1, 2], [9, 9, -1, 4, 8, 3],
+                      list(range(11))[::-1]):
+            _assert_same(reader.read_batch(order), local.read_batch(order), f"batch{order}")
+        fields = ["energy", "forces", "properties/p_str", "atom_properties/a_f64"]
+        _assert_same(reader.read_batch([8, 2, 9], fields=fields),
+                     local.read_batch([8, 2, 9], fields=fields))
+        _assert_same(reader.read_batch([]), local.read_batch([]))
+
+
+def test_concurrent_readers_download_a_shard_once(server, files, tmp_path):
+    import threading
+
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    server.clear_requests()
+    server.delay_s = 0.05  # widen the window in which threads race
+    energies: list[float] = []
+    threads = [threading.Thread(target=lambda: energies.append(float(reader[-1].energy)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert energies == [303.0] * 4
+    assert len(_full_gets(server)) == 1
+    # a second reader object (as in another worker) shares the verified cache entry
+    other = pickle.loads(pickle.dumps(reader))
+    paths = other.download_all(max_workers=3)
+    assert [p.read_bytes() for p in paths] == [files[s.path] for s in other.shards]
+    assert len(_full_gets(server)) == 3  # only the two shards not yet cached
+
+
+def test_listing_cache_is_per_endpoint(fake_hub, files, tmp_path):
+    sha = fake_hub.commit(REPO, files)
+    hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path, endpoint=fake_hub.endpoint)
+    with FakeHub().start() as mirror:
+        mirror.commit(REPO, files)
+        mirror_sha = hub.resolve_revision(REPO, endpoint=mirror.endpoint)
+        assert mirror_sha == sha  # the same commit, served by a mirror
+        reader = hub.open_hub_atp(REPO, "train", revision=mirror_sha, cache_dir=tmp_path,
+                                  endpoint=mirror.endpoint)
+        assert all(s.url.startswith(mirror.endpoint) for s in reader.shards)
+        assert float(reader[0].energy) == 100.0
+
+
+def test_hub_layer_does_not_import_torch():
+    code = ("import sys, pyg_atompack.hub\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import pyg_atompack\n"
+            "assert pyg_atompack.hub.open_hub_atp is not None\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_pinned_and_cached_dataset_opens_without_server(fake_hub, files, tmp_path):
+    sha = fake_hub.commit(REPO, files)
+    reader = hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path,
+                              endpoint=fake_hub.endpoint)
+    reader.download_all()
+    endpoint = fake_hub.endpoint
+    fake_hub.stop()  # from here on every request would fail
+    again = hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path, endpoint=endpoint)
+    assert [float(again[i].energy) for i in (0, 2, -1)] == [100.0, 200.0, 303.0]
+    with pytest.raises(hub.HubTransferError, match="org/mols"):
+        hub.open_hub_atp(REPO, "train", revision="main", cache_dir=tmp_path, endpoint=endpoint)
