@@ -1,0 +1,75 @@
+"""The Atompack `.atp` format: read, write and inspect files (numpy only, never torch).
+
+Example:
+    >>> from pyg_atompack import atp
+    >>> with atp.open("data.atp") as f:          # doctest: +SKIP
+    ...     mol = f[0]
+    ...     batch = f.read_batch([0, 5, 7], fields=["energy", "forces"])
+"""
+
+from __future__ import annotations
+
+import os
+
+from .check import describe, verify
+from .errors import (
+    AtpError,
+    AtpIndexError,
+    AtpValueError,
+    HeaderError,
+    IndexBlockError,
+    NotAtpFileError,
+    ReadOnlyError,
+    RecordDecodeError,
+    SchemaConflictError,
+    SchemaError,
+    TruncatedFileError,
+)
+from .fields import FieldInfo
+from .header import Header, select_header
+from .molecule import Molecule
+from .reader import Reader
+from .sharded import ShardedReader, find_shards
+from .writer import Writer
+
+
+def open(path: str | os.PathLike, access: str = "mmap") -> Reader | ShardedReader:  # noqa: A001
+    """Open an `.atp` file, or a directory of shards, read-only.
+
+    Args:
+        path: a file, or a directory searched recursively for ``*.atp`` shards.
+        access: ``"mmap"`` (zero-copy views) or ``"pread"`` (owned, writable arrays).
+            (default: ``"mmap"``)
+
+    Returns:
+        A :class:`Reader` for a file, a :class:`ShardedReader` for a directory.
+    """
+    if os.path.isdir(path):
+        return ShardedReader(path, access=access)
+    return Reader(path, access=access)
+
+
+__all__ = [
+    "AtpError",
+    "AtpIndexError",
+    "AtpValueError",
+    "FieldInfo",
+    "Header",
+    "HeaderError",
+    "IndexBlockError",
+    "Molecule",
+    "NotAtpFileError",
+    "ReadOnlyError",
+    "Reader",
+    "RecordDecodeError",
+    "SchemaConflictError",
+    "SchemaError",
+    "ShardedReader",
+    "TruncatedFileError",
+    "Writer",
+    "describe",
+    "find_shards",
+    "open",
+    "select_header",
+    "verify",
+]

@@ -1,0 +1,366 @@
+"""``read_batch``: many records into concatenated arrays (layout described in docs/architecture.md).
+
+Fast path: when every requested record has the same layout (same size and atom
+count, identical section headers) the records are joined into one ``(B, raw)``
+byte matrix and every field is a single strided column copy. Otherwise each
+record is decoded on its own and the values are assembled, zero-filling what a
+record lacks.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .codecs import CODEC_NONE, decompress
+from .errors import AtpError, AtpIndexError, AtpValueError, RecordDecodeError
+from .fields import FieldInfo
+from .header import HEADER_SIZE
+from .records import (
+    OP_ARRAY,
+    OP_F32,
+    OP_F64,
+    OP_I64,
+    OP_PBC,
+    Layout,
+    Slot,
+    decode_slot,
+)
+from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
+
+ALWAYS = ("n_atoms", "positions", "atomic_numbers")
+_U8 = np.dtype("u1")
+_SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
+_BUILTIN_SHAPES = {"energy": (), "forces": (3,), "velocities": (3,), "charges": (),
+                   "cell": (3, 3), "stress": (3, 3), "pbc": (3,), "name": None}
+
+
+def _builtin_info(key: str) -> FieldInfo:
+    tag = BUILTIN_CANONICAL_TAG[key]
+    dtype = np.dtype(bool) if key == "pbc" else TAG_DTYPE.get(tag)
+    return FieldInfo(key, "builtin", key, tag, dtype, key in PER_ATOM_BUILTINS,
+                     _BUILTIN_SHAPES[key])
+
+
+def resolve_fields(all_fields: dict[str, FieldInfo], fields: Sequence[str] | None,
+                   name: str) -> dict[str, FieldInfo]:
+    """Turn a ``fields=`` argument into the FieldInfos to decode.
+
+    Args:
+        all_fields: the reader's fields.
+        fields: requested names, or None for all.
+        name: file name for error messages.
+
+    Returns:
+        ``name -> FieldInfo`` of the optional fields to decode.
+
+    Raises:
+        AtpValueError: an unknown or ambiguous custom key.
+    """
+    if fields is None:
+        return {k: v for k, v in all_fields.items() if k not in ALWAYS}
+    if isinstance(fields, str):
+        fields = [fields]
+    out: dict[str, FieldInfo] = {}
+    for field in fields:
+        if field in ALWAYS:
+            continue
+        if field in all_fields:
+            out[field] = all_fields[field]
+        elif field in _BUILTIN_SHAPES:
+            out[field] = _builtin_info(field)  # a builtin this file never stored: all missing
+        else:
+            hits = [k for k in (f"properties/{field}", f"atom_properties/{field}")
+                    if k in all_fields]
+            if len(hits) != 1:
+                problem = "is ambiguous (both scopes exist)" if hits else "is not in the file"
+                customs = sorted(k for k in all_fields if "/" in k)
+                raise AtpValueError(f"{name}: field {field!r} {problem}; custom fields: "
+                                    f"{customs}")
+            out[hits[0]] = all_fields[hits[0]]
+    return out
+
+
+def _normalize_indices(indices: Any, count: int, name: str) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if idx.dtype.kind not in "iu":
+        raise AtpValueError(f"{name}: indices must be integers, got dtype {idx.dtype}")
+    idx = idx.astype(np.int64).ravel()
+    idx = np.where(idx < 0, idx + count, idx)
+    bad = (idx < 0) | (idx >= count)
+    if bad.any():
+        first = int(np.asarray(indices).ravel()[np.argmax(bad)])
+        raise AtpIndexError(f"{name}: molecule index {first} out of range for {count} "
+                            f"molecules")
+    return idx
+
+
+def _check_index_bounds(reader, st) -> None:
+    """Check every index entry against the file once; raises naming the first bad record."""
+    if getattr(st, "index_checked", False):
+        return
+    index = st.index
+    offsets, stored = index["offset"], index["stored"].astype(np.uint64)
+    bad = (offsets < HEADER_SIZE) | (offsets > st.size) | (offsets + stored > st.size)
+    if st.codec == CODEC_NONE:
+        bad |= index["stored"] != index["raw"]
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise RecordDecodeError(
+            f"{reader.name}: record {j}: stored bytes [{int(offsets[j])}, +{int(stored[j])}) "
+            f"lie outside the {st.size}-byte file or disagree with its size")
+    st.index_checked = True
+
+
+def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray) -> list:
+    """Uncompressed bytes of every requested record."""
+    if not len(idx):
+        return []
+    _check_index_bounds(reader, st)
+    off_l, raw_l = entries["offset"].tolist(), entries["raw"].tolist()
+    if st.codec == CODEC_NONE and st.buf is not None:
+        got = operator.itemgetter(*[slice(o, o + r) for o, r in zip(off_l, raw_l)])(st.buf)
+        return [got] if len(off_l) == 1 else list(got)
+    sto_l = entries["stored"].tolist()
+    recs = [reader._read(st, o, s) for o, s in zip(off_l, sto_l)]
+    if st.codec == CODEC_NONE:
+        return recs
+    return [decompress(st.codec, d, r, f"{reader.name}: record {int(i)}")
+            for d, r, i in zip(recs, raw_l, idx)]
+
+
+def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
+    """Decode ``indices`` of ``reader`` into the flat batch dict (see module docstring)."""
+    st = reader._state()
+    name = reader.name
+    idx = _normalize_indices(indices, st.count, name)
+    entries = st.index[idx]
+    n_atoms = entries["n_atoms"].astype(np.int64)
+    try:
+        recs = _fetch(reader, st, idx, entries)
+        layouts = _layouts(reader, st, idx, entries, recs)
+        if layouts is not None and len(layouts) == 1:
+            out = _homogeneous(recs, layouts[0], infos, idx, name)
+        else:
+            if layouts is None:
+                layouts = [reader._layout(st, rec, int(r), int(n), int(i)) for rec, r, n, i in
+                           zip(recs, entries["raw"], entries["n_atoms"], idx)]
+            out = _heterogeneous(recs, layouts, infos, n_atoms, idx, name, st.pos_dtype)
+    except AtpError:
+        raise
+    except Exception as exc:  # numpy/struct errors on corrupt records
+        raise RecordDecodeError(f"{name}: read_batch failed: {exc}") from exc
+    out["n_atoms"] = n_atoms
+    for key in ("properties", "atom_properties", "mask"):
+        out.setdefault(key, {})
+    return out
+
+
+def _layouts(reader, st, idx, entries, recs) -> list[Layout] | None:
+    """``[layout]`` when all records share one layout, else None.
+
+    Records checked before (by ``reader[i]`` or an earlier batch) are known from the
+    reader's per-record memo; the others are checked here in one vectorised compare.
+    """
+    if not len(idx):
+        return []
+    raw, n = entries["raw"], entries["n_atoms"]
+    if not ((raw == raw[0]).all() and (n == n[0]).all()):
+        return None
+    layout = reader._layout(st, recs[0], int(raw[0]), int(n[0]), int(idx[0]))
+    reader._remember(st, int(idx[0]), layout)
+    memo = np.frombuffer(st.memo, np.uint16)
+    lid = layout.memo_id
+    if lid is not None and (memo[idx] == lid).all():
+        return [layout]
+    if len(recs) > 1:
+        matrix = np.frombuffer(b"".join(recs), _U8).reshape(len(recs), -1)
+        cols, expected = layout.check_arrays()
+        if not (matrix[:, cols] == expected).all():
+            return None
+    if lid is not None:
+        memo[idx] = lid
+    return [layout]
+
+
+def _value_shape(slot: Slot) -> tuple[int, ...]:
+    if slot.single:  # 3x3 cell / stress
+        return slot.dtype.shape
+    if slot.dtype.shape:  # vec3 subarray dtype
+        return (slot.count, *slot.dtype.shape)
+    return (slot.count,)
+
+
+def _homogeneous(recs, layout: Layout, infos, idx, name) -> dict[str, Any]:
+    count = len(recs)
+    n = layout.n_atoms
+    if count:
+        matrix = np.frombuffer(b"".join(recs), _U8).reshape(count, -1)
+    else:
+        matrix = np.zeros((0, layout.z_offset + n), _U8)
+
+    def column(offset: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        return np.ascontiguousarray(matrix[:, offset:offset + nbytes]).view(dtype)
+
+    pos_bytes = 3 * n * layout.pos_dtype.itemsize
+    out: dict[str, Any] = {
+        "positions": column(4, pos_bytes, layout.pos_dtype).reshape(count * n, 3),
+        "atomic_numbers": column(layout.z_offset, n, _U8).reshape(count * n),
+    }
+    per_record: dict[str, list] = {}
+    for field, info in infos.items():
+        slot = layout.by_field.get(field)
+        if slot is None:
+            per_record[field] = [None] * count
+            continue
+        op = slot.op
+        if op == OP_ARRAY:
+            shape = _value_shape(slot)
+            values = column(slot.offset, slot.length, slot.dtype.base)
+            if info.per_atom:
+                values = values.reshape(count * n, *shape[1:])
+            else:
+                values = values.reshape(count, *shape)
+            _store(out, info, values, np.ones(count, bool))
+        elif op in _SCALAR_DTYPES:
+            values = column(slot.offset, slot.length, _SCALAR_DTYPES[op]).reshape(count)
+            _store(out, info, values, np.ones(count, bool))
+        elif op == OP_PBC:
+            _store(out, info, matrix[:, slot.offset:slot.offset + 3] != 0, np.ones(count, bool))
+        else:
+            per_record[field] = [decode_slot(rec, 0, slot, n, (name, int(i)))
+                                 for rec, i in zip(recs, idx)]
+    for field, values in per_record.items():
+        present = [layout.by_field.get(field) is not None] * count
+        _assemble(out, infos[field], values, present, np.full(count, n, np.int64))
+    return out
+
+
+def _heterogeneous(recs, layouts, infos, n_atoms, idx, name, pos_dtype) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if recs:
+        positions = [np.frombuffer(rec, lay.pos_rows, lay.n_atoms, 4)
+                     for rec, lay in zip(recs, layouts)]
+        numbers = [np.frombuffer(rec, _U8, lay.n_atoms, lay.z_offset)
+                   for rec, lay in zip(recs, layouts)]
+        out["positions"] = np.concatenate(positions).reshape(-1, 3)
+        out["atomic_numbers"] = np.concatenate(numbers)
+    else:
+        out["positions"] = np.zeros((0, 3), pos_dtype)
+        out["atomic_numbers"] = np.zeros(0, _U8)
+    for field, info in infos.items():
+        values, present = [], []
+        for rec, lay, i in zip(recs, layouts, idx):
+            slot = lay.by_field.get(field)
+            present.append(slot is not None)
+            values.append(None if slot is None else
+                          decode_slot(rec, 0, slot, lay.n_atoms, (name, int(i))))
+        _assemble(out, info, values, present, n_atoms)
+    return out
+
+
+def _store(out: dict, info: FieldInfo, values: Any, mask: np.ndarray) -> None:
+    if info.kind == "builtin":
+        out[info.name] = values
+    else:
+        group = "atom_properties" if info.kind == "atom" else "properties"
+        out.setdefault(group, {})[info.key] = values
+    out.setdefault("mask", {})[info.name] = mask
+    out.setdefault("properties", {})
+    out.setdefault("atom_properties", {})
+
+
+def _assemble(out: dict, info: FieldInfo, values: list, present: list,
+              n_atoms: np.ndarray) -> None:
+    """Combine per-molecule values, zero-filling the missing ones where shapes allow."""
+    mask = np.array(present, dtype=bool)
+    arrays = [v for v, p in zip(values, present) if p]
+    if info.per_atom or info.kind == "atom":
+        _store(out, info, _stack_atoms(info, values, present, arrays, n_atoms), mask)
+        return
+    if arrays and all(isinstance(v, np.ndarray) for v in arrays):
+        shapes = {v.shape for v in arrays}
+        dtypes = {v.dtype for v in arrays}
+        if len(shapes) == 1 and len(dtypes) == 1:
+            result = np.zeros((len(values), *arrays[0].shape), arrays[0].dtype)
+            for j, (v, p) in enumerate(zip(values, present)):
+                if p:
+                    result[j] = v
+            _store(out, info, result, mask)
+            return
+        _store(out, info, list(values), mask)
+        return
+    if arrays and all(isinstance(v, tuple) for v in arrays):  # pbc
+        result = np.zeros((len(values), 3), bool)
+        for j, (v, p) in enumerate(zip(values, present)):
+            if p:
+                result[j] = v
+        _store(out, info, result, mask)
+        return
+    if info.shape == () and info.dtype is not None and \
+            all(isinstance(v, (int, float)) for v in arrays):
+        result = np.array([v if p else 0 for v, p in zip(values, present)], dtype=info.dtype)
+        _store(out, info, result, mask)
+        return
+    if not arrays and info.shape is not None and info.dtype is not None:
+        _store(out, info, info.zeros(len(values)), mask)
+        return
+    _store(out, info, list(values), mask)
+
+
+def _stack_atoms(info: FieldInfo, values, present, arrays, n_atoms) -> Any:
+    total = int(n_atoms.sum())
+    if arrays and all(isinstance(v, np.ndarray) for v in arrays):
+        trailing = {v.shape[1:] for v in arrays}
+        dtypes = {v.dtype for v in arrays}
+        if len(trailing) == 1 and len(dtypes) == 1:
+            result = np.zeros((total, *next(iter(trailing))), next(iter(dtypes)))
+            start = 0
+            for v, p, n in zip(values, present, n_atoms.tolist()):
+                if p:
+                    result[start:start + n] = v
+                start += n
+            return result
+        return list(values)
+    if not arrays:
+        zeros = info.zeros(total)
+        return zeros if zeros is not None else np.zeros(total, info.dtype or np.float64)
+    return list(values)
+
+
+def concat_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate ``read_batch`` results of consecutive index runs (e.g. several shards)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, Any] = {}
+    for key in ("n_atoms", "positions", "atomic_numbers"):
+        out[key] = np.concatenate([p[key] for p in parts])
+    out["mask"] = {k: np.concatenate([p["mask"][k] for p in parts]) for k in parts[0]["mask"]}
+    for key in parts[0]:
+        if key in out or key in ("properties", "atom_properties"):
+            continue
+        out[key] = _concat_values([p[key] for p in parts], [p["n_atoms"] for p in parts])
+    for group in ("properties", "atom_properties"):
+        out[group] = {k: _concat_values([p[group][k] for p in parts],
+                                        [p["n_atoms"] for p in parts],
+                                        per_atom=group == "atom_properties")
+                      for k in parts[0][group]}
+    return out
+
+
+def _concat_values(chunks: list, n_atoms: list[np.ndarray], per_atom: bool | None = None) -> Any:
+    if all(isinstance(c, np.ndarray) for c in chunks) and len({c.shape[1:] for c in chunks}) == 1:
+        return np.concatenate(chunks)
+    merged: list = []
+    for chunk, counts in zip(chunks, n_atoms):
+        if isinstance(chunk, np.ndarray) and per_atom:
+            bounds = np.cumsum(counts)[:-1]
+            merged.extend(np.split(chunk, bounds))
+        else:
+            merged.extend(list(chunk))
+    return merged

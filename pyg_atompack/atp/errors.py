@@ -1,0 +1,67 @@
+"""Exceptions raised by the `.atp` format layer.
+
+Every problem with a file or with a value the format cannot hold derives from
+:class:`AtpError`, so callers can catch the whole family at once. Messages name
+the file and, where it applies, the record index and the field.
+"""
+
+from __future__ import annotations
+
+
+class AtpError(Exception):
+    """Base class of every error raised by :mod:`pyg_atompack.atp`."""
+
+
+class NotAtpFileError(AtpError):
+    """The file does not start like an `.atp` file (no ``ATPK`` magic in any header slot)."""
+
+
+class TruncatedFileError(AtpError):
+    """The file is shorter than a structure it must contain (e.g. the 8192-byte header)."""
+
+
+class HeaderError(AtpError):
+    """No header slot is valid, or the chosen slot holds an unsupported value."""
+
+
+class SchemaError(AtpError):
+    """The schema block is malformed, or a write conflicts with the schema lock."""
+
+
+class SchemaConflictError(SchemaError, ValueError):
+    """A write does not fit the file's schema lock or record format (spec §4, §5.1)."""
+
+
+class IndexBlockError(AtpError):
+    """The index block is malformed or points outside the file."""
+
+
+class RecordDecodeError(AtpError):
+    """A record cannot be decompressed or decoded."""
+
+
+class AtpIndexError(AtpError, IndexError):
+    """A molecule index is out of range."""
+
+
+class AtpValueError(AtpError, ValueError):
+    """A value cannot be stored in (or requested from) an `.atp` file."""
+
+
+class ReadOnlyError(AtpError):
+    """A write was attempted through a read-only handle."""
+
+
+__all__ = [
+    "AtpError",
+    "AtpIndexError",
+    "AtpValueError",
+    "HeaderError",
+    "IndexBlockError",
+    "NotAtpFileError",
+    "ReadOnlyError",
+    "RecordDecodeError",
+    "SchemaConflictError",
+    "SchemaError",
+    "TruncatedFileError",
+]

@@ -1,0 +1,114 @@
+"""Field descriptions (``reader.fields``) derived from the schema lock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .records import Layout, field_name
+from .schema import Schema, SchemaEntry
+from .types import (
+    ELEM_BYTES,
+    FLAT_ARRAY_TAGS,
+    KIND_NAMES,
+    MAT3_TAGS,
+    SCALAR_TAGS,
+    TAG_BOOL3,
+    TAG_DTYPE,
+    VEC3_TAGS,
+    per_atom_flag,
+    slot_bytes,
+)
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """What one field of a file holds.
+
+    Args:
+        name: public name: a builtin key (``"energy"``), ``"properties/<key>"`` or
+            ``"atom_properties/<key>"``.
+        kind: ``"builtin"``, ``"atom"`` or ``"molecule"``.
+        key: the section key.
+        tag: type tag (spec §5.3).
+        dtype: numpy dtype of the values (None for strings and None values).
+        per_atom: whether the value has one row per atom.
+        shape: shape of one molecule's value without the atom axis (``()`` for
+            scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
+            per-molecule array); None when it varies (strings, tensors).
+    """
+
+    name: str
+    kind: str
+    key: str
+    tag: int
+    dtype: np.dtype | None
+    per_atom: bool
+    shape: tuple[int, ...] | None
+
+    def zeros(self, rows: int) -> np.ndarray | None:
+        """A zero array for ``rows`` molecules (or atoms), or None if the shape varies."""
+        if self.shape is None or self.dtype is None:
+            return None
+        return np.zeros((rows, *self.shape), dtype=self.dtype)
+
+
+def _shape_for(entry: SchemaEntry) -> tuple[int, ...] | None:
+    tag = entry.tag
+    if tag in SCALAR_TAGS:
+        return ()
+    if tag == TAG_BOOL3:
+        return (3,)
+    if tag in MAT3_TAGS:
+        return (3, 3)
+    if entry.per_atom:
+        if tag in VEC3_TAGS:
+            return (3,)
+        return () if tag in FLAT_ARRAY_TAGS else None
+    if tag in VEC3_TAGS or tag in FLAT_ARRAY_TAGS:
+        elem = ELEM_BYTES[tag]
+        rows = entry.slot_bytes // elem if elem else 0
+        return (rows, 3) if tag in VEC3_TAGS else (rows,)
+    return None
+
+
+def info_for(entry: SchemaEntry) -> FieldInfo:
+    """The :class:`FieldInfo` of one schema entry."""
+    dtype = np.dtype(bool) if entry.tag == TAG_BOOL3 else TAG_DTYPE.get(entry.tag)
+    return FieldInfo(field_name(entry.kind, entry.key), KIND_NAMES.get(entry.kind, "unknown"),
+                     entry.key, entry.tag, dtype, bool(entry.per_atom), _shape_for(entry))
+
+
+def fields_from_schema(schema: Schema, pos_dtype: np.dtype) -> dict[str, FieldInfo]:
+    """All fields of a file: positions and atomic numbers first, then the schema entries.
+
+    Args:
+        schema: the (possibly rebuilt) schema lock.
+        pos_dtype: the positions element dtype.
+
+    Returns:
+        ``name -> FieldInfo`` in schema order.
+    """
+    pos_tag = 7 if pos_dtype.itemsize == 8 else 4
+    out = {
+        "positions": FieldInfo("positions", "builtin", "positions", pos_tag, pos_dtype, True,
+                               (3,)),
+        "atomic_numbers": FieldInfo("atomic_numbers", "builtin", "atomic_numbers", 255,
+                                    np.dtype("u1"), True, ()),
+    }
+    for entry in schema.sorted_entries():
+        if entry.kind in KIND_NAMES:
+            info = info_for(entry)
+            out[info.name] = info
+    return out
+
+
+def merge_layout(schema: Schema, layout: Layout) -> None:
+    """Add the sections of one decoded record to a schema being rebuilt (first type wins)."""
+    for slot in layout.slots:
+        entry = SchemaEntry(slot.kind, slot.key, slot.tag, per_atom_flag(slot.kind, slot.key),
+                            ELEM_BYTES[slot.tag],
+                            slot_bytes(slot.kind, slot.key, slot.tag, slot.length,
+                                       layout.n_atoms))
+        schema.entries.setdefault((slot.kind, slot.key), entry)

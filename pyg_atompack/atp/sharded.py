@@ -1,0 +1,163 @@
+"""One logical dataset over a directory of `.atp` shards (spec §11)."""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import batch as _batch
+from .errors import AtpIndexError, AtpValueError, ReadOnlyError
+from .fields import FieldInfo
+from .molecule import Molecule
+from .reader import ACCESS_MODES, Reader
+
+
+def find_shards(root: str | os.PathLike) -> list[Path]:
+    """Every ``*.atp`` below ``root``, ordered by POSIX relative path string.
+
+    Args:
+        root: the dataset directory.
+
+    Returns:
+        Absolute shard paths in global-index order.
+    """
+    root = Path(root)
+    found = [p for p in root.rglob("*.atp") if p.is_file()]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+class ShardedReader:
+    """Concatenation of the shards of a directory, indexed globally.
+
+    Args:
+        root: directory holding the shards (searched recursively).
+        access: ``"mmap"`` or ``"pread"``, passed to every shard.
+
+    Raises:
+        AtpValueError: the directory holds no ``.atp`` file.
+        AtpError: a shard is unreadable (the message names it).
+    """
+
+    def __init__(self, root: str | os.PathLike, access: str = "mmap") -> None:
+        if access not in ACCESS_MODES:
+            raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
+        self._root = os.fspath(root)
+        self._access = access
+        paths = find_shards(root)
+        if not paths:
+            raise AtpValueError(f"{self._root}: no .atp files below this directory")
+        self._shards = [Reader(p, access=access) for p in paths]
+        self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
+        self._starts_list = self._starts.tolist()
+        self._fields: dict[str, FieldInfo] | None = None
+        self._n_atoms: np.ndarray | None = None
+
+    @property
+    def shards(self) -> list[Reader]:
+        """The shard readers in global order."""
+        return list(self._shards)
+
+    @property
+    def shard_paths(self) -> list[str]:
+        """Shard file paths in global order."""
+        return [s.path for s in self._shards]
+
+    @property
+    def path(self) -> str:
+        """The dataset directory."""
+        return self._root
+
+    @property
+    def access(self) -> str:
+        """``"mmap"`` or ``"pread"``."""
+        return self._access
+
+    def __len__(self) -> int:
+        return self._starts_list[-1]
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """``(shard number, local index)`` of global molecule ``i`` (negative allowed)."""
+        total = self._starts_list[-1]
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise AtpValueError(f"{self._root}: molecule index must be an integer, "
+                                f"got {type(i).__name__}") from None
+        if i < 0:
+            i += total
+        if not 0 <= i < total:
+            raise AtpIndexError(f"{self._root}: molecule index out of range for {total} "
+                                f"molecules")
+        shard = bisect.bisect_right(self._starts_list, i) - 1
+        return shard, i - self._starts_list[shard]
+
+    def __getitem__(self, i: int) -> Molecule:
+        shard, local = self.locate(i)
+        return self._shards[shard][local]
+
+    def __iter__(self) -> Iterator[Molecule]:
+        for shard in self._shards:
+            yield from shard
+
+    @property
+    def n_atoms(self) -> np.ndarray:
+        """Atom count of every molecule (int64), from the shard indexes."""
+        if self._n_atoms is None:
+            self._n_atoms = np.concatenate([s.n_atoms for s in self._shards])
+        return self._n_atoms
+
+    @property
+    def fields(self) -> dict[str, FieldInfo]:
+        """Union of the shards' fields (the first shard defining a name wins)."""
+        if self._fields is None:
+            merged: dict[str, FieldInfo] = {}
+            for shard in self._shards:
+                for name, info in shard.fields.items():
+                    merged.setdefault(name, info)
+            self._fields = merged
+        return self._fields
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray,
+                   fields: Sequence[str] | None = None) -> dict[str, Any]:
+        """Decode several molecules across shards; see :meth:`Reader.read_batch`."""
+        infos = _batch.resolve_fields(self.fields, fields, self._root)
+        idx = _batch._normalize_indices(indices, len(self), self._root)
+        if not len(idx):
+            return _batch.read_batch(self._shards[0], idx, infos)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        # split into runs of consecutive indices in the same shard to keep the order
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        parts = []
+        for run in np.split(np.arange(len(idx)), cuts):
+            shard = int(shard_of[run[0]])
+            local = idx[run] - self._starts[shard]
+            parts.append(_batch.read_batch(self._shards[shard], local, infos))
+        return _batch.concat_batches(parts)
+
+    def close(self) -> None:
+        """Close every shard (they reopen lazily on the next access)."""
+        for shard in self._shards:
+            shard.close()
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        """Sharded datasets are read-only."""
+        raise ReadOnlyError(f"{self._root}: sharded datasets are read-only")
+
+    add_batch = add
+    flush = add
+
+    def __repr__(self) -> str:
+        return (f"ShardedReader({self._root!r}, shards={len(self._shards)}, "
+                f"molecules={len(self)}, access={self._access!r})")

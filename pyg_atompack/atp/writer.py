@@ -1,0 +1,362 @@
+"""Create or append to `.atp` files with atompack-db's commit protocol (spec §2.3, §3, §7)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from .codecs import CODEC_NONE, CODEC_ZSTD, codec_id, make_compressor
+from .encode import Section, batch_columns, check_positions, encode_section, molecule_sections
+from .errors import AtpValueError, SchemaConflictError, TruncatedFileError
+from .header import (
+    DATA_START,
+    HEADER_SIZE,
+    Header,
+    encode_slot,
+    select_header,
+    slot_offset_for_generation,
+)
+from .index import INDEX_DTYPE, decode_index, encode_index
+from .schema import Schema, SchemaEntry, decode_schema, encode_schema
+from .types import (
+    BUILTIN_CANONICAL_TAG,
+    ELEM_BYTES,
+    KIND_BUILTIN,
+    POSITIONS_TAG_BY_DTYPE,
+    per_atom_flag,
+)
+
+_BUILTIN_KEYS = ("energy", "forces", "charges", "velocities", "cell", "stress", "pbc", "name")
+
+
+class Writer:
+    """Append molecules to an `.atp` file; nothing is visible to readers before :meth:`flush`.
+
+    Args:
+        path: file to create.
+        compression: ``"none"``, ``"lz4"`` or ``"zstd"``. (default: ``"none"``)
+        level: zstd level (ignored otherwise). (default: ``3``)
+        overwrite: replace an existing file instead of raising ``FileExistsError``.
+
+    Example:
+        >>> with Writer("out.atp", compression="zstd") as w:      # doctest: +SKIP
+        ...     w.add(positions, numbers, energy=-1.5, forces=forces)
+    """
+
+    def __init__(self, path: str | os.PathLike, compression: str = "none", level: int = 3,
+                 overwrite: bool = False) -> None:
+        codec = codec_id(compression)
+        self._path = os.fspath(path)
+        if os.path.exists(self._path) and not overwrite:
+            raise FileExistsError(f"{self._path}: already exists (pass overwrite=True)")
+        self._fh = open(self._path, "w+b")  # noqa: SIM115 - held until close()
+        header = Header(codec=codec, level=level if codec == CODEC_ZSTD else 0)
+        self._fh.write(encode_slot(header) + encode_slot(header))
+        self._init_state(header, schema=None, index=np.zeros(0, INDEX_DTYPE), tail=False)
+
+    @classmethod
+    def append_to(cls, path: str | os.PathLike) -> Writer:
+        """Reopen an existing file for appending.
+
+        The codec, level, record format, schema and generation are kept; an
+        uncommitted tail (records written but never flushed) is truncated at the
+        first append or flush.
+
+        Args:
+            path: an existing `.atp` file with a valid header.
+
+        Returns:
+            A writer positioned after the committed data.
+
+        Raises:
+            AtpError: the header, schema or index is invalid.
+        """
+        self = cls.__new__(cls)
+        self._path = os.fspath(path)
+        self._fh = open(self._path, "r+b")  # noqa: SIM115 - held until close()
+        try:
+            size = os.fstat(self._fh.fileno()).st_size
+            header = select_header(self._read(0, min(size, HEADER_SIZE)), size, self._path)
+            schema = None
+            if header.schema_len:
+                schema = decode_schema(self._read(header.schema_offset, header.schema_len),
+                                       self._path)
+            index = np.zeros(0, INDEX_DTYPE)
+            if header.index_len:
+                block = self._read(header.index_offset, header.index_len)
+                index = decode_index(block, header.num_molecules, self._path).copy()
+            self._init_state(header, schema, index, tail=size > header.committed_end)
+        except BaseException:
+            self._fh.close()
+            raise
+        return self
+
+    def _read(self, offset: int, length: int) -> bytes:
+        self._fh.seek(offset)
+        data = self._fh.read(length)
+        if len(data) != length:
+            raise TruncatedFileError(f"{self._path}: short read at offset {offset}")
+        return data
+
+    def _init_state(self, header: Header, schema: Schema | None, index: np.ndarray,
+                    tail: bool) -> None:
+        self._header = header
+        self._codec = header.codec
+        self._compress = make_compressor(header.codec, header.level)
+        self._record_format = header.record_format
+        self._schema = schema
+        self._committed = index
+        self._pending: list[np.ndarray] = []
+        self._pending_count = 0
+        self._end = header.committed_end
+        self._tail = tail
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def path(self) -> str:
+        """The file being written."""
+        return self._path
+
+    def __len__(self) -> int:
+        """Molecules in the file, including ones not yet flushed."""
+        return len(self._committed) + self._pending_count
+
+    @property
+    def record_format(self) -> int:
+        """2 or 3 (fixed by the first write into an empty file)."""
+        return self._record_format
+
+    # ------------------------------------------------------------------ appending
+    def add(self, positions: Any, atomic_numbers: Any, *, energy: Any = None, forces: Any = None,
+            charges: Any = None, velocities: Any = None, cell: Any = None, stress: Any = None,
+            pbc: Any = None, name: str | None = None, properties: dict[str, Any] | None = None,
+            atom_properties: dict[str, Any] | None = None) -> None:
+        """Append one molecule, encoded exactly like ``atompack.Database.add_molecule``.
+
+        Args:
+            positions: ``(n, 3)`` float32 or float64.
+            atomic_numbers: ``(n,)`` integers in 0..255.
+            energy: float (stored as float64).
+            forces: ``(n, 3)`` float32/float64.
+            charges: ``(n,)`` float64/float32.
+            velocities: ``(n, 3)`` float32/float64.
+            cell: ``(3, 3)`` float64/float32, rows are lattice vectors.
+            stress: ``(3, 3)`` float64/float32.
+            pbc: three booleans.
+            name: a string.
+            properties: per-molecule custom values (None, bool, int, float, str, arrays).
+            atom_properties: per-atom custom arrays with first dimension n.
+
+        Raises:
+            AtpValueError: a value the format cannot hold (the message names the field).
+            SchemaConflictError: a value that conflicts with what the file already holds.
+        """
+        self._check_open()
+        pos, z = check_positions(positions, atomic_numbers, batch=False)
+        n = len(z)
+        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                        cell=cell, stress=stress, pbc=pbc, name=name)
+        sections = molecule_sections(n, builtins, properties, atom_properties)
+        self._admit(pos.dtype, sections, n)
+        parts = [struct.pack("<I", n), pos.tobytes(), z.tobytes(),
+                 struct.pack("<H", len(sections)), *map(encode_section, sections)]
+        self._write_records([b"".join(parts)], [n])
+
+    def add_batch(self, positions: Any, atomic_numbers: Any, *, energy: Any = None,
+                  forces: Any = None, charges: Any = None, velocities: Any = None,
+                  cell: Any = None, stress: Any = None, pbc: Any = None,
+                  name: list[str] | None = None, properties: dict[str, Any] | None = None,
+                  atom_properties: dict[str, Any] | None = None) -> None:
+        """Append B molecules of equal size, like ``atompack.Database.add_arrays_batch``.
+
+        Args:
+            positions: ``(B, n, 3)`` float32 or float64.
+            atomic_numbers: ``(B, n)`` integers in 0..255.
+            energy: ``(B,)`` float64 or float32.
+            forces: ``(B, n, 3)``.
+            charges: ``(B, n)``.
+            velocities: ``(B, n, 3)``.
+            cell: ``(B, 3, 3)``.
+            stress: ``(B, 3, 3)``.
+            pbc: ``(B, 3)`` booleans.
+            name: list of B strings.
+            properties: per-molecule columns with leading axis B (a list of str for strings).
+            atom_properties: per-atom columns of shape ``(B, n, ...)``.
+
+        Raises:
+            AtpValueError: a value the format cannot hold (the message names the field).
+            SchemaConflictError: a value that conflicts with what the file already holds.
+        """
+        self._check_open()
+        pos, z = check_positions(positions, atomic_numbers, batch=True)
+        count, n = z.shape
+        if count == 0:
+            return
+        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                        cell=cell, stress=stress, pbc=pbc, name=name)
+        sections = batch_columns(count, n, builtins, properties, atom_properties)
+        self._admit(pos.dtype, sections, n)
+        self._write_records(_assemble_batch(count, n, pos, z, sections), [n] * count)
+
+    def _admit(self, pos_dtype: np.dtype, sections: list[Section], n: int) -> None:
+        """Check record format and schema lock; commit the merge only if all fits."""
+        needs_v3 = pos_dtype == np.dtype("<f8") or any(
+            s.kind == KIND_BUILTIN and s.tag != BUILTIN_CANONICAL_TAG[s.key] for s in sections)
+        schema = self._schema_for_append()
+        empty = len(self) == 0 and not schema.entries and schema.positions_tag is None
+        record_format = self._record_format
+        if needs_v3 and record_format == 2:
+            if not (empty and not self._header.has_schema):
+                raise SchemaConflictError(
+                    f"{self._path}: record format 2 file cannot hold float64 positions or "
+                    f"non-canonical builtin dtypes (the format is fixed by the first write)")
+            record_format = 3
+        merged = schema.copy()
+        pos_tag = POSITIONS_TAG_BY_DTYPE[pos_dtype]
+        if merged.positions_tag is None:
+            merged.positions_tag = pos_tag
+        elif merged.positions_tag != pos_tag:
+            raise SchemaConflictError(
+                f"{self._path}: positions are {pos_dtype} but the file stores "
+                f"{'float64' if merged.positions_tag == 7 else 'float32'} positions")
+        where = f"{self._path}: molecule {len(self)}"
+        for s in sections:
+            merged.merge(SchemaEntry(s.kind, s.key, s.tag, per_atom_flag(s.kind, s.key),
+                                     ELEM_BYTES[s.tag], s.slot_bytes), where)
+        self._schema = merged
+        self._record_format = record_format
+
+    def _schema_for_append(self) -> Schema:
+        if self._schema is None:
+            self._schema = self._rebuild_schema() if len(self._committed) else Schema()
+        return self._schema
+
+    def _rebuild_schema(self) -> Schema:
+        # a schema-less (0.2.x) file: derive the lock from its committed records
+        from .reader import Reader
+
+        with Reader(self._path, access="pread") as reader:
+            return reader.rebuild_schema()
+
+    def _truncate_tail(self) -> None:
+        if self._tail:
+            self._fh.truncate(self._end)
+            self._tail = False
+
+    def _write_records(self, records: list[bytes], n_atoms: list[int]) -> None:
+        self._truncate_tail()
+        stored = records if self._codec == CODEC_NONE else [self._compress(r) for r in records]
+        entries = np.zeros(len(records), INDEX_DTYPE)
+        sizes = np.fromiter((len(s) for s in stored), np.int64, len(stored))
+        entries["offset"] = self._end + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        entries["stored"] = sizes
+        entries["raw"] = [len(r) for r in records] if self._codec != CODEC_NONE else sizes
+        entries["n_atoms"] = n_atoms
+        self._fh.seek(self._end)
+        self._fh.write(b"".join(stored))
+        self._end += int(sizes.sum())
+        self._pending.append(entries)
+        self._pending_count += len(records)
+
+    # ------------------------------------------------------------------ commit
+    def flush(self) -> None:
+        """Commit: write schema and index, sync, then the alternate header slot, sync."""
+        self._check_open()
+        self._truncate_tail()
+        index = np.concatenate([self._committed, *self._pending])
+        self._fh.seek(self._end)
+        schema_offset = schema_len = 0
+        if self._schema is not None:
+            block = encode_schema(self._schema)
+            schema_offset, schema_len = self._end, len(block)
+            self._fh.write(block)
+        index_block = encode_index(index)
+        index_offset = self._end + schema_len
+        self._fh.write(index_block)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        generation = self._header.generation + 1
+        header = Header(generation, DATA_START, index_offset, len(index_block), len(index),
+                        self._codec, self._header.level, self._record_format, schema_offset,
+                        schema_len, "A" if generation % 2 == 0 else "B")
+        self._fh.seek(slot_offset_for_generation(generation))
+        self._fh.write(encode_slot(header))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._header = header
+        self._committed = index
+        self._pending = []
+        self._pending_count = 0
+        self._end = header.committed_end
+
+    def close(self) -> None:
+        """Close the file without committing (call :meth:`flush` first to keep appends)."""
+        if not self._closed:
+            self._closed = True
+            self._fh.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AtpValueError(f"{self._path}: writer is closed")
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None and not self._closed:
+                self.flush()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        return (f"Writer({self._path!r}, molecules={len(self)}, "
+                f"pending={self._pending_count}, record_format={self._record_format})")
+
+
+def _assemble_batch(count: int, n: int, pos: np.ndarray, z: np.ndarray,
+                    sections: list[Section]) -> list[bytes]:
+    """Build B records from per-column byte matrices with numpy (no per-molecule loop
+    unless a column holds strings, whose lengths vary)."""
+    u8 = np.uint8
+    blocks: list[Any] = [
+        np.broadcast_to(np.frombuffer(struct.pack("<I", n), u8), (count, 4)),
+        pos.reshape(count, -1).view(u8),
+        z,
+        np.broadcast_to(np.frombuffer(struct.pack("<H", len(sections)), u8), (count, 2)),
+    ]
+    for s in sections:
+        key = s.key_bytes()
+        if isinstance(s.payload, list):  # strings: the header's length varies per record
+            blocks.append([bytes((s.kind, len(key))) + key + bytes((s.tag,))
+                           + struct.pack("<I", len(p)) + p for p in s.payload])
+            continue
+        head = bytes((s.kind, len(key))) + key + bytes((s.tag,)) + \
+            struct.pack("<I", s.payload.shape[1])
+        blocks.append(np.broadcast_to(np.frombuffer(head, u8), (count, len(head))))
+        blocks.append(s.payload)
+    # merge runs of fixed-width blocks into one matrix each
+    merged: list[Any] = []
+    run: list[np.ndarray] = []
+    for block in blocks:
+        if isinstance(block, list):
+            if run:
+                merged.append(np.concatenate(run, axis=1))
+                run = []
+            merged.append(block)
+        else:
+            run.append(block)
+    if run:
+        merged.append(np.concatenate(run, axis=1))
+    if len(merged) == 1:
+        matrix = merged[0]
+        data = matrix.tobytes()
+        width = matrix.shape[1]
+        return [data[j * width:(j + 1) * width] for j in range(count)]
+    pieces = [[m[j].tobytes() for j in range(count)] if isinstance(m, np.ndarray) else m
+              for m in merged]
+    return [b"".join(parts) for parts in zip(*pieces)]

@@ -1,0 +1,235 @@
+"""Reader behaviour: pickling, fork safety, indices, fields=, masks, from_bytes, bad files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from pyg_atompack import atp
+
+
+@pytest.fixture
+def mixed_file(tmp_path):
+    """Five molecules with different sizes and sparse fields (heterogeneous layouts)."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "mixed.atp"
+    with atp.Writer(path) as w:
+        for j, n in enumerate((2, 3, 2, 0, 4)):
+            kwargs = {"energy": float(j)}
+            if j % 2 == 0:
+                kwargs["forces"] = rng.normal(size=(n, 3)).astype(np.float32)
+                kwargs["properties"] = {"gap": 0.5 * j, "vec": np.full(3, j, np.float64)}
+            if j == 1:
+                kwargs["name"] = "one"
+                kwargs["atom_properties"] = {"q": np.arange(n, dtype=np.float32)}
+            w.add(rng.normal(size=(n, 3)).astype(np.float32), np.arange(1, n + 1), **kwargs)
+    return path
+
+
+def test_pickle_reopens_lazily(golden_dir):
+    for access in ("mmap", "pread"):
+        f = atp.open(golden_dir / "builtins_zstd.atp", access=access)
+        blob = pickle.dumps(f)
+        assert len(blob) < 1000  # path + options only, no file contents
+        g = pickle.loads(blob)
+        assert g._st is None
+        assert g[3].energy == f[3].energy and len(g) == len(f)
+    mem = atp.Reader.from_bytes((golden_dir / "one_atom.atp").read_bytes(), name="one")
+    assert pickle.loads(pickle.dumps(mem))[0].positions.tolist() == [[1.0, 2.0, 3.0]]
+
+
+def _child_energy(reader, conn):
+    # the forked child must not reuse the parent's descriptor/mapping
+    conn.send((reader._st is None, reader[1].energy))
+
+
+def test_fork_drops_inherited_state(golden_dir):
+    f = atp.open(golden_dir / "builtins_none.atp")
+    expected = f[1].energy
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_energy, args=(f, child))
+    proc.start()
+    dropped, energy = parent.recv()
+    proc.join(30)
+    assert proc.exitcode == 0 and dropped and energy == expected
+    assert f[1].energy == expected  # the parent's state is untouched
+
+
+def test_indices(golden_dir):
+    with atp.open(golden_dir / "builtins_none.atp") as f:
+        assert f[-1].energy == f[4].energy and f[np.int64(2)].name == f[2].name
+        assert [m.name for m in f[1:3]] == [f[1].name, f[2].name]
+        for bad in (5, -6, 10**12):
+            with pytest.raises(IndexError, match="out of range"):
+                f[bad]
+        with pytest.raises(atp.AtpIndexError):
+            f.read_batch([0, 5])
+        with pytest.raises(atp.AtpValueError):
+            f["0"]
+        with pytest.raises(atp.AtpValueError):
+            f.read_batch([0.5])
+        flat = f.read_batch(np.array([-1, 0]))
+        assert flat["name"] == [f[4].name, f[0].name]
+
+
+def test_read_batch_masks_on_heterogeneous_layouts(mixed_file):
+    with atp.open(mixed_file) as f:
+        flat = f.read_batch([4, 1, 3, 0])
+        assert flat["n_atoms"].tolist() == [4, 3, 0, 2]
+        assert flat["positions"].shape == (9, 3)
+        assert flat["mask"]["forces"].tolist() == [True, False, False, True]
+        np.testing.assert_array_equal(flat["forces"][:4], f[4].forces)
+        assert not flat["forces"][4:7].any()
+        np.testing.assert_array_equal(flat["forces"][7:], f[0].forces)
+        assert flat["energy"].tolist() == [4.0, 1.0, 3.0, 0.0]
+        assert flat["name"] == [None, "one", None, None]
+        assert flat["properties"]["gap"].tolist() == [2.0, 0.0, 0.0, 0.0]
+        assert flat["mask"]["properties/gap"].tolist() == [True, False, False, True]
+        assert flat["properties"]["vec"].shape == (4, 3)
+        q = flat["atom_properties"]["q"]
+        assert q.shape == (9,) and q[4:7].tolist() == [0.0, 1.0, 2.0] and not q[:4].any()
+        for key, value in flat.items():
+            if isinstance(value, np.ndarray):
+                assert value.flags.writeable, key
+
+
+def test_fields_restrict_decoding(tmp_path):
+    path = tmp_path / "s.atp"
+    with atp.Writer(path) as w:
+        for j in range(3):
+            w.add(np.zeros((2, 3), np.float32), np.array([1, 2]), energy=float(j), name="abc")
+    data = bytearray(path.read_bytes())
+    at = data.find(b"abc", 8192)
+    data[at] = 0xFF  # an invalid UTF-8 name in record 0
+    path.write_bytes(bytes(data))
+    with atp.open(path) as f:
+        flat = f.read_batch([0, 1, 2], fields=["energy"])
+        assert set(flat) == {"n_atoms", "positions", "atomic_numbers", "energy", "properties",
+                             "atom_properties", "mask"}
+        assert flat["energy"].tolist() == [0.0, 1.0, 2.0]
+        with pytest.raises(atp.RecordDecodeError, match=r"record 0.*'name'"):
+            f.read_batch([0, 1, 2])
+        with pytest.raises(atp.RecordDecodeError, match="record 0"):
+            f[0]
+        assert f[1].name == "abc"
+        assert atp.verify(path) and "record 0" in atp.verify(path)[0]
+
+
+def test_absent_builtin_field_is_zero_filled(golden_dir):
+    with atp.open(golden_dir / "one_atom.atp") as f:
+        flat = f.read_batch([0, 0], fields=["forces", "energy"])
+        assert flat["forces"].shape == (2, 3) and flat["forces"].dtype == np.float32
+        assert not flat["mask"]["forces"].any() and not flat["mask"]["energy"].any()
+
+
+def test_from_bytes_matches_file(golden_dir):
+    path = golden_dir / "custom_props_zstd.atp"
+    mem = atp.Reader.from_bytes(path.read_bytes(), name="custom.atp")
+    with atp.open(path) as f:
+        assert len(mem) == len(f) and mem.fields == f.fields
+        for i in range(len(f)):
+            a, b = mem[i], f[i]
+            np.testing.assert_array_equal(a.positions, b.positions)
+            assert a.properties.keys() == b.properties.keys()
+    with pytest.raises(atp.NotAtpFileError, match="junk"):
+        atp.Reader.from_bytes(b"x" * 9000, name="junk")
+
+
+def test_n_atoms_comes_from_index_only(tmp_path, golden_dir):
+    data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
+    data[8192:10402] = bytes(10402 - 8192)  # wipe every record, keep schema + index
+    path = tmp_path / "wiped.atp"
+    path.write_bytes(bytes(data))
+    with atp.open(path) as f:
+        assert f.n_atoms.tolist() == [1, 3, 8, 2, 5]
+        with pytest.raises(atp.RecordDecodeError, match="record 0.*index says 1"):
+            f[0]
+
+
+def test_close_and_reuse(golden_dir):
+    f = atp.open(golden_dir / "builtins_lz4.atp")
+    mol = f[0]
+    f.close()
+    assert mol.positions.sum() == mol.positions.sum()  # arrays stay valid after close
+    assert f[1].energy is not None  # reopens lazily
+    with f:
+        pass
+    assert "closed" in repr(f)
+
+
+def _slot(header_fields: dict) -> bytes:
+    h = atp.Header(**header_fields)
+    from pyg_atompack.atp.header import encode_slot
+    return encode_slot(h)
+
+
+def test_bad_files_raise_atp_errors(tmp_path, golden_dir):
+    (tmp_path / "short.atp").write_bytes(b"ATPK\x02\x00\x00\x00" + bytes(100))
+    with pytest.raises(atp.TruncatedFileError, match="short.atp"):
+        atp.open(tmp_path / "short.atp")
+    (tmp_path / "empty.atp").write_bytes(b"")
+    with pytest.raises(atp.NotAtpFileError):
+        atp.open(tmp_path / "empty.atp")
+    (tmp_path / "text.atp").write_bytes(b"hello" * 3000)
+    with pytest.raises(atp.NotAtpFileError, match="text.atp"):
+        atp.open(tmp_path / "text.atp", access="pread")
+    # an index entry pointing beyond the end of the file
+    data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
+    struct.pack_into("<Q", data, 10561 + 8 + 20 * 2, 10**12)
+    (tmp_path / "far.atp").write_bytes(bytes(data))
+    with atp.open(tmp_path / "far.atp") as f:
+        with pytest.raises(atp.RecordDecodeError, match="record 2"):
+            f[2]
+        with pytest.raises(atp.RecordDecodeError, match="record 2"):
+            f.read_batch([0, 2])
+        assert f[1].n_atoms == 3
+    # a compressed record claiming a 4 GiB raw size is refused before allocation
+    data = bytearray((golden_dir / "builtins_zstd.atp").read_bytes())
+    struct.pack_into("<I", data, 10512 + 8 + 20 * 1 + 12, 0xFFFFFFF0)
+    (tmp_path / "huge.atp").write_bytes(bytes(data))
+    with atp.open(tmp_path / "huge.atp") as f, pytest.raises(atp.RecordDecodeError,
+                                                             match="record 1"):
+        f[1]
+    # record format 7 in an otherwise valid slot
+    data = bytearray((golden_dir / "one_atom.atp").read_bytes())
+    slot = bytearray(data[4096:8192])
+    struct.pack_into("<I", slot, 56, 7)
+    struct.pack_into("<I", slot, 4092, zlib.adler32(bytes(slot[:4092])))
+    data[4096:8192] = slot
+    (tmp_path / "rf7.atp").write_bytes(bytes(data))
+    with pytest.raises(atp.HeaderError, match="record format 7"):
+        atp.open(tmp_path / "rf7.atp")
+    with pytest.raises(atp.AtpValueError, match="access"):
+        atp.open(golden_dir / "one_atom.atp", access="mmap2")
+
+
+def test_truncated_record_names_record_and_field(tmp_path, golden_dir):
+    data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
+    # record 1 (3 atoms, at 8508): make the first section's payload length absurd
+    first_section = 8508 + 4 + 3 * 12 + 3 + 2
+    key_len = data[first_section + 1]
+    struct.pack_into("<I", data, first_section + 2 + key_len + 1, 10**6)
+    (tmp_path / "t.atp").write_bytes(bytes(data))
+    with atp.open(tmp_path / "t.atp") as f, pytest.raises(atp.RecordDecodeError,
+                                                          match=r"record 1: field 'charges'"):
+        f[1]
+
+
+def test_describe_reports_slots(golden_dir):
+    info = atp.describe(golden_dir / "corrupt_newest_slot.atp")
+    assert info["chosen_slot"] == "B" and info["slots"][0]["valid"] is False
+    assert "checksum" in info["slots"][0]["problem"]
+    assert info["schema"][0]["name"] == "positions"
+
+
+def test_import_does_not_pull_in_torch():
+    code = "import sys, pyg_atompack.atp; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
