@@ -1,0 +1,53 @@
+"""Streaming remote ``.pt`` / ``.atp`` shards into PyTorch Geometric training.
+
+Sources (:class:`LocalSource`, :class:`HTTPSource`, :class:`HubSource`, or your own
+:class:`Source`) list shards once and fetch their bytes; :class:`ShardStreamDataset`
+prefetches and decodes them on background threads with a bounded working set, splits
+them across DataLoader workers and DDP ranks, resumes from a ``state_dict`` and records
+per-shard traces.
+
+Example::
+
+    from torch_geometric.loader import DataLoader
+    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+
+    dataset = ShardStreamDataset(HTTPSource("https://host/data/manifest.json"),
+                                 prefetch=2, concurrency=2, shuffle=True, seed=0)
+    for epoch in range(10):
+        dataset.set_epoch(epoch)
+        for batch in DataLoader(dataset, batch_size=32, num_workers=2):
+            ...
+        print(dataset.stats())
+"""
+
+from pyg_atompack.stream.dataset import ShardStreamDataset
+from pyg_atompack.stream.errors import (
+    ShardDecodeError,
+    ShardFetchError,
+    ShardIntegrityError,
+    StreamError,
+    UnsafePayloadError,
+)
+from pyg_atompack.stream.http import HTTPSource
+from pyg_atompack.stream.hub_source import HubSource
+from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS, decode_shard
+from pyg_atompack.stream.retry import RetryPolicy
+from pyg_atompack.stream.sources import CancelToken, LocalSource, ShardInfo, Source
+
+__all__ = [
+    "ShardStreamDataset",
+    "Source",
+    "ShardInfo",
+    "CancelToken",
+    "LocalSource",
+    "HTTPSource",
+    "HubSource",
+    "RetryPolicy",
+    "decode_shard",
+    "PYG_SAFE_GLOBALS",
+    "StreamError",
+    "ShardFetchError",
+    "ShardIntegrityError",
+    "ShardDecodeError",
+    "UnsafePayloadError",
+]

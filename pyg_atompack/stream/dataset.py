@@ -1,0 +1,437 @@
+"""ShardStreamDataset: stream remote shards into PyG training with bounded prefetch."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torch_geometric.data import Batch
+from torch_geometric.data.data import BaseData
+
+from pyg_atompack.stream.errors import (
+    ShardFetchError,
+    ShardIntegrityError,
+    StreamCancelled,
+    StreamError,
+)
+from pyg_atompack.stream.payloads import decode_shard
+from pyg_atompack.stream.prefetch import Prefetcher
+from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.retry import RetryPolicy
+from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
+from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream
+from pyg_atompack.stream.trace import TraceRecorder, merge_traces, summarize
+
+logger = logging.getLogger(__name__)
+
+_ON_ERROR = ("raise", "skip")
+# (position in the stream's shard list, shard index in the source listing)
+_Job = tuple[int, int]
+# (position, sample index within the decoded shard, sample)
+_Item = tuple[int, int, BaseData]
+
+
+class LoadedShard:
+    """A decoded shard held by the pipeline; its lifetime is counted in the trace.
+
+    Args:
+        position: Position in the stream's shard list.
+        index: Index of the shard in the source listing.
+        info: The shard's listing entry.
+        samples: Decoded samples (empty for a skipped shard).
+        recorder: Trace recorder counting live shards.
+    """
+
+    def __init__(self, position: int, index: int, info: ShardInfo,
+                 samples: Sequence[BaseData], recorder: TraceRecorder):
+        self.position = position
+        self.index = index
+        self.info = info
+        self.samples = samples
+        if len(samples):
+            recorder.shard_alive(+1)
+            weakref.finalize(self, recorder.shard_alive, -1)
+
+
+def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
+    # forked DataLoader workers inherit this finaliser; only the creating process cleans up
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _distributed_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _integrity_problem(info: ShardInfo, data: bytes | bytearray) -> str | None:
+    if info.size is not None and len(data) != info.size:
+        return f"size {len(data)} bytes, expected {info.size}"
+    if info.sha256 is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != info.sha256.lower():
+            return f"sha256 {digest}, expected {info.sha256}"
+    return None
+
+
+class ShardStreamDataset(IterableDataset):
+    r"""Stream ``.pt`` / ``.atp`` shards from a :class:`~pyg_atompack.stream.Source` as PyG data.
+
+    Shards are downloaded and deserialised ahead of the consumer on background threads,
+    so the retrieval of shard ``i + 1`` overlaps training on shard ``i``. Memory stays
+    bounded by shard size: at most ``prefetch + 1`` decoded shards are alive, and each
+    shard's bytes are released as soon as it is decoded.
+
+    Every epoch, shards are (optionally) permuted with a generator seeded by
+    ``(seed, epoch)`` and split between DDP ranks and DataLoader workers so that each
+    shard is read exactly once; see :mod:`pyg_atompack.stream.splitting` for how ranks
+    are given equal sample counts (surplus samples are dropped, never padded).
+
+    Traces: :attr:`trace` and :meth:`stats` describe the latest iteration (per-shard
+    download / deserialise / consume times and a summary). DataLoader workers write
+    their traces as JSON into :attr:`trace_dir` when their iteration ends or is closed;
+    the main process merges the files of the current epoch.
+
+    Args:
+        source: Where shards come from (:class:`~pyg_atompack.stream.LocalSource`,
+            :class:`~pyg_atompack.stream.HTTPSource`, :class:`~pyg_atompack.stream.HubSource`
+            or any :class:`~pyg_atompack.stream.Source`). Listed once, here.
+        prefetch: Shards retrieved and decoded ahead of the one being consumed; ``0``
+            loads each shard on demand in the consumer's thread. (default: :obj:`1`)
+        concurrency: Maximum downloads in flight (effective up to ``prefetch``).
+            (default: :obj:`1`)
+        shuffle: Permute shard order per epoch and samples within each shard.
+            (default: :obj:`False`)
+        seed: Base seed of every permutation. (default: :obj:`0`)
+        shuffle_buffer: Size of a buffer mixing samples across shards (``0``: off).
+            (default: :obj:`0`)
+        batch_size: Yield :class:`~torch_geometric.data.Batch` objects of this many
+            samples instead of single samples. (default: :obj:`None`)
+        transform: Function applied to every sample before batching. (default: :obj:`None`)
+        trusted: Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
+            ``weights_only=False``). Only for sources you trust. (default: :obj:`False`)
+        retries: Retries of transient transfer failures (timeouts, resets, HTTP 429/5xx);
+            replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
+            (default: :obj:`None`, the source's policy)
+        verify: Check each shard's size and sha256 against the listing; a mismatch is
+            retried once, then raises :class:`~pyg_atompack.stream.ShardIntegrityError`.
+            (default: :obj:`True`)
+        on_error: ``"raise"`` stops iteration at a shard that cannot be fetched or
+            decoded, naming it; ``"skip"`` logs a warning and continues.
+            (default: :obj:`"raise"`)
+        rank: DDP rank (default: from :mod:`torch.distributed` when initialised, else 0).
+        world_size: Number of DDP ranks (default: as for ``rank``, else 1).
+        trace_dir: Directory for worker trace files. (default: a temporary directory
+            removed with the dataset)
+    """
+
+    def __init__(self, source: Source, *, prefetch: int = 1, concurrency: int = 1,
+                 shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 0,
+                 batch_size: int | None = None,
+                 transform: Callable[[BaseData], BaseData] | None = None,
+                 trusted: bool = False, retries: int | None = None, verify: bool = True,
+                 on_error: str = "raise", rank: int | None = None,
+                 world_size: int | None = None, trace_dir: str | os.PathLike | None = None):
+        super().__init__()
+        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0:
+            raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass rank and world_size together")
+        if retries is not None and isinstance(getattr(source, "retry", None), RetryPolicy):
+            source = copy.copy(source)
+            source.retry = dataclasses.replace(source.retry, retries=retries)
+        self.source = source
+        self.shards: tuple[ShardInfo, ...] = tuple(source.list_shards())
+        if not self.shards:
+            raise ShardFetchError(f"{source!r} lists no shards")
+        self.prefetch = prefetch
+        self.concurrency = concurrency
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.batch_size = batch_size
+        self.transform = transform
+        self.trusted = trusted
+        self.verify = verify
+        self.on_error = on_error
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        if trace_dir is None:
+            trace_dir = tempfile.mkdtemp(prefix="pyg_atompack-trace-")
+            weakref.finalize(self, _remove_directory_if_owner, trace_dir, os.getpid())
+        self.trace_dir = Path(trace_dir)
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self._recorder: TraceRecorder | None = None
+        self._progress: StreamProgress | None = None
+        self._resume: StreamProgress | None = None
+
+    # ----------------------------------------------------------------- configuration
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch that seeds shard and sample order (call before each epoch)."""
+        self.epoch = int(epoch)
+
+    def slot(self) -> StreamSlot:
+        """The (rank, worker) stream this process reads when iterating now."""
+        if self.rank is not None:
+            rank, world_size = self.rank, self.world_size
+        else:
+            rank, world_size = _distributed_rank_world()
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return StreamSlot(rank, world_size, worker, num_workers)
+
+    def plan(self, slot: StreamSlot | None = None) -> StreamPlan:
+        """The shards and sample quota of ``slot`` (default: this process) this epoch."""
+        return plan_stream([s.records for s in self.shards], slot or self.slot(),
+                           shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
+                           batch_size=self.batch_size)
+
+    # ----------------------------------------------------------------- resume
+    def state_dict(self) -> dict:
+        """Position of this process's iteration, JSON-serialisable.
+
+        Captures the samples handed out so far in the current epoch (by this process:
+        with DataLoader workers, call it inside each worker, or use ``num_workers=0``).
+
+        Returns:
+            The state, to pass to :meth:`load_state_dict`.
+        """
+        progress = self._progress or StreamProgress(self.epoch, self.slot())
+        return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the next iteration at the first unread shard and sample of ``state``.
+
+        Also sets the epoch to the saved one.
+
+        Args:
+            state: Output of :meth:`state_dict`, from a dataset with the same source,
+                seed and shuffle settings.
+        """
+        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
+            raise ValueError("state_dict was saved with a different seed or shuffle setting")
+        self._resume = StreamProgress.from_state(state)
+        self.epoch = self._resume.epoch
+
+    def _start_progress(self, slot: StreamSlot) -> StreamProgress:
+        resume, self._resume = self._resume, None
+        if resume is None or resume.epoch != self.epoch:
+            return StreamProgress(self.epoch, slot)
+        if resume.slot != slot:
+            raise ValueError(f"state_dict belongs to stream {resume.slot}, not {slot}")
+        resume.finished = False
+        return resume
+
+    # ----------------------------------------------------------------- loading
+    def _fetch_verified(self, info: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
+        problem = None
+        for attempt in range(2):
+            try:
+                data = self.source.fetch(info, cancel)
+            except OSError as error:  # custom sources may raise plain I/O errors
+                raise ShardFetchError(f"shard {info.name}: {error}") from error
+            problem = _integrity_problem(info, data) if self.verify else None
+            if problem is None:
+                return data
+            del data
+            if attempt == 0:
+                logger.warning("shard %s: %s; downloading it once more", info.name, problem)
+        raise ShardIntegrityError(
+            f"shard {info.name}: {problem} (also after a second download); the source "
+            f"may be corrupt or have changed since it was listed"
+        )
+
+    def _load(self, job: _Job, cancel: CancelToken, recorder: TraceRecorder) -> LoadedShard:
+        position, shard_index = job
+        info = self.shards[shard_index]
+        record = recorder.record(position, shard_index, info.name)
+        record.download_start_s = recorder.now()
+        try:
+            data = self._fetch_verified(info, cancel)
+            record.download_finish_s = recorder.now()
+            record.bytes = len(data)
+            cancel.raise_if_cancelled()
+            samples = decode_shard(data, info.name, trusted=self.trusted)
+            del data  # bytes are never kept once decoded
+            record.deserialize_finish_s = recorder.now()
+            record.structures = len(samples)
+            return LoadedShard(position, shard_index, info, samples, recorder)
+        except StreamCancelled:
+            record.status = "cancelled"
+            raise
+        except StreamError as error:
+            if self.on_error != "skip":
+                raise
+            record.status = "skipped"
+            logger.warning("skipping shard %s (on_error='skip'): %s", info.name, error)
+            return LoadedShard(position, shard_index, info, [], recorder)
+
+    # ----------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator[BaseData]:
+        slot = self.slot()
+        plan = self.plan(slot)
+        progress = self._start_progress(slot)
+        recorder = TraceRecorder(slot.rank, slot.worker)
+        self._recorder, self._progress = recorder, progress
+        return self._generate(plan, slot, progress, recorder)
+
+    def _samples(self, shards: Iterator[LoadedShard], progress: StreamProgress,
+                 pending: dict[int, int]) -> Iterator[_Item]:
+        for shard in shards:
+            position, count = shard.position, len(shard.samples)
+            already = progress.emitted_in(position)
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch, shard.index, 7])
+                order = rng.permutation(count).tolist()
+            else:
+                order = range(count)
+            todo = [i for i in order if i not in already]
+            pending[position] = len(todo)
+            if not todo:
+                progress.mark_complete(position)
+            for index in todo:
+                sample = shard.samples[index]
+                if self.transform is not None:
+                    sample = self.transform(sample)
+                yield position, index, sample
+            del shard  # release the decoded shard before the next one is taken
+
+    def _mixed(self, items: Iterator[_Item], slot: StreamSlot) -> Iterator[_Item]:
+        if self.shuffle_buffer == 0:
+            yield from items
+            return
+        rng = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
+        buffer: list[_Item] = []
+        for item in items:
+            if len(buffer) < self.shuffle_buffer:
+                buffer.append(item)
+                continue
+            pick = int(rng.integers(len(buffer)))
+            buffer[pick], item = item, buffer[pick]
+            yield item
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def _units(self, items: Iterator[_Item]) -> Iterator[list[_Item]]:
+        if self.batch_size is None:
+            for item in items:
+                yield [item]
+            return
+        batch: list[_Item] = []
+        for item in items:
+            batch.append(item)
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def _generate(self, plan: StreamPlan, slot: StreamSlot, progress: StreamProgress,
+                  recorder: TraceRecorder) -> Iterator[BaseData]:
+        jobs = [(position, shard) for position, shard in enumerate(plan.shards)
+                if not progress.is_complete(position)]
+        quota = None if plan.sample_quota is None else plan.sample_quota - progress.samples_emitted
+        if quota is not None and quota <= 0:
+            jobs = []
+        prefetcher = Prefetcher(
+            jobs, lambda job, cancel: self._load(job, cancel, recorder),
+            depth=self.prefetch, concurrency=self.concurrency,
+        )
+        pending: dict[int, int] = {}  # samples of each started shard not yet handed out
+        handed = 0
+        try:
+            items = self._mixed(self._samples(iter(prefetcher), progress, pending), slot)
+            for unit in self._units(items):
+                if quota is not None and handed + len(unit) > quota:
+                    break
+                now = recorder.now()
+                finishing = []
+                for position, index, _ in unit:
+                    record = recorder.record(position, plan.shards[position], "")
+                    if record.consume_start_s is None:
+                        record.consume_start_s = now
+                    progress.mark_sample(position, index)
+                    pending[position] -= 1
+                    if pending[position] == 0:
+                        finishing.append(position)
+                        progress.mark_complete(position)
+                handed += len(unit)
+                samples = [sample for _, _, sample in unit]
+                del unit
+                yield samples[0] if self.batch_size is None else Batch.from_data_list(samples)
+                del samples
+                now = recorder.now()  # the consumer is back: it is done with `finishing`
+                for position in finishing:
+                    recorder.record(position, plan.shards[position], "").consume_finish_s = now
+                if quota is not None and handed >= quota:
+                    break  # do not pull (and download) anything past the quota
+            progress.finished = True
+        finally:
+            prefetcher.close()
+            recorder.wait_s = prefetcher.wait_s
+            now = recorder.now()
+            for position in pending:  # shards cut short by a quota, break or error
+                record = recorder.record(position, plan.shards[position], "")
+                if record.consume_start_s is not None and record.consume_finish_s is None:
+                    record.consume_finish_s = now
+            self._progress = progress
+            if get_worker_info() is not None:
+                name = f"epoch{self.epoch:06d}-rank{slot.rank}-worker{slot.worker}.json"
+                recorder.write(self.trace_dir / name)
+
+    # ----------------------------------------------------------------- traces
+    def _snapshots(self) -> list[dict]:
+        snapshots = []
+        for path in sorted(self.trace_dir.glob(f"epoch{self.epoch:06d}-rank*-worker*.json")):
+            try:
+                snapshots.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, json.JSONDecodeError):  # a worker may be mid-write
+                continue
+        if not snapshots and self._recorder is not None:
+            snapshots.append(self._recorder.to_dict())
+        return snapshots
+
+    @property
+    def trace(self) -> list[dict]:
+        """Per-shard trace records of the latest iteration (all DataLoader workers merged).
+
+        Each record has ``shard_index, identifier, download_start_s, download_finish_s,
+        deserialize_finish_s, consume_start_s, consume_finish_s, bytes, structures`` plus
+        ``rank``, ``worker`` and ``status``; times in seconds from the iteration start.
+        """
+        return merge_traces(self._snapshots())["records"]
+
+    def stats(self) -> dict:
+        """Summary of the latest iteration (see :func:`pyg_atompack.stream.trace.summarize`).
+
+        Returns:
+            A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
+            overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``
+            plus ``epoch``, ``prefetch`` and ``concurrency``.
+        """
+        summary = summarize(merge_traces(self._snapshots()))
+        return {**summary, "epoch": self.epoch, "prefetch": self.prefetch,
+                "concurrency": self.concurrency}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.source!r}, shards={len(self.shards)}, "
+                f"prefetch={self.prefetch}, concurrency={self.concurrency}, "
+                f"shuffle={self.shuffle}, batch_size={self.batch_size})")

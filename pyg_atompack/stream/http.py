@@ -1,0 +1,219 @@
+"""Shards served over plain HTTP(S), from a list of URLs or a ``manifest.json``.
+
+Transfers use the standard library's :mod:`http.client` so that a transfer can be
+interrupted from another thread (the socket is shut down on cancellation), resumed with a
+``Range`` request after a dropped connection, and retried under a :class:`RetryPolicy`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import posixpath
+import socket
+from collections.abc import Mapping, Sequence
+from urllib.parse import unquote, urljoin, urlsplit
+
+from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.retry import (
+    RETRYABLE_STATUSES,
+    RetryPolicy,
+    TransientError,
+    parse_retry_after,
+)
+from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 16
+_MAX_REDIRECTS = 5
+# timeouts, resets, refused connections, truncated bodies, garbled status lines
+_TRANSIENT_ERRORS = (OSError, http.client.HTTPException)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    # shutting the socket down wakes a thread blocked in recv() at once (close() does not)
+    sock.shutdown(socket.SHUT_RDWR)
+
+
+def _parse_content_range_start(value: str | None) -> int | None:
+    if not value or not value.startswith("bytes "):
+        return None
+    first = value[len("bytes ") :].split("-", 1)[0]
+    return int(first) if first.isdigit() else None
+
+
+def _open_connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ShardFetchError(f"{url}: only http:// and https:// URLs are supported")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return kind(parts.netloc, timeout=timeout), target
+
+
+def _transfer_once(url: str, buffer: bytearray, *, headers: Mapping[str, str], name: str,
+                   policy: RetryPolicy, cancel: CancelToken) -> None:
+    """One attempt: append the (rest of the) body at ``url`` to ``buffer``.
+
+    A non-empty ``buffer`` is resumed with ``Range: bytes=len(buffer)-``; a server that
+    ignores the range answers 200 and the buffer is restarted.
+    """
+    for _ in range(_MAX_REDIRECTS + 1):
+        connection, target = _open_connection(url, policy.timeout)
+        request_headers = {"Accept-Encoding": "identity", **headers}
+        if buffer:
+            request_headers["Range"] = f"bytes={len(buffer)}-"
+        unregister = lambda: None  # noqa: E731 - replaced once a socket exists
+        try:
+            cancel.raise_if_cancelled()
+            connection.connect()
+            # keep our own reference: http.client hands the socket to the response object
+            # and forgets it, but shutting it down is what wakes a blocked recv()
+            unregister = cancel.on_cancel(lambda sock=connection.sock: _shutdown(sock))
+            connection.request("GET", target, headers=request_headers)
+            response = connection.getresponse()
+            status = response.status
+            if status in (301, 302, 303, 307, 308) and response.getheader("Location"):
+                url = urljoin(url, response.getheader("Location"))
+                continue
+            if status in RETRYABLE_STATUSES:
+                raise TransientError(
+                    f"HTTP {status} {response.reason}",
+                    retry_after=parse_retry_after(response.getheader("Retry-After")),
+                )
+            if status == 416 and buffer:
+                buffer.clear()  # our partial copy no longer matches the file: start over
+                raise TransientError("HTTP 416 on resume; restarting the transfer")
+            if status == 206 and buffer:
+                start = _parse_content_range_start(response.getheader("Content-Range"))
+                if start != len(buffer):
+                    buffer.clear()
+                    raise TransientError(
+                        f"server resumed at byte {start}, expected {len(buffer)}; restarting"
+                    )
+            elif status == 200:
+                buffer.clear()
+            else:
+                raise ShardFetchError(f"shard {name}: HTTP {status} {response.reason} for {url}")
+            declared = response.getheader("Content-Length")
+            expected_end = len(buffer) + int(declared) if declared and declared.isdigit() else None
+            while chunk := response.read(_CHUNK):
+                cancel.raise_if_cancelled()
+                buffer += chunk
+            cancel.raise_if_cancelled()
+            if expected_end is not None and len(buffer) < expected_end:
+                # read(n) returns b"" on a body cut short instead of raising IncompleteRead
+                raise TransientError(
+                    f"connection closed after {len(buffer)} of {expected_end} bytes"
+                )
+            return
+        except _TRANSIENT_ERRORS as error:
+            cancel.raise_if_cancelled()  # a shut-down socket looks like a reset
+            raise TransientError(f"{type(error).__name__}: {error}") from error
+        finally:
+            unregister()
+            connection.close()
+    raise ShardFetchError(f"shard {name}: more than {_MAX_REDIRECTS} redirects from {url}")
+
+
+def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
+              headers: Mapping[str, str] | None = None) -> bytearray:
+    """Download ``url`` completely, retrying transient failures and resuming partial bodies.
+
+    Args:
+        url: The address to fetch.
+        name: Shard name for messages.
+        policy: Retry and timeout settings.
+        cancel: Stops the transfer (and any backoff wait) when cancelled.
+        headers: Extra request headers (e.g. ``Authorization``).
+
+    Returns:
+        The body.
+
+    Raises:
+        ShardFetchError: A permanent error, or transient errors outlasting every retry.
+    """
+    buffer = bytearray()
+    for attempt in range(policy.retries + 1):
+        try:
+            _transfer_once(url, buffer, headers=headers or {}, name=name, policy=policy,
+                           cancel=cancel)
+            return buffer
+        except TransientError as error:
+            if attempt == policy.retries:
+                raise ShardFetchError(
+                    f"shard {name}: giving up on {url} after {attempt + 1} attempts: {error}"
+                ) from error
+            wait = policy.delay(attempt, error.retry_after)
+            logger.warning("shard %s: %s; retry %d/%d in %.2fs (resuming at byte %d)",
+                           name, error, attempt + 1, policy.retries, wait, len(buffer))
+            cancel.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _name_from_url(url: str) -> str:
+    return unquote(posixpath.basename(urlsplit(url).path)) or url
+
+
+class HTTPSource:
+    """Shards fetched over HTTP(S).
+
+    Args:
+        urls_or_manifest: Either a list of shard URLs, or the URL of a ``manifest.json``
+            written by the converter. The manifest has the shape
+            ``{"shards": [{"name": "train-00000.pt", "records": 1000, "bytes": 123456,
+            "sha256": "..."}, ...]}``; names are resolved relative to the manifest URL,
+            and sizes, record counts and checksums come from it.
+        headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``.
+        retry: Retry and timeout policy. (default: :class:`RetryPolicy()`)
+
+    Interrupted transfers are resumed with ``Range`` requests; 429 and 5xx answers,
+    timeouts and connection resets are retried with exponential backoff and jitter.
+    """
+
+    def __init__(self, urls_or_manifest: str | Sequence[str], *,
+                 headers: Mapping[str, str] | None = None, retry: RetryPolicy | None = None):
+        self.headers = dict(headers or {})
+        self.retry = retry or RetryPolicy()
+        if isinstance(urls_or_manifest, str):
+            self.manifest_url = urls_or_manifest
+            self._shards = self._list_manifest(urls_or_manifest)
+        else:
+            self.manifest_url = None
+            urls = list(urls_or_manifest)
+            if not urls:
+                raise ShardFetchError("HTTPSource needs at least one URL")
+            self._shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
+
+    def _list_manifest(self, url: str) -> tuple[ShardInfo, ...]:
+        body = fetch_url(url, name="manifest.json", policy=self.retry, cancel=CancelToken(),
+                         headers=self.headers)
+        try:
+            document = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ShardFetchError(f"{url}: manifest is not valid JSON: {error}") from error
+        entries = read_manifest_records(document, url)
+        if not entries:
+            raise ShardFetchError(f"{url}: manifest lists no shards (expected a 'shards' list)")
+        return tuple(
+            ShardInfo(name=name, size=entry.get("bytes"), sha256=entry.get("sha256"),
+                      records=entry.get("records"), location=urljoin(url, name))
+            for name, entry in entries.items()
+        )
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return the shards, in manifest or URL-list order (listed once, at construction)."""
+        return self._shards
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+        """Download one shard (see :func:`fetch_url`)."""
+        return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
+                         headers=self.headers)
+
+    def __repr__(self) -> str:
+        origin = self.manifest_url or f"{len(self._shards)} URLs"
+        return f"{type(self).__name__}({origin!r}, shards={len(self._shards)})"

@@ -1,0 +1,108 @@
+"""Shards in a Hugging Face Hub repository, listed once at a pinned commit."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Sequence
+
+from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.http import fetch_url
+from pyg_atompack.stream.retry import RetryPolicy
+from pyg_atompack.stream.sources import (
+    MANIFEST_NAME,
+    CancelToken,
+    ShardInfo,
+    read_manifest_records,
+)
+
+
+class HubSource:
+    """Shards stored in a Hub repository (dataset, model or space).
+
+    At construction the revision is resolved to a commit sha (:attr:`revision`) and the
+    repository is listed once, at that commit, with :mod:`pyg_atompack.hub`; sizes and
+    sha256 checksums come from that single listing, and so do record counts when a
+    ``manifest.json`` is stored next to the shards. The listing is pickled into
+    DataLoader workers and DDP ranks built from the same object, so the Hub API is not
+    asked again per worker. Shard bytes are streamed into memory from the pinned
+    ``resolve`` URLs (no disk cache), with the same retry, resume and cancellation
+    behaviour as :class:`~pyg_atompack.stream.HTTPSource`.
+
+    Args:
+        repo_id: ``owner/name``.
+        path_in_repo: Directory of the shards (``""``: repository root).
+        revision: Branch, tag or commit sha. (default: :obj:`"main"`)
+        pattern: ``fnmatch`` pattern for shard paths relative to ``path_in_repo``.
+            (default: :obj:`"*.pt"`)
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``. (default: :obj:`"dataset"`)
+        token: Hub token (``None``: the saved token, ``False``: none).
+        endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint, i.e.
+            ``HF_ENDPOINT``).
+        retry: Retry and timeout policy for downloads. (default: :class:`RetryPolicy()`)
+    """
+
+    def __init__(self, repo_id: str, path_in_repo: str = "", *, revision: str = "main",
+                 pattern: str = "*.pt", repo_type: str = "dataset",
+                 token: str | bool | None = None, endpoint: str | None = None,
+                 retry: RetryPolicy | None = None):
+        from huggingface_hub.utils import build_hf_headers
+
+        from pyg_atompack import hub
+
+        self.repo_id = repo_id
+        self.path_in_repo = path_in_repo.strip("/")
+        self.requested_revision = revision
+        self.pattern = pattern
+        self.retry = retry or RetryPolicy()
+        self.headers = dict(build_hf_headers(token=token, library_name="pyg_atompack"))
+        self.headers["Accept-Encoding"] = "identity"
+        common = {"repo_type": repo_type, "token": token, "endpoint": endpoint}
+        self.revision = hub.resolve_revision(repo_id, revision, **common)
+        files = hub.list_remote_files(repo_id, self.path_in_repo, revision=self.revision,
+                                      pattern="*", **common)
+        root = self.path_in_repo
+
+        def relative(path: str) -> str:
+            return path[len(root) + 1:] if root else path
+
+        manifest_file = next((f for f in files if relative(f.path) == MANIFEST_NAME), None)
+        manifest = self._read_manifest(manifest_file) if manifest_file is not None else {}
+        shards = []
+        for remote in files:
+            name = relative(remote.path)
+            if name == MANIFEST_NAME or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            entry = manifest.get(name, {})
+            shards.append(ShardInfo(name=name, size=remote.size,
+                                    sha256=remote.sha256 or entry.get("sha256"),
+                                    records=entry.get("records"), location=remote.url,
+                                    extra={"path_in_repo": remote.path}))
+        if not shards:
+            raise ShardFetchError(
+                f"{repo_id}@{self.revision} ({self.path_in_repo or '/'}): no file matches "
+                f"{pattern!r}"
+            )
+        self._shards = tuple(shards)
+
+    def _read_manifest(self, remote) -> dict[str, dict]:
+        body = fetch_url(remote.url, name=remote.path, policy=self.retry, cancel=CancelToken(),
+                         headers=self.headers)
+        try:
+            document = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return {}  # some other tool's manifest.json: the listing alone is enough
+        return read_manifest_records(document, remote.describe())
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return the shards of the pinned commit, sorted by path."""
+        return self._shards
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+        """Stream one shard from its pinned ``resolve`` URL."""
+        return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
+                         headers=self.headers)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.repo_id!r}, {self.path_in_repo!r}, "
+                f"revision={self.revision[:12]}, shards={len(self._shards)})")

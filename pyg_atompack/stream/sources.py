@@ -1,0 +1,274 @@
+"""Shard sources: where shard bytes come from.
+
+A *source* lists its shards once and fetches one shard's bytes on demand. Anything that
+implements the small :class:`Source` protocol can feed a
+:class:`~pyg_atompack.stream.ShardStreamDataset`; the library ships :class:`LocalSource`,
+:class:`~pyg_atompack.stream.HTTPSource` and :class:`~pyg_atompack.stream.HubSource`.
+
+Writing your own source, e.g. for S3 through `fsspec <https://filesystem-spec.readthedocs.io>`_::
+
+    import fsspec
+    from pyg_atompack.stream import ShardInfo
+
+    class FsspecSource:
+        def __init__(self, url_glob: str):
+            self.fs, _, paths = fsspec.get_fs_token_paths(url_glob)  # e.g. "s3://bucket/*.pt"
+            self._shards = [ShardInfo(name=p.rsplit("/", 1)[-1], size=self.fs.size(p),
+                                      location=p) for p in sorted(paths)]
+
+        def list_shards(self):
+            return self._shards
+
+        def fetch(self, shard, cancel):
+            with self.fs.open(shard.location, "rb") as handle:
+                chunks = []
+                while chunk := handle.read(1 << 20):
+                    cancel.raise_if_cancelled()   # lets closing the iterator stop the download
+                    chunks.append(chunk)
+            return b"".join(chunks)
+
+``list_shards`` is called once, in the process that builds the dataset; its result is
+pickled into DataLoader workers, so remote listings are never repeated per worker or rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
+
+SHARD_SUFFIXES = (".pt", ".atp")
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a source knows about one shard before fetching it.
+
+    Attributes:
+        name: Identifier used in traces and error messages (usually the file name).
+        size: Size in bytes, or ``None`` when unknown.
+        sha256: Hex digest, or ``None`` when unknown (then only the size is verified).
+        records: Number of samples in the shard, or ``None`` when unknown. Known counts
+            let the dataset give every DDP rank exactly the same number of samples.
+        location: Source-specific address (path, URL, path in repo).
+        extra: Source-specific metadata (kept JSON-serialisable).
+    """
+
+    name: str
+    size: int | None = None
+    sha256: str | None = None
+    records: int | None = None
+    location: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        """Plain dictionary (JSON-serialisable)."""
+        return asdict(self)
+
+
+class CancelToken:
+    """A thread-safe cancellation flag that can also interrupt blocking I/O.
+
+    Background fetches check it between chunks; blocking calls (a socket ``recv``)
+    register a callback with :meth:`on_cancel` that unblocks them, e.g. by shutting the
+    socket down, so closing an iterator never waits for a download to finish.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._next_id = 0
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        """Set the flag and run every registered callback once."""
+        with self._lock:
+            self._event.set()
+            callbacks = list(self._callbacks.values())
+            self._callbacks.clear()
+        for callback in callbacks:
+            # the socket may already be closed; cancelling must never fail
+            with contextlib.suppress(OSError):
+                callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Register ``callback`` to run on cancellation (at once if already cancelled).
+
+        Args:
+            callback: Function without arguments.
+
+        Returns:
+            A function that unregisters the callback.
+        """
+        with self._lock:
+            if not self._event.is_set():
+                key = self._next_id
+                self._next_id += 1
+                self._callbacks[key] = callback
+                return lambda: self._callbacks.pop(key, None)
+        callback()
+        return lambda: None
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`StreamCancelled` when cancelled."""
+        if self._event.is_set():
+            raise StreamCancelled("iteration was closed")
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking (and raising) as soon as cancellation happens."""
+        if self._event.wait(max(0.0, seconds)):
+            raise StreamCancelled("iteration was closed")
+
+
+@runtime_checkable
+class Source(Protocol):
+    """The protocol every shard source implements.
+
+    ``list_shards()`` returns the shards in their canonical order (the dataset shuffles
+    a copy). It is called once per dataset; cache the answer if listing costs a request.
+    ``fetch(shard, cancel)`` returns the complete bytes of one shard. It runs on a
+    background thread, should check ``cancel`` regularly (or register an interrupt with
+    ``cancel.on_cancel``), and raises :class:`~pyg_atompack.stream.ShardFetchError` on
+    permanent failure. Verification against ``size`` / ``sha256`` is done by the dataset.
+    """
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return every shard once, in canonical order."""
+        ...
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
+        """Return the bytes of ``shard``."""
+        ...
+
+
+def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
+    """Parse the shard manifest written by the converter.
+
+    The manifest shape is ``{"shards": [{"name": str, "records": int, "bytes": int,
+    "sha256": str}, ...]}``; ``name`` is relative to the manifest's directory. Documents
+    without a ``"shards"`` list (e.g. atompack's own ``{"output_files": [...]}``) give
+    an empty mapping.
+
+    Args:
+        document: The parsed JSON document.
+        origin: Where it came from, for error messages.
+
+    Returns:
+        ``{name: entry}`` for every listed shard.
+    """
+    shards = document.get("shards") if isinstance(document, dict) else None
+    if shards is None:
+        return {}
+    if not isinstance(shards, list):
+        raise ShardFetchError(f"{origin}: 'shards' must be a list")
+    entries: dict[str, dict] = {}
+    for position, entry in enumerate(shards):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ShardFetchError(f"{origin}: shards[{position}] needs a string 'name'")
+        for key, kind in (("records", int), ("bytes", int), ("sha256", str)):
+            value = entry.get(key)
+            if value is not None and not isinstance(value, kind):
+                raise ShardFetchError(
+                    f"{origin}: shards[{position}] ({entry['name']}): '{key}' must be "
+                    f"{kind.__name__}, got {value!r}"
+                )
+        entries[entry["name"]] = entry
+    return entries
+
+
+def _atp_record_count(path: Path) -> int | None:
+    # reading the header and index only; a file the format layer cannot open will fail
+    # loudly later, when it is fetched and decoded, so here it just stays unknown
+    try:
+        from pyg_atompack import atp
+
+        with atp.open(str(path)) as reader:
+            return len(reader)
+    except Exception:  # noqa: BLE001 - counting is an optimisation, never an error
+        return None
+
+
+class LocalSource:
+    """Shards from a local directory or glob pattern.
+
+    Args:
+        directory_or_glob: A directory (every ``*.pt`` / ``*.atp`` file in it, sorted) or a
+            glob pattern such as ``"shards/train-*.pt"``.
+        checksums: Compute each shard's sha256 while listing (reads every file once).
+            (default: :obj:`False`; sizes are always verified)
+
+    Record counts come from a ``manifest.json`` next to the shards when present, and
+    otherwise from the index of ``.atp`` shards.
+    """
+
+    def __init__(self, directory_or_glob: str | os.PathLike, *, checksums: bool = False):
+        self.pattern = str(directory_or_glob)
+        root = Path(self.pattern)
+        if root.is_dir():
+            paths = sorted(p for p in root.iterdir() if p.suffix in SHARD_SUFFIXES)
+            manifest_dir = root
+        else:
+            paths = sorted(Path(p) for p in glob.glob(self.pattern) if Path(p).is_file())
+            manifest_dir = paths[0].parent if paths else root.parent
+        if not paths:
+            raise ShardFetchError(f"no .pt or .atp shards found at {self.pattern!r}")
+        manifest = {}
+        manifest_path = manifest_dir / MANIFEST_NAME
+        if manifest_path.is_file():
+            with open(manifest_path, encoding="utf-8") as handle:
+                manifest = read_manifest_records(json.load(handle), str(manifest_path))
+        shards = []
+        for path in paths:
+            entry = manifest.get(path.name, {})
+            records = entry.get("records")
+            if records is None and path.suffix == ".atp":
+                records = _atp_record_count(path)
+            digest = entry.get("sha256")
+            if checksums:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            shards.append(
+                ShardInfo(
+                    name=path.name,
+                    size=path.stat().st_size,
+                    sha256=digest,
+                    records=records,
+                    location=str(path),
+                )
+            )
+        self._shards = tuple(shards)
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return the shards found at construction, sorted by path."""
+        return self._shards
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+        """Read one shard in 1 MiB chunks, stopping early when cancelled."""
+        try:
+            with open(shard.location, "rb") as handle:
+                buffer = bytearray()
+                while chunk := handle.read(1 << 20):
+                    cancel.raise_if_cancelled()
+                    buffer += chunk
+                return buffer
+        except OSError as error:
+            raise ShardFetchError(
+                f"shard {shard.name}: cannot read {shard.location}: {error}"
+            ) from error
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.pattern!r}, shards={len(self._shards)})"

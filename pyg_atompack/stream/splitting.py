@@ -1,0 +1,161 @@
+"""Which shards and how many samples each (rank, worker) stream reads in an epoch.
+
+Every epoch the shard list is permuted (when shuffling) with a generator seeded by
+``(seed, epoch)``, identical in every process, and dealt round-robin to the
+``world_size * num_workers`` streams, so each shard is read by exactly one stream.
+
+DDP needs every rank to produce the same number of samples (or batches), or the ranks
+that run out first wait forever in a collective. When the record count of every shard
+is known (from a manifest or the ``.atp`` index) each rank is cut to the smallest
+rank's total, rounded down to whole batches: surplus samples at the end of a rank's
+stream are **dropped** for that epoch (a different few each epoch when shuffling). When
+counts are unknown, ranks get equal numbers of *shards* (surplus shards of the epoch's
+order are dropped), which equalises samples only for equally sized shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamSlot:
+    """Position of one iterating process among all readers of the dataset.
+
+    Attributes:
+        rank: DDP rank.
+        world_size: Number of DDP ranks.
+        worker: DataLoader worker id within the rank.
+        num_workers: DataLoader workers per rank (1 when loading in the main process).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world_size {self.world_size}")
+        if not 0 <= self.worker < self.num_workers:
+            raise ValueError(f"worker {self.worker} outside num_workers {self.num_workers}")
+
+    @property
+    def index(self) -> int:
+        """Global stream number, ``rank * num_workers + worker``."""
+        return self.rank * self.num_workers + self.worker
+
+    @property
+    def count(self) -> int:
+        """Total number of streams."""
+        return self.world_size * self.num_workers
+
+
+def epoch_shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """Shard indices in the order they are dealt out this epoch.
+
+    Args:
+        num_shards: Number of shards in the source.
+        shuffle: Permute the order (else the source order).
+        seed: Base seed shared by all processes.
+        epoch: Epoch number (see ``set_epoch``).
+
+    Returns:
+        A permutation of ``range(num_shards)``.
+    """
+    if not shuffle:
+        return list(range(num_shards))
+    rng = np.random.default_rng([seed, epoch, 0x5A4D])
+    return [int(i) for i in rng.permutation(num_shards)]
+
+
+def _water_fill(capacities: Sequence[int], total: int) -> list[int]:
+    """Split ``total`` units over bins of the given capacities as evenly as possible."""
+    quotas = [0] * len(capacities)
+    remaining = total
+    open_bins = sorted(range(len(capacities)), key=lambda b: capacities[b])
+    while remaining > 0 and open_bins:
+        share = remaining // len(open_bins)
+        smallest = open_bins[0]
+        if capacities[smallest] - quotas[smallest] <= share or share == 0:
+            if share == 0:  # fewer units than bins: one each until none left
+                for b in open_bins[:remaining]:
+                    quotas[b] += 1
+                break
+            give = capacities[smallest] - quotas[smallest]
+            quotas[smallest] += give
+            remaining -= give
+            open_bins.pop(0)
+        else:
+            for b in open_bins:
+                quotas[b] += share
+            remaining -= share * len(open_bins)
+    return quotas
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What one stream reads in one epoch.
+
+    Attributes:
+        shards: Shard indices (into the source listing), in reading order.
+        sample_quota: Maximum samples this stream yields (``None``: all of them).
+        dropped_shards: Shards nobody reads this epoch (rank equalisation without counts).
+    """
+
+    shards: tuple[int, ...]
+    sample_quota: int | None
+    dropped_shards: tuple[int, ...] = ()
+
+
+def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: bool, seed: int,
+                epoch: int, batch_size: int | None = None) -> StreamPlan:
+    """Compute the shards and sample quota of ``slot`` for ``epoch``.
+
+    Args:
+        records: Record count of every shard in source order (``None`` when unknown).
+        slot: The stream being planned.
+        shuffle: Permute shard order per epoch.
+        seed: Shared seed.
+        epoch: Epoch number.
+        batch_size: When set, quotas are whole batches so every rank yields the same
+            number of full batches.
+
+    Returns:
+        The :class:`StreamPlan`.
+    """
+    order = epoch_shard_order(len(records), shuffle=shuffle, seed=seed, epoch=epoch)
+    dropped: tuple[int, ...] = ()
+    known = all(r is not None for r in records)
+    if slot.world_size > 1 and not known:
+        keep = len(order) - len(order) % slot.world_size
+        order, dropped = order[:keep], tuple(order[keep:])
+    # deal rank-major blocks of num_workers consecutive shards so that every rank sees a
+    # contiguous stripe of the order, then split that stripe among its workers
+    streams: list[list[int]] = [[] for _ in range(slot.count)]
+    for position, shard in enumerate(order):
+        rank = position % slot.world_size
+        worker = (position // slot.world_size) % slot.num_workers
+        streams[rank * slot.num_workers + worker].append(shard)
+    mine = tuple(streams[slot.index])
+    if slot.world_size == 1 or not known:
+        return StreamPlan(mine, None, dropped)
+    unit = batch_size or 1
+    capacity = [sum(records[s] for s in stream) // unit for stream in streams]
+    per_rank = [
+        sum(capacity[r * slot.num_workers:(r + 1) * slot.num_workers])
+        for r in range(slot.world_size)
+    ]
+    units = min(per_rank)
+    if units == 0:
+        logger.warning("rank equalisation leaves no samples: some rank has fewer than one "
+                       "batch this epoch (%d shards over %d streams)", len(order), slot.count)
+    first = slot.rank * slot.num_workers
+    quotas = _water_fill(capacity[first:first + slot.num_workers], units)
+    return StreamPlan(mine, quotas[slot.worker] * unit, dropped)
