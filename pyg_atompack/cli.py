@@ -1,0 +1,276 @@
+"""The ``pyg-atompack`` command line: convert, info, verify, shard, head.
+
+Exit codes: 0 success, 1 ``verify`` found problems, 2 bad input (a one-line
+error naming the file and the problem; no partial output is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Fail(Exception):
+    """A user-facing failure with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _progress_factory(quiet: bool):
+    """tqdm bars on stderr, off when ``--quiet`` or stderr is not a terminal."""
+    disabled = quiet or not sys.stderr.isatty()
+
+    def factory(total: int | None) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="structure", disable=disabled, file=sys.stderr,
+                    dynamic_ncols=True)
+
+    return factory
+
+
+def _add_key_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("keys and units of the source")
+    group.add_argument("--energy-key", metavar="K",
+                       help="source key (info/calculator key, file stem, target) of the energy")
+    group.add_argument("--forces-key", metavar="K", help="source key of the forces")
+    group.add_argument("--stress-key", metavar="K",
+                       help="source key of the stress (Voigt-6 or 3x3)")
+    group.add_argument("--key-map", metavar="SRC=DST", action="append", default=[],
+                       help="rename a source key; DST may be a builtin (charges, velocities, "
+                            "...); repeat or comma-separate")
+    group.add_argument("--energy-unit", default="eV",
+                       help="energy unit of the source: eV, meV, kcal/mol, kJ/mol, Hartree, Ry "
+                            "(converted to eV; default: eV)")
+    group.add_argument("--length-unit", default="Angstrom",
+                       help="length unit of the source: Angstrom, Bohr, nm (default: Angstrom)")
+    group.add_argument("--from", dest="src_format", metavar="FORMAT",
+                       help="source format when the path does not tell")
+
+
+def _read_options(args: argparse.Namespace):
+    from pyg_atompack.convert import ReadOptions, UnitConversion, parse_key_map
+
+    try:
+        return ReadOptions(
+            energy_key=args.energy_key, forces_key=args.forces_key,
+            stress_key=args.stress_key, key_map=parse_key_map(args.key_map),
+            units=UnitConversion(args.energy_unit, args.length_unit),
+        )
+    except ValueError as exc:
+        raise _Fail(str(exc)) from exc
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert import WriteOptions, convert
+
+    try:
+        options = WriteOptions(compression=args.compression, level=args.level,
+                               shard_size=args.shard_size, overwrite=args.overwrite)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from exc
+    count = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.to,
+                    read_options=_read_options(args), write_options=options,
+                    progress=_progress_factory(args.quiet))
+    if not args.quiet:
+        print(f"wrote {count} structures to {args.dst}")
+    return EXIT_OK
+
+
+def _cmd_shard(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert import shard
+
+    count = shard(args.src, args.out_dir, args.shard_size, overwrite=args.overwrite,
+                  progress=_progress_factory(args.quiet))
+    if not args.quiet:
+        print(f"wrote {count} structures as .pt shards to {args.out_dir}")
+    return EXIT_OK
+
+
+def _cmd_head(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert import open_reader
+    from pyg_atompack.convert.summary import summarize_structure
+
+    with open_reader(args.path, args.src_format, _read_options(args)) as reader:
+        for index, structure in enumerate(reader):
+            if index >= args.n:
+                break
+            print(summarize_structure(index, structure))
+    return EXIT_OK
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert import detect_source_format, read_manifest
+    from pyg_atompack.convert.summary import directory_size, scan
+
+    path = Path(args.path)
+    fmt = detect_source_format(path)
+    lines = [f"path: {path}", f"format: {fmt}", f"size: {directory_size(path)} bytes"]
+    manifest = read_manifest(path) if path.is_dir() else None
+    if manifest is not None:
+        lines.append(f"shards: {len(manifest['shards'])} (manifest.json, "
+                     f"{manifest.get('total_records')} records)")
+        lines += [f"  {s['name']}: {s['records']} records, {s['bytes']} bytes"
+                  for s in manifest["shards"]]
+    if fmt == "atp":
+        lines += _atp_info_lines(path, list_shards=manifest is None)
+    else:
+        summary = scan(path, progress=_progress_factory(args.quiet), format=fmt)
+        lines += [f"structures: {summary['structures']}", f"atoms: {summary['atoms']}",
+                  "fields:"]
+        lines += [f"  {name}: {kind} (in {count})"
+                  for name, (kind, count) in summary["fields"].items()]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _atp_info_lines(path: Path, list_shards: bool) -> list[str]:
+    """Header facts, counts and schema fields of an `.atp` file or shard directory."""
+    from pyg_atompack import atp
+
+    files = [path] if path.is_file() else sorted(path.rglob("*.atp"), key=lambda p: p.as_posix())
+    described = [atp.describe(file) for file in files]
+    first = described[0]
+    lines = [f"codec: {first['codec']} (level {first['level']})",
+             f"record format: {first['record_format']}",
+             f"positions dtype: {first['positions_dtype']}"]
+    if list_shards and path.is_dir():
+        lines.append(f"shards: {len(files)}")
+        lines += [f"  {f.relative_to(path).as_posix()}: {d['num_molecules']} records, "
+                  f"{d['file_size']} bytes" for f, d in zip(files, described)]
+    lines += [f"structures: {sum(d['num_molecules'] for d in described)}",
+              f"atoms: {sum(d['total_atoms'] for d in described)}", "fields:"]
+    fields: dict[str, str] = {}
+    for d in described:
+        for field in d["schema"] or []:
+            shape = "" if field["shape"] is None else str(field["shape"])
+            scope = "per atom" if field["per_atom"] else "per structure"
+            fields.setdefault(field["name"], f"{field['dtype']}{shape} ({scope})")
+    lines += [f"  {name}: {kind}" for name, kind in fields.items()]
+    return lines
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert.summary import verify_source
+
+    count, problems = verify_source(args.path, progress=_progress_factory(args.quiet))
+    if problems:
+        for problem in problems:
+            print(f"FAIL {problem}")
+        print(f"{args.path}: {len(problems)} problem(s)")
+        return EXIT_PROBLEMS
+    print(f"OK {args.path}: {count} structures decoded, all checks passed")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``pyg-atompack`` (exposed for documentation and tests)."""
+    from pyg_atompack import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="pyg-atompack",
+        description="Convert atomistic datasets to and from .atp, inspect and verify them.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = commands.add_parser(
+        "convert", help="convert SRC into DST (format from the suffix, or --from/--to)",
+        description="Convert SRC (extxyz/ASE file or db, metatrain memmap directory or "
+                    "DiskDataset .zip, PyG .pt, .atp) into DST (.atp file, .atp shard "
+                    "directory with --shard-size, .pt shards, memmap directory, .xyz).")
+    convert.add_argument("src", help="source file or directory")
+    convert.add_argument("dst", help="destination file or directory (must not exist)")
+    convert.add_argument("--to", metavar="FORMAT",
+                         help="output format: atp, atp-shards, pt-shards, memmap, extxyz")
+    convert.add_argument("--shard-size", type=int, metavar="N",
+                         help="records per shard: write a shard directory + manifest.json")
+    convert.add_argument("--compression", choices=("none", "lz4", "zstd"), default="none",
+                         help=".atp codec (default: none)")
+    convert.add_argument("--level", type=int, default=3, help="zstd level (default: 3)")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    _add_key_options(convert)
+    convert.set_defaults(run=_cmd_convert)
+
+    info = commands.add_parser("info", help="counts, fields, codec, size, shard list",
+                               description="Describe a dataset in any readable format.")
+    info.add_argument("path", help="file or directory")
+    info.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    info.set_defaults(run=_cmd_info)
+
+    verify = commands.add_parser(
+        "verify", help="check headers, schema, index, manifest checksums, every record",
+        description="Verify a dataset: for .atp both header slots, the schema and index; "
+                    "manifest checksums of shard directories; then decode every record. "
+                    "Exit status 1 with one line per problem.")
+    verify.add_argument("path", help="file or directory")
+    verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    verify.set_defaults(run=_cmd_verify)
+
+    shard = commands.add_parser(
+        "shard", help="cut a dataset (.atp) into .pt shards for streaming",
+        description="Write SRC as .pt shards (list[Data], tensors owning their storage) "
+                    "plus manifest.json into OUT_DIR.")
+    shard.add_argument("src", help="source (.atp file or shard directory, or any format)")
+    shard.add_argument("out_dir", help="destination directory (must not exist)")
+    shard.add_argument("--shard-size", type=int, required=True, metavar="N",
+                       help="structures per shard")
+    shard.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    shard.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    shard.set_defaults(run=_cmd_shard)
+
+    head = commands.add_parser("head", help="print the first structures",
+                               description="Print one line per structure for the first N.")
+    head.add_argument("path", help="file or directory")
+    head.add_argument("-n", type=int, default=5, metavar="N",
+                      help="number of structures (default: 5)")
+    _add_key_options(head)
+    head.set_defaults(run=_cmd_head)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code.
+    """
+    args = build_parser().parse_args(argv)
+    from pyg_atompack.convert import ConvertError
+
+    expected: tuple[type[BaseException], ...] = (ConvertError, _Fail)
+    try:
+        from pyg_atompack.atp import AtpError
+
+        expected += (AtpError,)
+    except ImportError:
+        pass
+    try:
+        return args.run(args)
+    except expected as exc:
+        print(f"pyg-atompack: error: {exc}", file=sys.stderr)
+        return getattr(exc, "code", EXIT_BAD_INPUT)
+    except BrokenPipeError:
+        # the reader of our output went away (e.g. `| head`): not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("pyg-atompack: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

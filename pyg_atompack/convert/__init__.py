@@ -1,0 +1,58 @@
+"""Dataset formats in and out: ASE files, metatrain layouts, PyG ``.pt``, `.atp`.
+
+Every format has a reader that streams :class:`Structure` objects and/or a
+writer that consumes them, registered by name in :mod:`.registry`::
+
+    from pyg_atompack import convert
+
+    convert.convert("train.extxyz", "train.atp", write_options=convert.WriteOptions("zstd"))
+    for structure in convert.open_reader("memmap_dir/"):
+        ...
+
+Formats: ``atp``, ``atp-shards``, ``pt``, ``pt-shards``, ``memmap``,
+``diskdataset`` (read only), ``ase``/``extxyz``.
+"""
+
+from .base import StructureReader, StructureWriter
+from .errors import ConvertError
+from .options import ReadOptions, WriteOptions, parse_key_map
+from .pipeline import convert, shard
+from .registry import (
+    FORMATS,
+    Format,
+    detect_destination_format,
+    detect_source_format,
+    open_reader,
+    open_writer,
+    register,
+)
+from .shards import MANIFEST_FORMAT, check_manifest, read_manifest
+from .structure import Structure, as_stress_matrix, voigt_to_matrix
+from .units import ENERGY_UNITS_EV, LENGTH_UNITS_ANGSTROM, UnitConversion
+
+__all__ = [
+    "ConvertError",
+    "ENERGY_UNITS_EV",
+    "FORMATS",
+    "Format",
+    "LENGTH_UNITS_ANGSTROM",
+    "MANIFEST_FORMAT",
+    "ReadOptions",
+    "Structure",
+    "StructureReader",
+    "StructureWriter",
+    "UnitConversion",
+    "WriteOptions",
+    "as_stress_matrix",
+    "check_manifest",
+    "convert",
+    "detect_destination_format",
+    "detect_source_format",
+    "open_reader",
+    "open_writer",
+    "parse_key_map",
+    "read_manifest",
+    "register",
+    "shard",
+    "voigt_to_matrix",
+]

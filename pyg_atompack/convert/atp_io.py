@@ -1,0 +1,202 @@
+"""`.atp` files and shard directories, in and out, through :mod:`pyg_atompack.atp`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyg_atompack import atp
+
+from .base import StructureReader, StructureWriter
+from .errors import ConvertError
+from .options import ReadOptions, WriteOptions
+from .shards import ShardedWriter
+from .structure import Structure, as_stress_matrix
+
+
+class AtpReader(StructureReader):
+    """Streams structures out of an `.atp` file or a directory of `.atp` shards.
+
+    Key options name custom properties to promote to builtins (e.g.
+    ``energy_key="REF_energy"``) or to rename (``key_map``).
+
+    Args:
+        path: The file or directory.
+        options: Key mapping and units.
+    """
+
+    format_name = "atp"
+
+    def __init__(self, path: str | os.PathLike, options: ReadOptions | None = None) -> None:
+        super().__init__(path, options)
+        try:
+            self._reader = atp.open(self.path)
+        except atp.AtpError as exc:
+            raise ConvertError(self.path, str(exc)) from exc
+        except OSError as exc:
+            raise ConvertError(self.path, f"cannot open: {exc.strerror or exc}") from exc
+        self._pinned = self.options.explicit_builtin_keys()
+        self._renames = self.options.custom_renames()
+
+    @property
+    def length(self) -> int:
+        return len(self._reader)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def _iter_raw(self) -> Iterator[Structure]:
+        for index in range(len(self._reader)):
+            try:
+                molecule = self._reader[index]
+                structure = molecule_to_structure(molecule)
+            except atp.AtpError as exc:
+                raise ConvertError(self.path, str(exc), index) from exc
+            if self._pinned or self._renames:
+                structure = self._remap(structure, index)
+            yield structure
+
+    def _remap(self, structure: Structure, index: int) -> Structure:
+        properties = dict(structure.properties)
+        atom_properties = dict(structure.atom_properties)
+        for builtin, key in self._pinned.items():
+            if key in properties:
+                value = properties.pop(key)
+            elif key in atom_properties:
+                value = atom_properties.pop(key)
+            else:
+                raise ConvertError(self.path, f"key {key!r} (for {builtin}) is not present", index)
+            if builtin == "energy":
+                value = float(np.asarray(value).reshape(()))
+            elif builtin == "stress":
+                value = as_stress_matrix(value)
+            setattr(structure, builtin, value)
+        structure.properties = {self._renames.get(k, k): v for k, v in properties.items()}
+        structure.atom_properties = {
+            self._renames.get(k, k): v for k, v in atom_properties.items()
+        }
+        return structure
+
+
+def molecule_to_structure(molecule: Any) -> Structure:
+    """Copy a molecule record of :mod:`pyg_atompack.atp` into a :class:`Structure`."""
+    return Structure(
+        positions=molecule.positions,
+        atomic_numbers=molecule.atomic_numbers,
+        energy=molecule.energy,
+        forces=molecule.forces,
+        charges=molecule.charges,
+        velocities=molecule.velocities,
+        cell=molecule.cell,
+        stress=molecule.stress,
+        pbc=None if molecule.pbc is None else np.asarray(molecule.pbc, dtype=bool),
+        name=molecule.name,
+        properties=dict(molecule.properties or {}),
+        atom_properties=dict(molecule.atom_properties or {}),
+    )
+
+
+def _atomic_numbers(structure: Structure) -> np.ndarray:
+    numbers = np.asarray(structure.atomic_numbers)
+    if numbers.size and (numbers.min() < 0 or numbers.max() > 255):
+        raise ValueError(f"atomic numbers must lie in 0..255, got {numbers.min()}..{numbers.max()}")
+    return numbers.astype(np.uint8, copy=False)
+
+
+def _positions(structure: Structure) -> np.ndarray:
+    positions = np.asarray(structure.positions)
+    if positions.dtype not in (np.float32, np.float64):
+        positions = positions.astype(np.float64)
+    return positions.reshape(structure.n_atoms, 3)
+
+
+def add_structure(writer: Any, structure: Structure) -> None:
+    """Append one structure to an open :class:`pyg_atompack.atp.Writer`."""
+    writer.add(
+        _positions(structure),
+        _atomic_numbers(structure),
+        energy=structure.energy,
+        forces=structure.forces,
+        charges=structure.charges,
+        velocities=structure.velocities,
+        cell=structure.cell,
+        stress=structure.stress,
+        pbc=structure.pbc,
+        name=structure.name,
+        properties=structure.properties or None,
+        atom_properties=structure.atom_properties or None,
+    )
+
+
+class AtpWriter(StructureWriter):
+    """Writes one `.atp` file.
+
+    Args:
+        path: The destination file.
+        options: ``compression`` and ``level``.
+    """
+
+    format_name = "atp"
+
+    def __init__(self, path: str | os.PathLike, options: WriteOptions | None = None) -> None:
+        super().__init__(path, options)
+        self._writer = atp.Writer(
+            self.tmp_path, compression=self.options.compression, level=self.options.level
+        )
+
+    def _add(self, structure: Structure) -> None:
+        try:
+            add_structure(self._writer, structure)
+        except (atp.AtpError, ValueError, TypeError) as exc:
+            raise ConvertError(self.path, str(exc), self.count) from exc
+
+    def _finish(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+    def _discard(self) -> None:
+        self._writer.close()
+
+
+class AtpShardWriter(ShardedWriter):
+    """Writes a directory of `.atp` shards plus ``manifest.json``.
+
+    Args:
+        path: The destination directory.
+        options: ``shard_size`` records per shard, ``compression``, ``level``.
+    """
+
+    format_name = "atp-shards"
+    shard_extension = ".atp"
+    shard_format = "atp"
+
+    def __init__(self, path: str | os.PathLike, options: WriteOptions | None = None) -> None:
+        super().__init__(path, options)
+        self._writer: Any = None
+
+    def _open_shard(self, path: Path) -> None:
+        self._writer = atp.Writer(
+            path, compression=self.options.compression, level=self.options.level
+        )
+
+    def _add_to_shard(self, structure: Structure) -> None:
+        try:
+            add_structure(self._writer, structure)
+        except (atp.AtpError, ValueError, TypeError) as exc:
+            raise ConvertError(self.path, str(exc), self.count) from exc
+
+    def _close_shard(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+        self._writer = None
+
+    def _abandon_shard(self) -> None:
+        self._writer.close()
+        self._writer = None
+
+    def _manifest_extras(self) -> dict[str, Any]:
+        return {"compression": self.options.compression, "compression_level": self.options.level}

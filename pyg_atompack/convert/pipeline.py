@@ -1,0 +1,93 @@
+"""Whole conversions: one reader streamed into one writer."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .options import ReadOptions, WriteOptions
+from .registry import open_reader, open_writer
+
+#: ``progress(total)`` returns an object with ``update(n)`` and ``close()`` (a tqdm).
+ProgressFactory = Callable[[int | None], Any]
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    read_options: ReadOptions | None = None,
+    write_options: WriteOptions | None = None,
+    progress: ProgressFactory | None = None,
+) -> int:
+    """Convert a dataset from one format into another.
+
+    Structures are streamed one at a time; the destination appears only when
+    the conversion succeeded (nothing is left behind on failure).
+
+    Args:
+        src: Source file or directory.
+        dst: Destination file or directory.
+        src_format: Source format name; ``None`` detects it (default: ``None``).
+        dst_format: Destination format name; ``None`` picks it from ``dst``
+            (default: ``None``).
+        read_options: Key mapping and units of the source.
+        write_options: Codec, shard size and overwrite of the destination.
+        progress: Factory of a progress bar, called with the total (or ``None``).
+
+    Returns:
+        The number of structures written.
+
+    Raises:
+        ConvertError: For any problem with the source or destination.
+
+    Example:
+        >>> from pyg_atompack.convert import convert, ReadOptions, UnitConversion
+        >>> convert("md17.xyz", "md17.atp",  # doctest: +SKIP
+        ...         read_options=ReadOptions(units=UnitConversion("kcal/mol")))
+    """
+    with open_reader(src, src_format, read_options) as reader:
+        bar = progress(reader.length) if progress is not None else None
+        try:
+            with open_writer(dst, dst_format, write_options) as writer:
+                for structure in reader:
+                    writer.add(structure)
+                    if bar is not None:
+                        bar.update(1)
+                return writer.count
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def shard(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    shard_size: int,
+    *,
+    overwrite: bool = False,
+    progress: ProgressFactory | None = None,
+) -> int:
+    """Cut any readable dataset (typically `.atp`) into ``.pt`` shards for streaming.
+
+    Args:
+        src: The source (an `.atp` file or shard directory, or any other format).
+        out_dir: The destination directory (``shard_00000.pt``, ... and
+            ``manifest.json``).
+        shard_size: Structures per shard.
+        overwrite: Replace an existing ``out_dir`` (default: ``False``).
+        progress: Factory of a progress bar.
+
+    Returns:
+        The number of structures written.
+    """
+    return convert(
+        src,
+        out_dir,
+        dst_format="pt-shards",
+        write_options=WriteOptions(shard_size=shard_size, overwrite=overwrite),
+        progress=progress,
+    )

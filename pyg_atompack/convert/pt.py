@@ -1,0 +1,272 @@
+"""PyG ``.pt`` files in, streamable ``.pt`` shards out.
+
+Readers accept a list/tuple of ``Data``, a single ``Data``, an
+``InMemoryDataset`` processed file (``(data, slices)`` or
+``(data.to_dict(), slices, data_class)``) and a directory of shards with a
+``pyg_atompack-shards/1`` manifest. Files are opened with
+``torch.load(weights_only=True)`` and the PyG allow-list of the streaming
+layer, so opening one cannot run code.
+
+Shards are ``list[Data]`` with the attribute names of ``docs/architecture.md``.
+Every tensor owns exactly its own storage: ``torch.save`` writes a tensor's
+whole backing storage, so a view into a collated dataset (what
+``InMemoryDataset.__getitem__`` returns) would drag the full dataset into each
+shard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch_geometric.data import Data, InMemoryDataset
+
+from pyg_atompack.pyg import BUILTIN_FIELDS, record_to_data
+from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS
+
+from .base import StructureReader
+from .errors import ConvertError
+from .options import ReadOptions, WriteOptions
+from .shards import ShardedWriter, read_manifest
+from .structure import Structure, normalise_property
+
+_ATTRIBUTE_TO_FIELD = {attr: field for field, attr in BUILTIN_FIELDS.items()}
+_RESERVED = set(_ATTRIBUTE_TO_FIELD) | {"natoms"}
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor whose storage holds exactly its elements."""
+    storage_bytes = tensor.untyped_storage().nbytes()
+    if tensor.is_contiguous() and storage_bytes == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def structure_to_data(structure: Structure) -> Data:
+    """A self-contained ``Data`` (attribute names of the project's table).
+
+    Args:
+        structure: The structure.
+
+    Returns:
+        ``Data`` whose tensors own their storage (safe to ``torch.save`` alone).
+    """
+    data = record_to_data(structure)
+    for key, value in list(data.items()):
+        if isinstance(value, torch.Tensor):
+            data[key] = owned(value)
+    return data
+
+
+def load_pt(path: str | os.PathLike) -> Any:
+    """``torch.load`` a ``.pt`` file safely (weights only, PyG classes allowed).
+
+    Large files are memory-mapped rather than read into memory.
+
+    Args:
+        path: The file.
+
+    Returns:
+        Whatever the file holds.
+
+    Raises:
+        ConvertError: If the file cannot be unpickled safely or at all.
+    """
+    with torch.serialization.safe_globals(PYG_SAFE_GLOBALS):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zip" not in str(exc).lower():
+                raise ConvertError(path, f"torch.load failed: {exc}") from exc
+        except Exception as exc:  # UnpicklingError and friends
+            raise ConvertError(path, f"torch.load(weights_only=True) refused it: {exc}") from exc
+        try:  # legacy (non-zip) files cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConvertError(path, f"torch.load(weights_only=True) refused it: {exc}") from exc
+
+
+class _LoadedInMemoryDataset(InMemoryDataset):
+    """An ``InMemoryDataset`` around already-loaded ``(data, slices)``."""
+
+    def __init__(self, data: Any, slices: Any) -> None:
+        super().__init__(root=None)
+        self.data, self.slices = data, slices
+
+
+def _as_sequence(content: Any, path: Path) -> Any:
+    """Something with ``len`` and ``[i]`` returning ``Data``."""
+    if isinstance(content, Data):
+        return [content]
+    if isinstance(content, list) and all(isinstance(item, Data) for item in content):
+        return content
+    if isinstance(content, tuple) and len(content) in (2, 3) and isinstance(content[1], dict):
+        data = content[0]
+        if isinstance(data, dict):
+            data_class = content[2] if len(content) == 3 else Data
+            data = data_class.from_dict(data)
+        if not isinstance(data, Data):
+            raise ConvertError(path, f"collated data is a {type(data).__name__}, not Data")
+        return _LoadedInMemoryDataset(data, content[1])
+    if isinstance(content, tuple) and all(isinstance(item, Data) for item in content):
+        return list(content)
+    raise ConvertError(
+        path, f"holds a {type(content).__name__}; expected a list of Data or (data, slices)"
+    )
+
+
+def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int = 0,
+                      options: ReadOptions | None = None) -> Structure:
+    """Turn one ``Data`` back into a :class:`Structure`.
+
+    Builtin attributes (``z``, ``pos``, ``energy``, ...) fill the builtins;
+    ``prop_<key>``/``atom_<key>`` collisions are undone; node-level tensors
+    become atom properties, anything else a per-structure property (a leading
+    graph dimension of 1 is dropped).
+
+    Args:
+        data: The graph.
+        path: Source file, for error messages.
+        index: Position in the source, for error messages.
+        options: Key mapping (``key_map``, ``energy_key``, ...).
+
+    Returns:
+        The structure.
+    """
+    options = options if options is not None else ReadOptions()
+    attributes = dict(data.items())
+    for builtin, key in options.explicit_builtin_keys().items():
+        if key not in attributes:
+            raise ConvertError(path, f"key {key!r} (for {builtin}) is not present", index)
+        attributes[BUILTIN_FIELDS.get(builtin, builtin)] = attributes.pop(key)
+    if "z" not in attributes or "pos" not in attributes:
+        raise ConvertError(path, "a Data needs 'z' and 'pos' to be a structure", index)
+    renames = options.custom_renames()
+    positions = _numpy(attributes.pop("pos"))
+    numbers = _numpy(attributes.pop("z"))
+    n_atoms = len(numbers)
+    attributes.pop("natoms", None)
+    structure = Structure(positions=positions, atomic_numbers=numbers)
+    for attr, field in _ATTRIBUTE_TO_FIELD.items():
+        if field in ("positions", "atomic_numbers") or attr not in attributes:
+            continue
+        value = attributes.pop(attr)
+        if field == "name":
+            structure.name = str(value)
+        elif field == "energy":
+            structure.energy = float(_numpy(value).reshape(()))
+        elif field in ("cell", "stress"):
+            setattr(structure, field, _numpy(value).reshape(3, 3))
+        elif field == "pbc":
+            structure.pbc = _numpy(value).reshape(3).astype(bool)
+        else:
+            setattr(structure, field, _numpy(value))
+    for key, value in attributes.items():
+        node_level = (
+            isinstance(value, torch.Tensor) and value.dim() >= 1
+            and value.size(0) == n_atoms and data.is_node_attr(key)
+        )
+        # undo the prefix that record_to_data gives keys colliding with builtins
+        prefix = "atom_" if node_level else "prop_"
+        name = key[5:] if key.startswith(prefix) and key[5:] in _RESERVED else key
+        name = renames.get(key, name)
+        try:
+            if node_level:
+                structure.atom_properties[name] = _numpy(value)
+            else:
+                if isinstance(value, torch.Tensor):
+                    value = _numpy(value)
+                    if value.ndim >= 1 and value.shape[0] == 1:
+                        value = value[0]
+                structure.properties[name] = normalise_property(value)
+        except TypeError as exc:
+            raise ConvertError(path, f"attribute {key!r}: {exc}", index) from exc
+    return structure
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    return np.asarray(value)
+
+
+class PtReader(StructureReader):
+    """Streams structures out of a ``.pt`` file or a directory of ``.pt`` shards.
+
+    Args:
+        path: The file or shard directory.
+        options: Key mapping and units.
+    """
+
+    format_name = "pt"
+
+    def __init__(self, path: str | os.PathLike, options: ReadOptions | None = None) -> None:
+        super().__init__(path, options)
+        if self.path.is_dir():
+            manifest = read_manifest(self.path)
+            if manifest is None:
+                raise self.error("directory has no pyg_atompack-shards/1 manifest.json")
+            self.files = [self.path / shard["name"] for shard in manifest["shards"]]
+            self._length = int(manifest["total_records"])
+        elif self.path.is_file():
+            self.files = [self.path]
+            self._length = None
+        else:
+            raise self.error("no such file or directory")
+        self._first: Any = None
+
+    @property
+    def length(self) -> int | None:
+        if self._length is None:
+            self._first = _as_sequence(load_pt(self.path), self.path)
+            self._length = len(self._first)
+        return self._length
+
+    def _iter_raw(self) -> Iterator[Structure]:
+        index = 0
+        for file in self.files:
+            if not file.is_file():
+                raise ConvertError(file, "shard listed in manifest.json is missing")
+            items = self._first if self._first is not None and file == self.path else None
+            if items is None:
+                items = _as_sequence(load_pt(file), file)
+            for position in range(len(items)):
+                yield data_to_structure(items[position], path=file, index=index,
+                                        options=self.options)
+                index += 1
+
+
+class PtShardWriter(ShardedWriter):
+    """Writes ``.pt`` shards (``list[Data]``) and their ``manifest.json``.
+
+    Args:
+        path: The destination directory.
+        options: ``shard_size`` structures per shard (default: 1000).
+    """
+
+    format_name = "pt-shards"
+    shard_extension = ".pt"
+    shard_format = "pt"
+
+    def __init__(self, path: str | os.PathLike, options: WriteOptions | None = None) -> None:
+        super().__init__(path, options)
+        self._items: list[Data] = []
+        self._shard_path: Path | None = None
+
+    def _open_shard(self, path: Path) -> None:
+        self._shard_path = path
+        self._items = []
+
+    def _add_to_shard(self, structure: Structure) -> None:
+        self._items.append(structure_to_data(structure))
+
+    def _close_shard(self) -> None:
+        torch.save(self._items, self._shard_path)
+        self._items = []
+
+    def _abandon_shard(self) -> None:
+        self._items = []

@@ -1,0 +1,184 @@
+"""Format-independent summaries and checks behind ``info``, ``verify`` and ``head``."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConvertError
+from .registry import detect_source_format, open_reader
+from .shards import check_manifest, read_manifest
+from .structure import BUILTIN_NAMES, Structure
+
+
+def describe_value(value: Any) -> str:
+    """``dtype[shape]`` of an array, or the Python type name of a scalar."""
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def formula(numbers: Iterable[int]) -> str:
+    """Hill-like chemical formula (C, H first, then alphabetical) of atomic numbers."""
+    from ase.data import chemical_symbols
+
+    counts = Counter(chemical_symbols[int(z)] if 0 <= int(z) < len(chemical_symbols) else f"Z{z}"
+                     for z in numbers)
+    order = [s for s in ("C", "H") if s in counts] + sorted(s for s in counts if s not in "CH")
+    return "".join(f"{s}{counts[s] if counts[s] > 1 else ''}" for s in order)
+
+
+def summarize_structure(index: int, structure: Structure) -> str:
+    """One human-readable line about a structure (for ``head``)."""
+    parts = [f"[{index}] {formula(structure.atomic_numbers) or '(no atoms)'}",
+             f"n_atoms={structure.n_atoms}"]
+    if structure.energy is not None:
+        parts.append(f"energy={structure.energy:.6g}")
+    if structure.name is not None:
+        parts.append(f"name={structure.name!r}")
+    fields = [f for f in structure.present_fields() if f not in ("energy", "name")]
+    if fields:
+        parts.append("fields=" + ",".join(fields))
+    customs = [f"{k}:{describe_value(v)}" for k, v in structure.properties.items()]
+    customs += [f"{k}:{describe_value(v)}(atom)" for k, v in structure.atom_properties.items()]
+    if customs:
+        parts.append("props=" + ",".join(customs))
+    return "  ".join(parts)
+
+
+def scan(path: str | os.PathLike, progress: Callable[[int | None], Any] | None = None,
+         **reader_kwargs: Any) -> dict[str, Any]:
+    """Read every structure of a source and summarise its fields.
+
+    Args:
+        path: Any readable source.
+        progress: Optional progress bar factory.
+        **reader_kwargs: ``format`` and ``options`` for :func:`open_reader`.
+
+    Returns:
+        ``format``, ``structures``, ``atoms``, ``fields`` (``name -> "dtype[shape]"``
+        with per-atom shapes as ``[n, ...]`` and the number of structures carrying it).
+    """
+    fmt = reader_kwargs.pop("format", None) or detect_source_format(path)
+    fields: dict[str, dict[str, Any]] = {}
+    count = atoms = 0
+    with open_reader(path, fmt, **reader_kwargs) as reader:
+        bar = progress(reader.length) if progress else None
+        for structure in reader:
+            count += 1
+            atoms += structure.n_atoms
+            entries = {"positions": structure.positions, "atomic_numbers": structure.atomic_numbers}
+            entries.update({name: getattr(structure, name) for name in BUILTIN_NAMES})
+            entries.update({f"properties/{k}": v for k, v in structure.properties.items()})
+            entries.update({f"atom_properties/{k}": v
+                            for k, v in structure.atom_properties.items()})
+            for name, value in entries.items():
+                if value is None:
+                    continue
+                shown = describe_value(value)
+                if isinstance(value, np.ndarray) and (
+                    name in ("positions", "atomic_numbers", "forces", "charges", "velocities")
+                    or name.startswith("atom_properties/")
+                ):
+                    shown = f"{value.dtype}[n{','.join([''] + [str(d) for d in value.shape[1:]])}]"
+                entry = fields.setdefault(name, {"kinds": set(), "count": 0})
+                entry["kinds"].add(shown)
+                entry["count"] += 1
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+    return {"format": fmt, "structures": count, "atoms": atoms,
+            "fields": {k: (" | ".join(sorted(v["kinds"])), v["count"]) for k, v in fields.items()}}
+
+
+def directory_size(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def verify_source(path: str | os.PathLike,
+                  progress: Callable[[int | None], Any] | None = None) -> tuple[int, list[str]]:
+    """Check a source thoroughly: format-level checks, manifest checksums, every record.
+
+    For `.atp` sources the format layer's ``atp.verify`` checks both header
+    slots, the schema and the index; then every structure is decoded.
+
+    Args:
+        path: Any readable source.
+        progress: Optional progress bar factory.
+
+    Returns:
+        ``(structures decoded, problems)``; no problems means the source is sound.
+    """
+    path = Path(path)
+    fmt = detect_source_format(path)
+    problems: list[str] = []
+    if path.is_dir() and read_manifest(path) is not None:
+        problems += check_manifest(path)
+    if fmt == "atp":
+        # atp.verify already decodes every record of every shard
+        problems += _atp_problems(path)
+        if problems:
+            return 0, problems
+        from pyg_atompack import atp
+
+        with atp.open(path) as reader:
+            return len(reader), problems
+    if problems:
+        return 0, problems
+    count = 0
+    try:
+        with open_reader(path, fmt) as reader:
+            bar = progress(reader.length) if progress else None
+            for _structure in reader:
+                count += 1
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None:
+                bar.close()
+    except ConvertError as exc:
+        problems.append(str(exc))
+    return count, problems
+
+
+def _atp_problems(path: Path) -> list[str]:
+    from pyg_atompack import atp
+
+    verify = getattr(atp, "verify", None)
+    if verify is None:
+        return []
+    targets = [path] if path.is_file() else sorted(path.rglob("*.atp"), key=lambda p: p.as_posix())
+    problems: list[str] = []
+    for target in targets:
+        try:
+            report = verify(target)
+        except (atp.AtpError, OSError) as exc:
+            problems.append(str(exc))
+            continue
+        problems += _report_problems(report, target)
+    return problems
+
+
+def _report_problems(report: Any, target: Path) -> list[str]:
+    """Problems out of whatever ``atp.verify`` returns (list, dict or report object)."""
+    if report is None or report is True:
+        return []
+    if report is False:
+        return [f"{target}: verification failed"]
+    if isinstance(report, str):
+        return [report] if report else []
+    if isinstance(report, dict):
+        report = report.get("problems", report.get("errors", []))
+    elif hasattr(report, "problems"):
+        report = report.problems
+    elif hasattr(report, "errors"):
+        report = report.errors
+    return [p if str(target) in str(p) else f"{target}: {p}" for p in map(str, report)]
