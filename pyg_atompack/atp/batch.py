@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from .assemble import assemble, store
 from .codecs import CODEC_NONE, decompress
 from .errors import AtpError, AtpIndexError, AtpValueError, RecordDecodeError
 from .fields import FieldInfo
+from .gather import read_mapped
 from .header import HEADER_SIZE
 from .records import (
     OP_ARRAY,
@@ -142,6 +144,14 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     entries = st.index[idx]
     n_atoms = entries["n_atoms"].astype(np.int64)
     try:
+        if st.u8 is not None and len(idx):
+            # mapped, uncompressed: gather straight from the file (gather.py)
+            lids = _checked_layout_ids(reader, st, idx, entries)
+            # grouped gathers pay per group; mostly-distinct layouts decode faster per record
+            if lids is not None and 4 * (len(np.unique(lids)) - 1) <= len(lids):
+                out = read_mapped(reader, st, idx, entries["offset"], lids, n_atoms, infos)
+                out["n_atoms"] = n_atoms
+                return out
         recs = _fetch(reader, st, idx, entries)
         layouts = _layouts(reader, st, idx, entries, recs)
         if layouts is not None and len(layouts) == 1:
@@ -159,6 +169,37 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     for key in ("properties", "atom_properties", "mask"):
         out.setdefault(key, {})
     return out
+
+
+def _checked_layout_ids(reader, st, idx: np.ndarray, entries: np.ndarray) -> np.ndarray | None:
+    """Memo layout id of every record of a mapped uncompressed file, checking new ones.
+
+    Records whose ``(raw size, n_atoms)`` has a known layout are checked together
+    by comparing their structural bytes; the rest go through the one-record parse.
+    Returns None when some layout could not get an id (more than 65535 layouts).
+    """
+    memo = np.frombuffer(reader._memo(st), np.uint16)
+    lids = memo[idx]
+    if lids.all():
+        return lids
+    _check_index_bounds(reader, st)
+    new = np.flatnonzero(lids == 0)
+    new_idx, new_entries = idx[new], entries[new]
+    keys = (new_entries["raw"].astype(np.int64) << 32) | new_entries["n_atoms"]
+    for key in np.unique(keys).tolist():
+        layout = st.layouts.get((key >> 32, key & 0xFFFFFFFF))
+        members = np.flatnonzero(keys == key)
+        if layout is not None and layout.memo_id is not None:
+            cols, expected = layout.check_arrays()
+            starts = new_entries["offset"][members].astype(np.int64)
+            ok = (st.u8[starts[:, None] + cols] == expected).all(axis=1)
+            memo[new_idx[members[ok]]] = layout.memo_id
+            members = members[~ok]
+        for j in members.tolist():
+            i = int(new_idx[j])
+            reader._remember(st, i, reader._record(st, i)[2])
+    lids = memo[idx]
+    return lids if lids.all() else None
 
 
 def _layouts(reader, st, idx, entries, recs) -> list[Layout] | None:
@@ -226,18 +267,18 @@ def _homogeneous(recs, layout: Layout, infos, idx, name) -> dict[str, Any]:
                 values = values.reshape(count * n, *shape[1:])
             else:
                 values = values.reshape(count, *shape)
-            _store(out, info, values, np.ones(count, bool))
+            store(out, info, values, np.ones(count, bool))
         elif op in _SCALAR_DTYPES:
             values = column(slot.offset, slot.length, _SCALAR_DTYPES[op]).reshape(count)
-            _store(out, info, values, np.ones(count, bool))
+            store(out, info, values, np.ones(count, bool))
         elif op == OP_PBC:
-            _store(out, info, matrix[:, slot.offset:slot.offset + 3] != 0, np.ones(count, bool))
+            store(out, info, matrix[:, slot.offset:slot.offset + 3] != 0, np.ones(count, bool))
         else:
             per_record[field] = [decode_slot(rec, 0, slot, n, (name, int(i)))
                                  for rec, i in zip(recs, idx)]
     for field, values in per_record.items():
         present = [layout.by_field.get(field) is not None] * count
-        _assemble(out, infos[field], values, present, np.full(count, n, np.int64))
+        assemble(out, infos[field], values, present, np.full(count, n, np.int64))
     return out
 
 
@@ -260,77 +301,8 @@ def _heterogeneous(recs, layouts, infos, n_atoms, idx, name, pos_dtype) -> dict[
             present.append(slot is not None)
             values.append(None if slot is None else
                           decode_slot(rec, 0, slot, lay.n_atoms, (name, int(i))))
-        _assemble(out, info, values, present, n_atoms)
+        assemble(out, info, values, present, n_atoms)
     return out
-
-
-def _store(out: dict, info: FieldInfo, values: Any, mask: np.ndarray) -> None:
-    if info.kind == "builtin":
-        out[info.name] = values
-    else:
-        group = "atom_properties" if info.kind == "atom" else "properties"
-        out.setdefault(group, {})[info.key] = values
-    out.setdefault("mask", {})[info.name] = mask
-    out.setdefault("properties", {})
-    out.setdefault("atom_properties", {})
-
-
-def _assemble(out: dict, info: FieldInfo, values: list, present: list,
-              n_atoms: np.ndarray) -> None:
-    """Combine per-molecule values, zero-filling the missing ones where shapes allow."""
-    mask = np.array(present, dtype=bool)
-    arrays = [v for v, p in zip(values, present) if p]
-    if info.per_atom or info.kind == "atom":
-        _store(out, info, _stack_atoms(info, values, present, arrays, n_atoms), mask)
-        return
-    if arrays and all(isinstance(v, np.ndarray) for v in arrays):
-        shapes = {v.shape for v in arrays}
-        dtypes = {v.dtype for v in arrays}
-        if len(shapes) == 1 and len(dtypes) == 1:
-            result = np.zeros((len(values), *arrays[0].shape), arrays[0].dtype)
-            for j, (v, p) in enumerate(zip(values, present)):
-                if p:
-                    result[j] = v
-            _store(out, info, result, mask)
-            return
-        _store(out, info, list(values), mask)
-        return
-    if arrays and all(isinstance(v, tuple) for v in arrays):  # pbc
-        result = np.zeros((len(values), 3), bool)
-        for j, (v, p) in enumerate(zip(values, present)):
-            if p:
-                result[j] = v
-        _store(out, info, result, mask)
-        return
-    if info.shape == () and info.dtype is not None and \
-            all(isinstance(v, (int, float)) for v in arrays):
-        result = np.array([v if p else 0 for v, p in zip(values, present)], dtype=info.dtype)
-        _store(out, info, result, mask)
-        return
-    if not arrays and info.shape is not None and info.dtype is not None:
-        _store(out, info, info.zeros(len(values)), mask)
-        return
-    _store(out, info, list(values), mask)
-
-
-def _stack_atoms(info: FieldInfo, values, present, arrays, n_atoms) -> Any:
-    total = int(n_atoms.sum())
-    if arrays and all(isinstance(v, np.ndarray) for v in arrays):
-        trailing = {v.shape[1:] for v in arrays}
-        dtypes = {v.dtype for v in arrays}
-        if len(trailing) == 1 and len(dtypes) == 1:
-            result = np.zeros((total, *next(iter(trailing))), next(iter(dtypes)))
-            start = 0
-            for v, p, n in zip(values, present, n_atoms.tolist()):
-                if p:
-                    result[start:start + n] = v
-                start += n
-            return result
-        return list(values)
-    if not arrays:
-        zeros = info.zeros(total)
-        return zeros if zeros is not None else np.zeros(total, info.dtype or np.float64)
-    return list(values)
 
 
 def concat_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -44,6 +44,14 @@ class Molecule:
     properties: dict[str, Any]
     atom_properties: dict[str, Any]
 
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes the instance lacks: a record without custom
+        # sections gets its empty dicts on first use instead of on every decode
+        if name in ("properties", "atom_properties"):
+            value = self.__dict__[name] = {}
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def n_atoms(self) -> int:
         """Number of atoms."""

@@ -7,6 +7,7 @@ import contextlib
 import mmap
 import operator
 import os
+import struct
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,8 +28,9 @@ from .errors import (
 from .fields import FieldInfo, fields_from_schema, merge_layout
 from .header import HEADER_SIZE, Header, select_header
 from .index import ENTRY_STRUCT, INDEX_DTYPE, decode_index
+from .mapped import MappedPlan, WholeFileViews
 from .molecule import Molecule
-from .records import Layout, build_layout, decode_mapped, decode_molecule
+from .records import Layout, build_layout, decode_molecule
 from .schema import Schema, decode_schema
 from .types import POSITIONS_DTYPE_BY_TAG
 
@@ -39,7 +41,7 @@ _MAX_LAYOUTS = 4096
 _COPY_CHECK_LIMIT = 1 << 16
 _F32 = np.dtype("<f4")
 _OPEN_READERS: weakref.WeakSet = weakref.WeakSet()
-_ENTRY_UNPACK = ENTRY_STRUCT.unpack_from
+_OFFSET_UNPACK = struct.Struct("<Q").unpack_from  # the offset of an index entry
 
 
 def _forget_after_fork() -> None:
@@ -52,12 +54,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+class _Unchecked:
+    """Stand-in for the per-record memo before any record was checked: all unknown."""
+
+    __slots__ = ()
+
+    def __getitem__(self, i: int) -> int:
+        return 0
+
+
+_UNCHECKED = _Unchecked()
+
+
 class _State:
     """Everything an open reader holds; rebuilt lazily after unpickling or fork."""
 
     __slots__ = ("buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype", "index",
                  "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8", "memo",
-                 "memo_layouts", "index_checked")
+                 "memo_layouts", "memo_plans", "views", "index_checked")
 
 
 class Reader:
@@ -173,17 +187,23 @@ class Reader:
             st.index_buf = b""
             st.index = np.zeros(0, dtype=INDEX_DTYPE)
         st.layouts = {}
-        # per-record memo of checked layouts (ids into memo_layouts; 0 = not checked yet)
-        st.memo = None
+        # per-record memo of checked layouts (ids into memo_layouts; 0 = not checked yet),
+        # an array('H') once the first record is checked
+        st.memo = _UNCHECKED
         st.memo_layouts = [None]
         st.index_checked = False
+        # mapped uncompressed files decode through per-layout plans (memo id -> plan)
+        st.memo_plans = st.views = None
         if st.buf is not None and st.codec == CODEC_NONE:
             st.u8 = np.frombuffer(st.buf, np.uint8)
+            st.views = WholeFileViews(st.u8)
+            st.memo_plans = [None]
         st.fields = None
         st.n_atoms = None
 
     def _release(self, st: _State) -> None:
         st.index = st.index_buf = st.u8 = st.layouts = st.memo = st.memo_layouts = None
+        st.memo_plans = st.views = None
         if st.mv is not None:
             st.mv.release()
             st.mv = None
@@ -341,15 +361,27 @@ class Reader:
             layout = self._layout(st, rec, raw, n, i)
         return buf, base, layout
 
-    def _remember(self, st: _State, i: int, layout: Layout) -> None:
-        if st.memo is None:
+    def _memo(self, st: _State) -> array.array:
+        """The per-record memo of checked layout ids, created on first use."""
+        if st.memo is _UNCHECKED:
             st.memo = array.array("H", bytes(2 * st.count))
+        return st.memo
+
+    def _remember(self, st: _State, i: int, layout: Layout) -> None:
+        memo = self._memo(st)
         lid = layout.memo_id
         if lid is None and len(st.memo_layouts) < 65535:
             lid = layout.memo_id = len(st.memo_layouts)
             st.memo_layouts.append(layout)
+            if st.memo_plans is not None:
+                st.memo_plans.append(self._plan(st, layout))
         if lid is not None:
-            st.memo[i] = lid
+            memo[i] = lid
+
+    def _plan(self, st: _State, layout: Layout) -> MappedPlan:
+        if layout.plan is None:
+            layout.plan = MappedPlan(layout, st.views)
+        return layout.plan
 
     def _layout(self, st: _State, rec, raw: int, n: int, i: int) -> Layout:
         """The checked layout of record ``i`` (bytes ``rec``), parsing it when new."""
@@ -382,18 +414,17 @@ class Reader:
                 return [self[j] for j in range(*i.indices(st.count))]
             i = self._check_index(i, st.count)
         try:
-            u8 = st.u8
-            if u8 is not None:
+            plans = st.memo_plans
+            if plans is not None:
                 # hot path (uncompressed, mapped): a record's layout is checked on its
                 # first access and remembered; the file's committed bytes never change
-                memo = st.memo
-                lid = memo[i] if memo is not None else 0
-                if lid:
-                    return decode_mapped(u8, st.buf, _ENTRY_UNPACK(st.index_buf, 8 + 20 * i)[0],
-                                         st.memo_layouts[lid], self._name, i)
+                plan = plans[st.memo[i]]
+                if plan is not None:
+                    return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
+                                       self._name, i)
                 buf, base, layout = self._record(st, i)
                 self._remember(st, i, layout)
-                return decode_mapped(u8, buf, base, layout, self._name, i)
+                return self._plan(st, layout).decode(buf, base, self._name, i)
             buf, base, layout = self._record(st, i)
             return decode_molecule(buf, base, layout, (self._name, i))
         except AtpError:

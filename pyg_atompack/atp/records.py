@@ -67,7 +67,7 @@ class Slot:
     """
 
     __slots__ = ("kind", "key", "tag", "offset", "length", "op", "dtype", "count", "single",
-                 "field", "views", "itemsize")
+                 "field", "itemsize")
 
     def __init__(self, kind, key, tag, offset, length, op, dtype=None, count=0, single=False):
         self.kind = kind
@@ -81,8 +81,6 @@ class Slot:
         self.single = single
         self.itemsize = dtype.itemsize if dtype is not None else 0
         self.field = field_name(kind, key)
-        # typed views of a whole mapped file, one per byte shift (see MappedViews)
-        self.views = [None] * dtype.itemsize if dtype is not None else None
 
 
 def field_name(kind: int, key: str) -> str:
@@ -106,8 +104,8 @@ class Layout:
     """
 
     __slots__ = ("n_atoms", "pos_dtype", "pos_rows", "z_offset", "spans", "check", "expected",
-                 "slots", "memo_id", "mapped_arrays", "mapped_f64", "mapped_pbc", "mapped_other",
-                 "by_field", "trailing", "builtins", "customs", "_check_arrays")
+                 "slots", "memo_id", "plan", "gather", "by_field", "trailing", "builtins",
+                 "customs", "_check_arrays")
 
     def __init__(self, n_atoms, pos_dtype, z_offset, spans, expected, slots, trailing):
         self.n_atoms = n_atoms
@@ -125,16 +123,9 @@ class Layout:
         self.customs = tuple(s for s in slots if s.kind != KIND_BUILTIN)
         self._check_arrays = None
         self.memo_id = None
-        # decode plan for mapped files: (key, per-shift views, dtype, offset, count, single)
-        arrays = [("positions", [None] * self.pos_rows.itemsize, self.pos_rows, 4, n_atoms,
-                   False)]
-        arrays += [(s.key, s.views, s.dtype, s.offset, s.count, s.single)
-                   for s in self.builtins if s.op == OP_ARRAY]
-        self.mapped_arrays = tuple(arrays)
-        self.mapped_f64 = tuple((s.key, s.offset) for s in self.builtins if s.op == OP_F64)
-        self.mapped_pbc = tuple((s.key, s.offset) for s in self.builtins if s.op == OP_PBC)
-        self.mapped_other = tuple(s for s in self.builtins
-                                  if s.op not in (OP_ARRAY, OP_F64, OP_PBC))
+        # decoders bound to one reader's mapping, built on first use (mapped.py, gather.py)
+        self.plan = None
+        self.gather = None
 
     def matches(self, rec) -> bool:
         """Whether ``rec`` (the record's bytes) has this layout's structure."""
@@ -343,61 +334,6 @@ def decode_molecule(buf, base: int, layout: Layout, where: str) -> Molecule:
     for slot in layout.customs:
         target = atom_props if slot.kind == KIND_ATOM else props
         target[slot.key] = decode_slot(buf, base, slot, n, where)
-    d["properties"] = props
-    d["atom_properties"] = atom_props
-    return mol
-
-
-def _whole_file_view(file_u8: np.ndarray, views: list, dtype: np.dtype, shift: int):
-    rows = (len(file_u8) - shift) // dtype.itemsize
-    view = views[shift] = np.frombuffer(file_u8, dtype, rows, shift)
-    return view
-
-
-def decode_mapped(file_u8: np.ndarray, buf, base: int, layout: Layout, name: str,
-                  index: int) -> Molecule:
-    """:func:`decode_molecule` for an uncompressed record of a memory-mapped file.
-
-    ``np.frombuffer`` on an mmap costs about a microsecond per call, slicing an
-    existing array a quarter of that; so every slot keeps one whole-file view per
-    byte shift (``offset % itemsize``) and array values are slices of it.
-
-    Args:
-        file_u8: the whole file as a uint8 array (views of it are handed out).
-        buf: the mapping itself (for scalars and strings).
-        base: the record's file offset.
-        layout: the record's checked layout.
-        name: file name for error messages.
-        index: record index for error messages.
-
-    Returns:
-        The molecule; arrays are read-only views of the mapping.
-    """
-    mol = Molecule.__new__(Molecule)
-    d = mol.__dict__
-    start = base + layout.z_offset
-    d["atomic_numbers"] = file_u8[start:start + layout.n_atoms]
-    for key, views, dtype, offset, count, single in layout.mapped_arrays:
-        start = base + offset
-        isz = dtype.itemsize
-        view = views[start % isz]
-        if view is None:
-            view = _whole_file_view(file_u8, views, dtype, start % isz)
-        first = start // isz
-        d[key] = view[first] if single else view[first:first + count]
-    for key, offset in layout.mapped_f64:
-        d[key] = _F64.unpack_from(buf, base + offset)[0]
-    for key, offset in layout.mapped_pbc:
-        start = base + offset
-        raw = buf[start:start + 3]
-        d[key] = _PBC_VALUES.get(raw) or tuple(b != 0 for b in raw)
-    for slot in layout.mapped_other:
-        d[slot.key] = decode_slot(buf, base, slot, layout.n_atoms, (name, index))
-    props: dict[str, Any] = {}
-    atom_props: dict[str, Any] = {}
-    for slot in layout.customs:
-        target = atom_props if slot.kind == KIND_ATOM else props
-        target[slot.key] = decode_slot(buf, base, slot, layout.n_atoms, (name, index))
     d["properties"] = props
     d["atom_properties"] = atom_props
     return mol

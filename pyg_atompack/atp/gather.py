@@ -1,0 +1,252 @@
+"""``read_batch`` straight from a memory-mapped uncompressed file.
+
+A field of a layout lies at a fixed offset from its record's start, so the field
+values of many records are one numpy gather through a *window*: a strided view
+of the file whose row ``b`` is the field as it would sit in a record starting at
+file byte ``b`` (row stride 1 byte; rows may overlap and be unaligned, numpy
+copies them correctly). ``window[record_offsets]`` then yields a fresh,
+contiguous ``(B, *value_shape)`` array with no intermediate byte matrix.
+
+Windows are made once per layout (:class:`GatherPlan`); a batch whose records
+share one layout costs one fancy index per field. Batches mixing layouts (other
+atom counts, sparse fields) are gathered per group of equal layout and scattered
+into the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .assemble import assemble, store
+from .fields import FieldInfo
+from .records import OP_ARRAY, OP_F32, OP_F64, OP_I64, OP_PBC, Layout, Slot, decode_slot
+
+_U8 = np.dtype("u1")
+_SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
+
+
+# values of at least this many bytes are gathered as opaque blocks (one memcpy per record)
+# and then viewed as numbers; smaller ones element by element
+_BLOCK_BYTES = 32
+
+
+class Window:
+    """Field values of one layout, gathered by record offset.
+
+    Args:
+        file_u8: the mapped file as uint8.
+        offset: field offset inside the record.
+        elem: element dtype.
+        value_shape: shape of one record's value (e.g. ``(n, 3)``, ``(3, 3)``, ``()``).
+        to_bool: turn bytes into booleans (pbc).
+    """
+
+    __slots__ = ("view", "elem", "value_shape", "to_bool", "value_dtype")
+
+    def __init__(self, file_u8: np.ndarray, offset: int, elem: np.dtype,
+                 value_shape: tuple[int, ...], to_bool: bool = False) -> None:
+        nbytes = elem.itemsize * int(np.prod(value_shape, dtype=np.int64))
+        rows = max(len(file_u8) - offset - nbytes + 1, 0)
+        inner = []
+        stride = elem.itemsize
+        for dim in reversed(value_shape):
+            inner.insert(0, stride)
+            stride *= dim
+        start = offset if rows else 0
+        if nbytes >= _BLOCK_BYTES:
+            # numpy copies an unaligned strided element at a time, a void block at once
+            self.view = np.ndarray((rows,), np.dtype((np.void, nbytes)), file_u8, start, (1,))
+            self.value_dtype = np.dtype((elem, value_shape))
+        else:
+            self.view = np.ndarray((rows, *value_shape), elem, file_u8, start, (1, *inner))
+            self.value_dtype = None
+        self.elem = elem
+        self.value_shape = value_shape
+        self.to_bool = to_bool
+
+    def take(self, offsets: np.ndarray) -> np.ndarray:
+        """Values of the records at file ``offsets`` as a new ``(B, *value_shape)`` array."""
+        values = self.view[offsets]
+        if self.value_dtype is not None:
+            values = values.view(self.value_dtype)  # the subarray dtype adds the value axes
+        return values.astype(bool) if self.to_bool else values
+
+    @property
+    def signature(self) -> tuple:
+        """What must agree for windows of different layouts to share one output array."""
+        return (self.elem, self.value_shape, self.to_bool)
+
+
+def slot_window(file_u8: np.ndarray, slot: Slot) -> Window | None:
+    """The window of a fixed-size section, or None when its values need per-record decoding."""
+    op = slot.op
+    if op == OP_ARRAY:
+        if slot.single:  # 3x3 cell / stress
+            shape = slot.dtype.shape
+        elif slot.dtype.shape:  # vec3 rows
+            shape = (slot.count, *slot.dtype.shape)
+        else:
+            shape = (slot.count,)
+        return Window(file_u8, slot.offset, slot.dtype.base, shape)
+    if op in _SCALAR_DTYPES:
+        return Window(file_u8, slot.offset, _SCALAR_DTYPES[op], ())
+    if op == OP_PBC:
+        return Window(file_u8, slot.offset, _U8, (3,), to_bool=True)
+    return None
+
+
+class GatherPlan:
+    """Windows of every field of one layout over one mapping, made on first use.
+
+    Args:
+        layout: the checked layout.
+        file_u8: the mapped file as uint8.
+    """
+
+    __slots__ = ("layout", "file_u8", "positions", "numbers", "_fields")
+
+    def __init__(self, layout: Layout, file_u8: np.ndarray) -> None:
+        n = layout.n_atoms
+        self.layout = layout
+        self.file_u8 = file_u8
+        self.positions = Window(file_u8, 4, layout.pos_dtype, (n, 3))
+        self.numbers = Window(file_u8, layout.z_offset, _U8, (n,))
+        self._fields: dict[str, Window | None] = {}
+
+    def window(self, field: str) -> Window | None:
+        """The window of ``field`` (None if this layout lacks it or it is not fixed-size)."""
+        try:
+            return self._fields[field]
+        except KeyError:
+            slot = self.layout.by_field.get(field)
+            window = None if slot is None else slot_window(self.file_u8, slot)
+            self._fields[field] = window
+            return window
+
+
+def flatten_atoms(values: np.ndarray, per_atom: bool) -> np.ndarray:
+    """``(B, n, ...)`` per-atom values as ``(B * n, ...)``; per-molecule values unchanged."""
+    if per_atom:
+        return values.reshape(-1, *values.shape[2:])
+    return values
+
+
+def gather_groups(windows: list[Window | None], group_of: np.ndarray, offsets: np.ndarray,
+                  n_atoms: np.ndarray, per_atom: bool):
+    """Gather one field of a batch whose records use several layouts.
+
+    Args:
+        windows: the field's window in each group's layout (None: the layout lacks it).
+        group_of: group number of each record of the batch.
+        offsets: file offset of each record (int64).
+        n_atoms: atom count of each record (int64).
+        per_atom: whether values have one row per atom.
+
+    Returns:
+        ``(values, present)`` with missing values zero-filled, or None when the
+        groups' values do not share one dtype and shape (decode per record then).
+    """
+    known = [w for w in windows if w is not None]
+    if not known:
+        return None
+    first = known[0]
+    tail = first.value_shape[1:] if per_atom else first.value_shape
+    for w in known:
+        if (w.elem, w.to_bool) != (first.elem, first.to_bool) or \
+                (w.value_shape[1:] if per_atom else w.value_shape) != tail:
+            return None
+    rows = int(n_atoms.sum()) if per_atom else len(offsets)
+    dtype = np.dtype(bool) if first.to_bool else first.elem
+    complete = len(known) == len(windows)
+    out = (np.empty if complete else np.zeros)((rows, *tail), dtype)
+    present = np.ones(len(offsets), bool)
+    starts = np.cumsum(n_atoms) - n_atoms if per_atom else None
+    for g, window in enumerate(windows):
+        members = np.flatnonzero(group_of == g)
+        if window is None:
+            present[members] = False
+            continue
+        values = window.take(offsets[members])
+        if not per_atom:
+            out[members] = values
+        elif len(members) == 1:
+            start = int(starts[members[0]])
+            out[start:start + len(values[0])] = values[0]
+        else:
+            n = window.value_shape[0]
+            atom_rows = (starts[members][:, None] + np.arange(n)).ravel()
+            out[atom_rows] = flatten_atoms(values, True)
+    return out, present
+
+
+def _plan(layout: Layout, file_u8: np.ndarray) -> GatherPlan:
+    if layout.gather is None:
+        layout.gather = GatherPlan(layout, file_u8)
+    return layout.gather
+
+
+def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray,
+                n_atoms: np.ndarray, infos: dict[str, FieldInfo]) -> dict[str, Any]:
+    """The ``read_batch`` dict of checked records of a mapped uncompressed file.
+
+    Args:
+        reader: the reader (for its name and mapping).
+        st: its open state.
+        idx: record indices.
+        offsets: their file offsets.
+        layout_ids: their checked layout ids (``st.memo_layouts``).
+        n_atoms: their atom counts (int64).
+        infos: the fields to decode.
+
+    Returns:
+        Everything but ``n_atoms`` of the ``read_batch`` dict.
+    """
+    file_u8 = st.u8
+    count = len(idx)
+    offsets = offsets.astype(np.int64)
+    out: dict[str, Any] = {"properties": {}, "atom_properties": {}, "mask": {}}
+    # one read-only all-true mask serves every field all records carry
+    everyone = np.ones(count, bool)
+    everyone.flags.writeable = False
+    first = int(layout_ids[0])
+    if (layout_ids == first).all():
+        plan = _plan(st.memo_layouts[first], file_u8)
+        out["positions"] = plan.positions.take(offsets).reshape(-1, 3)
+        out["atomic_numbers"] = plan.numbers.take(offsets).reshape(-1)
+        for field, info in infos.items():
+            window = plan.window(field)
+            if window is not None:
+                store(out, info, flatten_atoms(window.take(offsets), info.per_atom), everyone)
+            else:
+                _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms)
+        return out
+    lids, group_of = np.unique(layout_ids, return_inverse=True)
+    plans = [_plan(st.memo_layouts[lid], file_u8) for lid in lids.tolist()]
+    out["positions"] = gather_groups([p.positions for p in plans], group_of, offsets,
+                                     n_atoms, True)[0]
+    out["atomic_numbers"] = gather_groups([p.numbers for p in plans], group_of, offsets,
+                                          n_atoms, True)[0]
+    for field, info in infos.items():
+        got = gather_groups([p.window(field) for p in plans], group_of, offsets, n_atoms,
+                            info.per_atom)
+        if got is None:
+            _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms)
+        else:
+            values, present = got
+            store(out, info, values, everyone if present.all() else present)
+    return out
+
+
+def _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms) -> None:
+    """Decode a field record by record (strings, tensors, ragged or absent values)."""
+    layouts = st.memo_layouts
+    values, present = [], []
+    for i, base, lid in zip(idx.tolist(), offsets.tolist(), layout_ids.tolist()):
+        layout = layouts[lid]
+        slot = layout.by_field.get(info.name)
+        present.append(slot is not None)
+        values.append(None if slot is None else
+                      decode_slot(st.buf, base, slot, layout.n_atoms, (reader.name, i)))
+    assemble(out, info, values, present, n_atoms)
