@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m ruff check pyg_atompack tests examples benchmarks
+	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check pyg_atompack tests examples benchmarks
+	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
