@@ -23,7 +23,7 @@ from typing import Any
 import atompack
 import numpy as np
 import pytest
-from atp_strategies import (
+from atp_oracle import (
     ACCESS_MODES,
     CODECS,
     FileSpec,

@@ -19,21 +19,20 @@ from typing import Any
 import atompack
 import numpy as np
 import pytest
-from atp_strategies import (
+from atp_oracle import (
     ACCESS_MODES,
     BUILTIN_KEYS,
     FileSpec,
     MoleculeSpec,
     assert_same_molecule,
-    batch_files,
     describe,
-    molecule_files,
     normalize_ours,
     open_reader,
     read_atompack,
     same_values,
     write_file,
 )
+from atp_strategies import batch_files, molecule_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

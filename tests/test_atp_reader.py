@@ -233,3 +233,78 @@ def test_describe_reports_slots(golden_dir):
 def test_import_does_not_pull_in_torch():
     code = "import sys, pyg_atompack.atp; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_bools_are_not_molecule_indices(tmp_path, golden_dir):
+    # one rule for f[...] and read_batch: bools are rejected (numpy treats a boolean index
+    # as a mask, Python as 0/1; either reading would surprise here)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.atp").write_bytes((golden_dir / "builtins_none.atp").read_bytes())
+    for reader in (atp.open(golden_dir / "builtins_none.atp"),
+                   atp.open(golden_dir / "builtins_zstd.atp", access="pread"),
+                   atp.open(shards)):
+        with reader as f:
+            for bad in (True, False, np.True_):
+                with pytest.raises(atp.AtpValueError, match="must be an integer") as caught:
+                    f[bad]
+                assert ("builtins" in str(caught.value)) or ("shards" in str(caught.value))
+            for bad in ([True], np.array([False, True])):
+                with pytest.raises(atp.AtpValueError, match="integers"):
+                    f.read_batch(bad)
+            assert f[1].energy == f[np.int32(1)].energy  # integers of any kind still work
+
+
+@pytest.mark.parametrize("access", ["mmap", "pread"])
+@pytest.mark.parametrize("bug", [NameError, AttributeError, MemoryError, TypeError])
+def test_programming_errors_are_not_reported_as_corruption(golden_dir, monkeypatch, access,
+                                                            bug):
+    from pyg_atompack.atp import batch, mapped, reader
+
+    def broken(*args, **kwargs):
+        raise bug("simulated bug in the decoder")
+
+    monkeypatch.setattr(mapped.MappedPlan, "decode", broken)
+    monkeypatch.setattr(reader, "decode_molecule", broken)
+    monkeypatch.setattr(batch, "read_mapped", broken)
+    monkeypatch.setattr(batch, "_homogeneous", broken)
+    monkeypatch.setattr(batch, "_heterogeneous", broken)
+    with atp.open(golden_dir / "builtins_none.atp", access=access) as f:
+        with pytest.raises(bug, match="simulated"):
+            f[1]
+        with pytest.raises(bug, match="simulated"):
+            f.read_batch([0, 1, 2])
+
+
+def test_read_batch_decode_failure_names_the_record(golden_dir, monkeypatch):
+    from pyg_atompack.atp import batch
+
+    # the vectorised gather fails on bytes it cannot decode: the error says which record
+    with atp.open(golden_dir / "builtins_none.atp") as f:
+        good = f.read_batch([0, 1, 2])
+        f.close()
+
+        def gather_fails(*args, **kwargs):
+            raise ValueError("cannot reshape array")
+
+        monkeypatch.setattr(batch, "read_mapped", gather_fails)
+        monkeypatch.setattr(batch, "_homogeneous", gather_fails)
+        monkeypatch.setattr(batch, "_heterogeneous", gather_fails)
+        with pytest.raises(atp.RecordDecodeError, match=r"records \[2, 0, 1\]") as caught:
+            f.read_batch([2, 0, 1])
+        assert "builtins_none.atp" in str(caught.value)
+        assert isinstance(caught.value.__cause__, ValueError)
+    assert len(good["n_atoms"]) == 3
+
+
+def test_read_batch_on_a_damaged_record_names_it(tmp_path, golden_dir):
+    data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
+    first_section = 8508 + 4 + 3 * 12 + 3 + 2  # record 1's first section (see above)
+    key_len = data[first_section + 1]
+    struct.pack_into("<I", data, first_section + 2 + key_len + 1, 10**6)
+    (tmp_path / "t.atp").write_bytes(bytes(data))
+    for access in ("mmap", "pread"):
+        with atp.open(tmp_path / "t.atp", access=access) as f:
+            assert len(f.read_batch([0, 2])["n_atoms"]) == 2
+            with pytest.raises(atp.RecordDecodeError, match=r"t\.atp: record 1\b"):
+                f.read_batch([0, 2, 1])

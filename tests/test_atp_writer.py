@@ -314,3 +314,41 @@ def test_append_to_refuses_invalid_header(tmp_path, golden_dir):
     path.write_bytes(bytes(data))
     with pytest.raises(atp.HeaderError, match="no valid header slot"):
         atp.Writer.append_to(path)
+
+
+def test_value_errors_name_the_molecule_or_batch_range(tmp_path):
+    path = tmp_path / "numbered.atp"
+    pos = np.zeros((2, 3), np.float32)
+    z = np.array([1, 8], np.uint8)
+    with atp.Writer(path) as w:
+        w.add(pos, z)
+        w.add_batch(np.stack([pos, pos]), np.stack([z, z]))
+        with pytest.raises(atp.AtpValueError,
+                           match=r"numbered\.atp: molecule 3: field 'forces'"):
+            w.add(pos, z, forces=np.zeros((3, 3), np.float32))
+        with pytest.raises(atp.AtpValueError,
+                           match=r"numbered\.atp: molecules 3\.\.6 \(batch of 4\): field 'pbc'"):
+            w.add_batch(np.zeros((4, 2, 3), np.float32), np.ones((4, 2), np.uint8),
+                        pbc=np.ones((4, 2), bool))
+        with pytest.raises(atp.AtpValueError,
+                           match=r"numbered\.atp: batch starting at molecule 3: field 'positions'"):
+            w.add_batch([[[0, 0, 0]]], [[1]])
+        assert len(w) == 3
+
+
+@pytest.mark.parametrize("call", ["add", "add_batch"])
+def test_rejected_key_leaves_the_schema_untouched(tmp_path, call):
+    # the key length is checked before the schema lock takes the new field in
+    path = tmp_path / "keys.atp"
+    long_key = "ü" * 128  # 256 UTF-8 bytes in 128 characters
+    with atp.Writer(path) as w:
+        with pytest.raises(atp.AtpValueError, match="256 UTF-8 bytes"):
+            if call == "add":
+                w.add(np.zeros((1, 3), np.float32), [1], properties={long_key: 1.0})
+            else:
+                w.add_batch(np.zeros((1, 1, 3), np.float32), [[1]],
+                            properties={long_key: np.ones(1)})
+        w.add(np.zeros((1, 3), np.float32), [1], properties={"ok": 2.0})
+    with atp.open(path) as f:
+        assert len(f) == 1 and f[0].properties == {"ok": 2.0}
+        assert [key for _, key in f.schema.entries] == ["ok"]

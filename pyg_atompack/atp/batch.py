@@ -17,7 +17,13 @@ import numpy as np
 
 from .assemble import assemble, store
 from .codecs import CODEC_NONE, decompress
-from .errors import AtpError, AtpIndexError, AtpValueError, RecordDecodeError
+from .errors import (
+    CORRUPT_DATA_ERRORS,
+    AtpError,
+    AtpIndexError,
+    AtpValueError,
+    RecordDecodeError,
+)
 from .fields import FieldInfo
 from .gather import read_mapped
 from .header import HEADER_SIZE
@@ -163,12 +169,30 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
             out = _heterogeneous(recs, layouts, infos, n_atoms, idx, name, st.pos_dtype)
     except AtpError:
         raise
-    except Exception as exc:  # numpy/struct errors on corrupt records
-        raise RecordDecodeError(f"{name}: read_batch failed: {exc}") from exc
+    except CORRUPT_DATA_ERRORS as exc:  # numpy/struct errors on corrupt records
+        raise _name_failed_record(reader, idx, exc) from exc
     out["n_atoms"] = n_atoms
     for key in ("properties", "atom_properties", "mask"):
         out.setdefault(key, {})
     return out
+
+
+def _name_failed_record(reader, idx: np.ndarray, exc: Exception) -> AtpError:
+    """The error for a batch whose vectorised decode failed, naming the record at fault.
+
+    Only runs on failure: the records are decoded one by one (``reader[i]``) until
+    one fails; its own error names the record. When each decodes alone, the message
+    names the batch's records instead.
+    """
+    for i in dict.fromkeys(idx.tolist()):
+        try:
+            reader[i]
+        except RecordDecodeError as error:
+            return RecordDecodeError(f"{error} (in read_batch: {exc})")
+        except AtpError as error:  # e.g. the file shrank under a pread reader
+            return error
+    shown = ", ".join(map(str, idx[:8].tolist())) + (", ..." if len(idx) > 8 else "")
+    return RecordDecodeError(f"{reader.name}: read_batch of records [{shown}] failed: {exc}")
 
 
 def _checked_layout_ids(reader, st, idx: np.ndarray, entries: np.ndarray) -> np.ndarray | None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import lz4.block
 import zstandard
 
-from .errors import AtpValueError, RecordDecodeError
+from .errors import CORRUPT_DATA_ERRORS, AtpValueError, RecordDecodeError
 
 CODEC_NONE = 0
 CODEC_LZ4 = 1
@@ -18,6 +18,8 @@ CODEC_IDS = {v: k for k, v in CODEC_NAMES.items()}
 # an LZ4 block expands at most ~255x; a zstd RLE block turns 4 bytes into up to 128 KiB
 _MAX_RATIO = {CODEC_LZ4: 256, CODEC_ZSTD: 32768}
 _local = threading.local()
+# what the decompressors raise on corrupt input (and what numpy/struct may raise around them)
+_DECOMPRESS_ERRORS = (lz4.block.LZ4BlockError, zstandard.ZstdError, *CORRUPT_DATA_ERRORS)
 
 
 def codec_id(name: str) -> int:
@@ -80,7 +82,7 @@ def decompress(codec: int, data, raw: int, where: str) -> bytes:
             out = _zstd_decompressor().decompress(data, max_output_size=raw)
     except RecordDecodeError:
         raise
-    except Exception as exc:  # lz4/zstd raise several unrelated types
+    except _DECOMPRESS_ERRORS as exc:
         raise RecordDecodeError(f"{where}: {CODEC_NAMES[codec]} decompression failed: {exc}") \
             from exc
     if len(out) != raw:

@@ -258,7 +258,15 @@ def molecule_sections(n: int, builtins: dict[str, Any], properties: dict[str, An
         sections.append(molecule_value(key, atom_properties[key], n, True))
     for key in sorted(properties, key=lambda k: k.encode("utf-8")):
         sections.append(molecule_value(key, properties[key], n, False))
+    _check_keys(sections)
     return sections
+
+
+def _check_keys(sections: list[Section]) -> None:
+    # before the schema merge, so a rejected key never reaches the file's schema lock
+    for section in sections:
+        if len(section.key) > 63:  # a shorter key cannot exceed 255 UTF-8 bytes
+            section.key_bytes()
 
 
 def _column(key: str, value: Any, batch: int, n: int, atom_scope: bool) -> Section:
@@ -317,4 +325,5 @@ def batch_columns(batch: int, n: int, builtins: dict[str, Any],
                             f"atom_properties")
     sections += [_column(k, v, batch, n, False) for k, v in properties.items()]
     sections += [_column(k, v, batch, n, True) for k, v in atom_properties.items()]
+    _check_keys(sections)
     return sections

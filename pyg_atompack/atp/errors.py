@@ -7,6 +7,8 @@ the file and, where it applies, the record index and the field.
 
 from __future__ import annotations
 
+import struct
+
 
 class AtpError(Exception):
     """Base class of every error raised by :mod:`pyg_atompack.atp`."""
@@ -50,6 +52,14 @@ class AtpValueError(AtpError, ValueError):
 
 class ReadOnlyError(AtpError):
     """A write was attempted through a read-only handle."""
+
+
+# What damaged bytes can make the decoders raise before a check catches them: struct and
+# numpy complain about short buffers or impossible counts (struct.error, ValueError, which
+# includes UnicodeDecodeError), sizes can fall outside a buffer (IndexError) or a C integer
+# (OverflowError). Readers turn exactly these into RecordDecodeError; anything else
+# (NameError, AttributeError, MemoryError, ...) is a bug and propagates unchanged.
+CORRUPT_DATA_ERRORS = (struct.error, ValueError, IndexError, OverflowError)
 
 
 __all__ = [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 import struct
+from typing import Any
 
 import numpy as np
 
-from .errors import IndexBlockError
+from .errors import AtpIndexError, AtpValueError, IndexBlockError
 
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("stored", "<u4"), ("raw", "<u4"), ("n_atoms", "<u4")])
 ENTRY_STRUCT = struct.Struct("<QIII")
@@ -45,3 +47,36 @@ def encode_index(entries: np.ndarray) -> bytes:
 def empty_index() -> np.ndarray:
     """An index with no entries."""
     return np.zeros(0, dtype=INDEX_DTYPE)
+
+
+def molecule_index(i: Any, count: int, name: str) -> int:
+    """Check one molecule index the way ``reader[i]`` accepts it.
+
+    Integers (Python or numpy, negative counting from the end) are accepted; bools
+    are rejected even though Python treats them as integers, matching
+    ``read_batch``, which refuses boolean index arrays.
+
+    Args:
+        i: the index.
+        count: number of molecules.
+        name: file or dataset name for error messages.
+
+    Returns:
+        The index in ``range(count)``.
+
+    Raises:
+        AtpValueError: ``i`` is not an integer (or is a bool).
+        AtpIndexError: ``i`` is out of range.
+    """
+    try:
+        if isinstance(i, bool):
+            raise TypeError
+        i = operator.index(i)  # numpy bools already refuse __index__
+    except TypeError:
+        raise AtpValueError(f"{name}: molecule index must be an integer, "
+                            f"got {type(i).__name__}") from None
+    if i < 0:
+        i += count
+    if not 0 <= i < count:
+        raise AtpIndexError(f"{name}: molecule index out of range for {count} molecules")
+    return i

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import mmap
-import operator
 import os
 import struct
 import weakref
@@ -17,29 +15,27 @@ import numpy as np
 from . import batch as _batch
 from .codecs import CODEC_NAMES, CODEC_NONE, decompress
 from .errors import (
+    CORRUPT_DATA_ERRORS,
     AtpError,
-    AtpIndexError,
     AtpValueError,
-    HeaderError,
     ReadOnlyError,
     RecordDecodeError,
     TruncatedFileError,
 )
 from .fields import FieldInfo, fields_from_schema, merge_layout
-from .header import HEADER_SIZE, Header, select_header
-from .index import ENTRY_STRUCT, INDEX_DTYPE, decode_index
-from .mapped import MappedPlan, WholeFileViews
+from .filestate import F32, UNCHECKED, FileState
+from .header import HEADER_SIZE, Header
+from .index import ENTRY_STRUCT, molecule_index
+from .mapped import MappedPlan
 from .molecule import Molecule
 from .records import Layout, build_layout, decode_molecule
-from .schema import Schema, decode_schema
-from .types import POSITIONS_DTYPE_BY_TAG
+from .schema import Schema
 
 ACCESS_MODES = ("mmap", "pread")
 # bound on cached layouts; a crafted file with endless distinct layouts only costs re-parsing
 _MAX_LAYOUTS = 4096
 # larger records are checked through a memoryview instead of a copy
 _COPY_CHECK_LIMIT = 1 << 16
-_F32 = np.dtype("<f4")
 _OPEN_READERS: weakref.WeakSet = weakref.WeakSet()
 _OFFSET_UNPACK = struct.Struct("<Q").unpack_from  # the offset of an index entry
 
@@ -52,26 +48,6 @@ def _forget_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-class _Unchecked:
-    """Stand-in for the per-record memo before any record was checked: all unknown."""
-
-    __slots__ = ()
-
-    def __getitem__(self, i: int) -> int:
-        return 0
-
-
-_UNCHECKED = _Unchecked()
-
-
-class _State:
-    """Everything an open reader holds; rebuilt lazily after unpickling or fork."""
-
-    __slots__ = ("buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype", "index",
-                 "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8", "memo",
-                 "memo_layouts", "memo_plans", "views", "index_checked")
 
 
 class Reader:
@@ -93,7 +69,7 @@ class Reader:
         self._name = self._path
         self._access = access
         self._image: bytes | None = None
-        self._st: _State | None = None
+        self._st: FileState | None = None
         self._load()
 
     @classmethod
@@ -117,112 +93,22 @@ class Reader:
         return self
 
     # ------------------------------------------------------------------ opening
-    def _load(self) -> _State:
-        st = _State()
-        st.fd = -1
-        st.mm = st.mv = st.u8 = None
-        try:
-            self._map(st)
-            self._parse(st)
-        except BaseException:
-            self._release(st)
-            raise
+    def _load(self) -> FileState:
+        st = FileState(self._name, self._path, self._image, self._access)
         self._st = st
         _OPEN_READERS.add(self)
         return st
 
-    def _map(self, st: _State) -> None:
-        if self._image is not None:
-            st.buf = self._image
-            st.size = len(self._image)
-            return
-        try:
-            st.fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except IsADirectoryError:
-            raise AtpValueError(f"{self._name}: is a directory; use atp.open() for shards") \
-                from None
-        st.size = os.fstat(st.fd).st_size
-        if self._access == "mmap" and st.size:
-            st.mm = mmap.mmap(st.fd, 0, access=mmap.ACCESS_READ)
-            st.buf = st.mm
-        else:
-            st.buf = None
-
-    def _read(self, st: _State, offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset + length)`` (the caller checked they lie in the file)."""
-        if st.buf is not None:
-            return st.buf[offset:offset + length]
-        data = os.pread(st.fd, length, offset)
-        if len(data) != length:
-            raise TruncatedFileError(f"{self._name}: short read at offset {offset} "
-                                     f"({len(data)} of {length} bytes); file changed?")
-        return data
-
-    def _parse(self, st: _State) -> None:
-        head = self._read(st, 0, min(HEADER_SIZE, st.size))
-        header = select_header(head, st.size, self._name)
-        st.header = header
-        st.codec = header.codec
-        st.schema = None
-        if header.schema_len:
-            st.schema = decode_schema(
-                self._read(st, header.schema_offset, header.schema_len), self._name)
-        if header.record_format == 2:
-            st.pos_dtype = _F32
-        else:
-            tag = st.schema.positions_tag if st.schema else None
-            if tag not in POSITIONS_DTYPE_BY_TAG:
-                raise HeaderError(f"{self._name}: record format 3 without a schema positions "
-                                  f"type (tag {tag})")
-            st.pos_dtype = POSITIONS_DTYPE_BY_TAG[tag]
-        st.count = header.num_molecules
-        if header.index_len:
-            if st.mm is not None:
-                st.mv = memoryview(st.mm)
-                st.index_buf = st.mv[header.index_offset:header.index_offset + header.index_len]
-            else:
-                st.index_buf = self._read(st, header.index_offset, header.index_len)
-            st.index = decode_index(st.index_buf, st.count, self._name)
-        else:
-            st.index_buf = b""
-            st.index = np.zeros(0, dtype=INDEX_DTYPE)
-        st.layouts = {}
-        # per-record memo of checked layouts (ids into memo_layouts; 0 = not checked yet),
-        # an array('H') once the first record is checked
-        st.memo = _UNCHECKED
-        st.memo_layouts = [None]
-        st.index_checked = False
-        # mapped uncompressed files decode through per-layout plans (memo id -> plan)
-        st.memo_plans = st.views = None
-        if st.buf is not None and st.codec == CODEC_NONE:
-            st.u8 = np.frombuffer(st.buf, np.uint8)
-            st.views = WholeFileViews(st.u8)
-            st.memo_plans = [None]
-        st.fields = None
-        st.n_atoms = None
-
-    def _release(self, st: _State) -> None:
-        st.index = st.index_buf = st.u8 = st.layouts = st.memo = st.memo_layouts = None
-        st.memo_plans = st.views = None
-        if st.mv is not None:
-            st.mv.release()
-            st.mv = None
-        if st.mm is not None:
-            # arrays handed out may still view the mapping; it then closes when they die
-            with contextlib.suppress(BufferError):
-                st.mm.close()
-            st.mm = None
-        st.buf = None
-        if st.fd >= 0:
-            os.close(st.fd)
-            st.fd = -1
+    def _read(self, st: FileState, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the file (see :meth:`FileState.read`)."""
+        return st.read(offset, length)
 
     def _drop_state(self, close: bool) -> None:
         st, self._st = self._st, None
         if st is not None and close:
-            self._release(st)
+            st.release()
 
-    def _state(self) -> _State:
+    def _state(self) -> FileState:
         return self._st or self._load()
 
     def close(self) -> None:
@@ -321,13 +207,13 @@ class Reader:
     def rebuild_schema(self) -> Schema:
         """Build a schema by decoding every record (what a schema-less file implies)."""
         st = self._state()
-        schema = Schema(4 if st.pos_dtype == _F32 else 7)
+        schema = Schema(4 if st.pos_dtype == F32 else 7)
         for i in range(st.count):
             merge_layout(schema, self._record(st, i)[2])
         return schema
 
     # ------------------------------------------------------------------ records
-    def _entry(self, st: _State, i: int) -> tuple[int, int, int, int]:
+    def _entry(self, st: FileState, i: int) -> tuple[int, int, int, int]:
         off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
         if off < HEADER_SIZE or off + stored > st.size:
             raise RecordDecodeError(
@@ -335,7 +221,7 @@ class Reader:
                 f"data region of the {st.size}-byte file")
         return off, stored, raw, n
 
-    def _record(self, st: _State, i: int) -> tuple[Any, int, Layout]:
+    def _record(self, st: FileState, i: int) -> tuple[Any, int, Layout]:
         """The buffer holding record ``i``, its offset there, and its checked layout."""
         off, stored, raw, n = self._entry(st, i)
         if st.codec == CODEC_NONE:
@@ -361,13 +247,13 @@ class Reader:
             layout = self._layout(st, rec, raw, n, i)
         return buf, base, layout
 
-    def _memo(self, st: _State) -> array.array:
+    def _memo(self, st: FileState) -> array.array:
         """The per-record memo of checked layout ids, created on first use."""
-        if st.memo is _UNCHECKED:
+        if st.memo is UNCHECKED:
             st.memo = array.array("H", bytes(2 * st.count))
         return st.memo
 
-    def _remember(self, st: _State, i: int, layout: Layout) -> None:
+    def _remember(self, st: FileState, i: int, layout: Layout) -> None:
         memo = self._memo(st)
         lid = layout.memo_id
         if lid is None and len(st.memo_layouts) < 65535:
@@ -378,12 +264,12 @@ class Reader:
         if lid is not None:
             memo[i] = lid
 
-    def _plan(self, st: _State, layout: Layout) -> MappedPlan:
+    def _plan(self, st: FileState, layout: Layout) -> MappedPlan:
         if layout.plan is None:
             layout.plan = MappedPlan(layout, st.views)
         return layout.plan
 
-    def _layout(self, st: _State, rec, raw: int, n: int, i: int) -> Layout:
+    def _layout(self, st: FileState, rec, raw: int, n: int, i: int) -> Layout:
         """The checked layout of record ``i`` (bytes ``rec``), parsing it when new."""
         layout = st.layouts.get((raw, n))
         if layout is None or not layout.matches(rec):
@@ -394,25 +280,12 @@ class Reader:
             st.layouts[(raw, n)] = layout
         return layout
 
-    def _check_index(self, i: Any, count: int) -> int:
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise AtpValueError(f"{self._name}: molecule index must be an integer, "
-                                f"got {type(i).__name__}") from None
-        if i < 0:
-            i += count
-        if not 0 <= i < count:
-            raise AtpIndexError(f"{self._name}: molecule index out of range for {count} "
-                                f"molecules")
-        return i
-
     def __getitem__(self, i: int) -> Molecule:
         st = self._st or self._load()
         if type(i) is not int or not 0 <= i < st.count:
             if isinstance(i, slice):
                 return [self[j] for j in range(*i.indices(st.count))]
-            i = self._check_index(i, st.count)
+            i = molecule_index(i, st.count, self._name)
         try:
             plans = st.memo_plans
             if plans is not None:
@@ -429,7 +302,7 @@ class Reader:
             return decode_molecule(buf, base, layout, (self._name, i))
         except AtpError:
             raise
-        except Exception as exc:  # numpy/struct errors on a corrupt record
+        except CORRUPT_DATA_ERRORS as exc:  # numpy/struct errors on a corrupt record
             raise RecordDecodeError(f"{self._name}: record {i}: {exc}") from exc
 
     def get(self, i: int) -> Molecule:
@@ -443,7 +316,7 @@ class Reader:
     def raw_record(self, i: int) -> bytes:
         """The uncompressed bytes of record ``i`` (as written, byte for byte)."""
         st = self._state()
-        i = self._check_index(i, st.count)
+        i = molecule_index(i, st.count, self._name)
         off, stored, raw, _ = self._entry(st, i)
         data = bytes(self._read(st, off, stored))
         return bytes(decompress(st.codec, data, raw, f"{self._name}: record {i}"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import operator
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from . import batch as _batch
-from .errors import AtpIndexError, AtpValueError, ReadOnlyError
+from .errors import AtpValueError, ReadOnlyError
 from .fields import FieldInfo
+from .index import molecule_index
 from .molecule import Molecule
 from .reader import ACCESS_MODES, Reader
 
@@ -83,17 +83,7 @@ class ShardedReader:
 
     def locate(self, i: int) -> tuple[int, int]:
         """``(shard number, local index)`` of global molecule ``i`` (negative allowed)."""
-        total = self._starts_list[-1]
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise AtpValueError(f"{self._root}: molecule index must be an integer, "
-                                f"got {type(i).__name__}") from None
-        if i < 0:
-            i += total
-        if not 0 <= i < total:
-            raise AtpIndexError(f"{self._root}: molecule index out of range for {total} "
-                                f"molecules")
+        i = molecule_index(i, self._starts_list[-1], self._root)
         shard = bisect.bisect_right(self._starts_list, i) - 1
         return shard, i - self._starts_list[shard]
 

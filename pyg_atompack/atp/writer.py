@@ -152,15 +152,19 @@ class Writer:
             atom_properties: per-atom custom arrays with first dimension n.
 
         Raises:
-            AtpValueError: a value the format cannot hold (the message names the field).
+            AtpValueError: a value the format cannot hold (the message names the file,
+                the molecule number(s) and the field).
             SchemaConflictError: a value that conflicts with what the file already holds.
         """
         self._check_open()
-        pos, z = check_positions(positions, atomic_numbers, batch=False)
-        n = len(z)
-        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
-                        cell=cell, stress=stress, pbc=pbc, name=name)
-        sections = molecule_sections(n, builtins, properties, atom_properties)
+        try:
+            pos, z = check_positions(positions, atomic_numbers, batch=False)
+            n = len(z)
+            builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                            cell=cell, stress=stress, pbc=pbc, name=name)
+            sections = molecule_sections(n, builtins, properties, atom_properties)
+        except AtpValueError as exc:
+            raise AtpValueError(f"{self._path}: molecule {len(self)}: {exc}") from None
         self._admit(pos.dtype, sections, n)
         parts = [struct.pack("<I", n), pos.tobytes(), z.tobytes(),
                  struct.pack("<H", len(sections)), *map(encode_section, sections)]
@@ -188,19 +192,31 @@ class Writer:
             atom_properties: per-atom columns of shape ``(B, n, ...)``.
 
         Raises:
-            AtpValueError: a value the format cannot hold (the message names the field).
+            AtpValueError: a value the format cannot hold (the message names the file,
+                the molecule number(s) and the field).
             SchemaConflictError: a value that conflicts with what the file already holds.
         """
         self._check_open()
-        pos, z = check_positions(positions, atomic_numbers, batch=True)
-        count, n = z.shape
-        if count == 0:
-            return
-        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
-                        cell=cell, stress=stress, pbc=pbc, name=name)
-        sections = batch_columns(count, n, builtins, properties, atom_properties)
+        try:
+            pos, z = check_positions(positions, atomic_numbers, batch=True)
+            count, n = z.shape
+            if count == 0:
+                return
+            builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                            cell=cell, stress=stress, pbc=pbc, name=name)
+            sections = batch_columns(count, n, builtins, properties, atom_properties)
+        except AtpValueError as exc:
+            raise AtpValueError(f"{self._path}: {self._batch_span(positions)}: {exc}") from None
         self._admit(pos.dtype, sections, n)
         self._write_records(_assemble_batch(count, n, pos, z, sections), [n] * count)
+
+    def _batch_span(self, positions: Any) -> str:
+        """``molecules a..b`` a rejected batch would have taken (its size when known)."""
+        first = len(self)
+        size = getattr(positions, "shape", (None,))[:1]
+        if size and isinstance(size[0], int) and size[0] > 0:
+            return f"molecules {first}..{first + size[0] - 1} (batch of {size[0]})"
+        return f"batch starting at molecule {first}"
 
     def _admit(self, pos_dtype: np.dtype, sections: list[Section], n: int) -> None:
         """Check record format and schema lock; commit the merge only if all fits."""

@@ -101,7 +101,9 @@ def _transfer_once(url: str, buffer: bytearray, *, headers: Mapping[str, str], n
                 raise ShardFetchError(f"shard {name}: HTTP {status} {response.reason} for {url}")
             declared = response.getheader("Content-Length")
             expected_end = len(buffer) + int(declared) if declared and declared.isdigit() else None
-            while chunk := response.read(_CHUNK):
+            # read1 hands over whatever has arrived, so a connection dropped mid-body
+            # loses no received bytes and the resume starts exactly where it broke
+            while chunk := response.read1(_CHUNK):
                 cancel.raise_if_cancelled()
                 buffer += chunk
             cancel.raise_if_cancelled()

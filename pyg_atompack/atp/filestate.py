@@ -1,0 +1,164 @@
+"""Opening one `.atp` file: descriptor or mapping, committed header, schema and index.
+
+A :class:`FileState` is everything an open :class:`~pyg_atompack.atp.Reader` holds.
+It is built in one go (and released completely if any step fails), and rebuilt
+lazily by the reader after unpickling or fork. The per-record caches the reader
+fills while decoding (layouts, the memo of checked layouts, mapped plans) start
+empty here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+import numpy as np
+
+from .codecs import CODEC_NONE
+from .errors import AtpValueError, HeaderError, TruncatedFileError
+from .header import HEADER_SIZE, select_header
+from .index import INDEX_DTYPE, decode_index
+from .mapped import WholeFileViews
+from .schema import decode_schema
+from .types import POSITIONS_DTYPE_BY_TAG
+
+F32 = np.dtype("<f4")
+
+
+class _Unchecked:
+    """Stand-in for the per-record memo before any record was checked: all unknown."""
+
+    __slots__ = ()
+
+    def __getitem__(self, i: int) -> int:
+        return 0
+
+
+UNCHECKED = _Unchecked()
+
+
+class FileState:
+    """The open file behind a reader.
+
+    Args:
+        name: name used in error messages.
+        path: the file, or None for an in-memory image.
+        image: the complete file contents (``path`` None), else None.
+        access: ``"mmap"``, ``"pread"`` or ``"memory"``.
+
+    Raises:
+        AtpError: the file is not a readable `.atp` file (a subclass says why).
+    """
+
+    __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
+                 "index", "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8",
+                 "memo", "memo_layouts", "memo_plans", "views", "index_checked")
+
+    def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
+        self.name = name
+        self.fd = -1
+        self.mm = self.mv = self.u8 = self.buf = None
+        self.index = self.index_buf = self.layouts = self.memo = self.memo_layouts = None
+        self.memo_plans = self.views = None
+        try:
+            self._map(path, image, access)
+            self._parse()
+        except BaseException:
+            self.release()
+            raise
+
+    def _map(self, path: str | None, image: bytes | None, access: str) -> None:
+        if image is not None:
+            self.buf = image
+            self.size = len(image)
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except IsADirectoryError:
+            raise AtpValueError(f"{self.name}: is a directory; use atp.open() for shards") \
+                from None
+        self.size = os.fstat(self.fd).st_size
+        if access == "mmap" and self.size:
+            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+            self.buf = self.mm
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` (the caller checked they lie in the file).
+
+        Args:
+            offset: first byte.
+            length: number of bytes.
+
+        Returns:
+            The bytes (a slice of the mapping or image, or what ``os.pread`` returned).
+
+        Raises:
+            TruncatedFileError: the file is shorter than when it was opened.
+        """
+        if self.buf is not None:
+            return self.buf[offset:offset + length]
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise TruncatedFileError(f"{self.name}: short read at offset {offset} "
+                                     f"({len(data)} of {length} bytes); file changed?")
+        return data
+
+    def _parse(self) -> None:
+        header = select_header(self.read(0, min(HEADER_SIZE, self.size)), self.size, self.name)
+        self.header = header
+        self.codec = header.codec
+        self.schema = None
+        if header.schema_len:
+            self.schema = decode_schema(self.read(header.schema_offset, header.schema_len),
+                                        self.name)
+        if header.record_format == 2:
+            self.pos_dtype = F32
+        else:
+            tag = self.schema.positions_tag if self.schema else None
+            if tag not in POSITIONS_DTYPE_BY_TAG:
+                raise HeaderError(f"{self.name}: record format 3 without a schema positions "
+                                  f"type (tag {tag})")
+            self.pos_dtype = POSITIONS_DTYPE_BY_TAG[tag]
+        self.count = header.num_molecules
+        if header.index_len:
+            if self.mm is not None:
+                self.mv = memoryview(self.mm)
+                end = header.index_offset + header.index_len
+                self.index_buf = self.mv[header.index_offset:end]
+            else:
+                self.index_buf = self.read(header.index_offset, header.index_len)
+            self.index = decode_index(self.index_buf, self.count, self.name)
+        else:
+            self.index_buf = b""
+            self.index = np.zeros(0, dtype=INDEX_DTYPE)
+        self.layouts = {}
+        # per-record memo of checked layouts (ids into memo_layouts; 0 = not checked yet),
+        # an array('H') once the first record is checked
+        self.memo = UNCHECKED
+        self.memo_layouts = [None]
+        self.index_checked = False
+        # mapped uncompressed files decode through per-layout plans (memo id -> plan)
+        if self.buf is not None and self.codec == CODEC_NONE:
+            self.u8 = np.frombuffer(self.buf, np.uint8)
+            self.views = WholeFileViews(self.u8)
+            self.memo_plans = [None]
+        self.fields = None
+        self.n_atoms = None
+
+    def release(self) -> None:
+        """Drop the caches, the mapping and the descriptor (idempotent)."""
+        self.index = self.index_buf = self.u8 = self.layouts = self.memo = None
+        self.memo_layouts = self.memo_plans = self.views = None
+        if self.mv is not None:
+            self.mv.release()
+            self.mv = None
+        if self.mm is not None:
+            # arrays handed out may still view the mapping; it then closes when they die
+            with contextlib.suppress(BufferError):
+                self.mm.close()
+            self.mm = None
+        self.buf = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
