@@ -1,0 +1,169 @@
+"""A batch-level loader: one ``read_batch`` and a few array operations per mini-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch_geometric.data import Batch
+
+from pyg_atompack.data.dataset import AtompackDataset
+from pyg_atompack.pyg import attribute_name, flat_to_batch
+
+__all__ = ["AtompackLoader"]
+
+
+def _pass_through(batch: Batch) -> Batch:
+    # The fetcher already returns a finished Batch; a module-level function
+    # (not a lambda) keeps the loader picklable for spawned workers.
+    return batch
+
+
+class _BatchFetcher(torch.utils.data.Dataset):
+    """Turns one list of dataset positions into one ``Batch`` inside a worker."""
+
+    def __init__(
+        self,
+        dataset: AtompackDataset,
+        follow_batch: Sequence[str],
+        exclude_keys: Sequence[str],
+    ) -> None:
+        self.dataset = dataset
+        self.follow_batch = list(follow_batch)
+        self.exclude_keys = list(exclude_keys)
+        self.read_fields = self._fields_to_read()
+        # Positions -> record indices (view, pre_filter), computed once here
+        # instead of once per batch.
+        self.records = dataset.record_indices()
+
+    def _fields_to_read(self) -> tuple[str, ...] | None:
+        """The dataset's fields minus excluded attributes, so they are never decoded."""
+        if not self.exclude_keys:
+            return self.dataset.fields
+        fields = self.dataset.fields
+        if fields is None:
+            fields = ("positions", "atomic_numbers", *self.dataset.reader.fields)
+        excluded = set(self.exclude_keys)
+        return tuple(f for f in dict.fromkeys(fields) if attribute_name(f) not in excluded)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, positions: Sequence[int]) -> Batch:
+        return self.__getitems__(positions)
+
+    def __getitems__(self, positions: Sequence[int]) -> Batch:
+        dataset = self.dataset
+        if dataset.transform is not None:
+            # A transform works on single Data objects, so build them (each
+            # dataset[i] applies it) and collate the PyG way.
+            return Batch.from_data_list(
+                [dataset[int(p)] for p in positions],
+                follow_batch=self.follow_batch, exclude_keys=self.exclude_keys,
+            )
+        records = self.records[np.asarray(positions, dtype=np.int64)]
+        flat = dataset.reader.read_batch(records, fields=self.read_fields)
+        return flat_to_batch(
+            flat, dtype=dataset.dtype, follow_batch=self.follow_batch,
+            exclude_keys=self.exclude_keys, record_ids=records,
+        )
+
+
+class AtompackLoader(torch.utils.data.DataLoader):
+    r"""A fast mini-batch loader for :class:`AtompackDataset`.
+
+    Instead of building one :class:`~torch_geometric.data.Data` per molecule and
+    collating them, every step draws a list of indices from a sampler, reads the
+    records with a single ``read_batch`` call and assembles the
+    :class:`~torch_geometric.data.Batch` directly from the concatenated arrays
+    (see :func:`pyg_atompack.pyg.flat_to_batch`). The batches equal those of
+    :class:`torch_geometric.loader.DataLoader` over the same dataset and indices,
+    attribute by attribute, including ``batch``, ``ptr`` and ``to_data_list()``.
+
+    Sampling is the standard PyTorch machinery, so ``shuffle``, a custom
+    ``sampler`` such as :class:`~torch.utils.data.DistributedSampler`,
+    ``num_workers``, ``pin_memory``, ``persistent_workers`` and so on behave as
+    usual; each worker reads whole batches. Subsets of the dataset
+    (``index_select``, slicing, ``shuffle()``, ``pre_filter``) are respected.
+
+    When the dataset has a ``transform``, the loader falls back to the
+    per-sample path (``dataset[i]`` for each index, then
+    ``Batch.from_data_list``), because transforms act on single graphs; it is
+    then no faster than PyG's ``DataLoader``. Apply batch-level work to the
+    yielded ``Batch`` instead to keep the fast path.
+
+    A field carried by only some molecules of a batch cannot be batched (PyG's
+    own collate fails or drops it depending on which molecule comes first):
+    the loader raises an error naming the field and the records; leave such
+    fields out with ``fields=`` on the dataset or ``exclude_keys``.
+
+    Args:
+        dataset (AtompackDataset): The dataset to load from.
+        batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
+        shuffle (bool, optional): Reshuffle the data every epoch; not allowed
+            together with ``sampler``. (default: :obj:`False`)
+        drop_last (bool, optional): Drop the last incomplete batch.
+            (default: :obj:`False`)
+        sampler (torch.utils.data.Sampler, optional): Draws dataset positions
+            (e.g. a :class:`~torch.utils.data.DistributedSampler`); the loader
+            groups them into batches. (default: :obj:`None`)
+        num_workers (int, optional): Worker processes; each reopens the
+            dataset's reader. (default: :obj:`0`)
+        follow_batch (list[str], optional): Attributes that get
+            ``<attr>_batch``/``<attr>_ptr`` assignment vectors. (default: :obj:`None`)
+        exclude_keys (list[str], optional): Attributes to leave out of the
+            batch; their fields are not even decoded. (default: :obj:`None`)
+        **kwargs (optional): Further arguments of
+            :class:`torch.utils.data.DataLoader` (``pin_memory``,
+            ``persistent_workers``, ``prefetch_factor``, ``generator``, ...).
+    """
+
+    def __init__(
+        self,
+        dataset: AtompackDataset,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        sampler: Sampler[int] | Iterable[int] | None = None,
+        num_workers: int = 0,
+        follow_batch: Sequence[str] | None = None,
+        exclude_keys: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, AtompackDataset):
+            raise TypeError(
+                f"AtompackLoader needs an AtompackDataset, got {type(dataset).__name__}; "
+                "use torch_geometric.loader.DataLoader for other datasets"
+            )
+        for key in ("batch_sampler", "collate_fn"):
+            if key in kwargs:
+                raise TypeError(f"AtompackLoader does not accept {key!r}: it builds its own")
+        if sampler is not None and shuffle:
+            raise ValueError("AtompackLoader: sampler and shuffle=True are mutually exclusive")
+        generator = kwargs.get("generator")
+        if sampler is None:
+            sampler = (
+                RandomSampler(dataset, generator=generator) if shuffle
+                else SequentialSampler(dataset)
+            )
+        self.follow_batch = list(follow_batch or [])
+        self.exclude_keys = list(exclude_keys or [])
+        self.atompack_dataset = dataset
+        fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys)
+        super().__init__(
+            fetcher,
+            batch_sampler=BatchSampler(sampler, batch_size, drop_last),
+            num_workers=num_workers,
+            collate_fn=_pass_through,
+            **kwargs,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__name__}({self.atompack_dataset!r}, "
+            f"batch_size={self.batch_sampler.batch_size}, "
+            f"num_workers={self.num_workers})"
+        )
