@@ -53,28 +53,33 @@ ATP_MAGIC = b"ATPK"
 _LOAD_LOCK = threading.Lock()
 
 
-class CollatedShard(Sequence):
-    """Lazy view of a collated ``(data, slices)`` shard: sample ``i`` is cut on access.
+def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData]:
+    """Cuts a collated ``(data, slices)`` shard into its samples, all at decode time.
 
-    Args:
-        data: The collated data object.
-        slices: The slice dictionary of ``InMemoryDataset.collate``.
+    Doing it here, on the prefetch thread, rather than lazily in the consumer means a
+    damaged shard (slices that do not fit the data, a ``Data`` whose storage did not
+    survive unpickling; torch does not check the zip CRC) fails as a named
+    :class:`ShardDecodeError` that ``on_error="skip"`` can handle, and the consumer only
+    ever receives ready samples.
     """
-
-    def __init__(self, data: BaseData, slices: dict):
-        self.data = data
-        self.slices = slices
-        first = next(iter(slices.values()))
-        self._length = int(len(first) - 1)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: int) -> BaseData:
-        if not -self._length <= index < self._length:
-            raise IndexError(f"sample {index} out of range for a shard of {self._length}")
-        return separate(type(self.data), batch=self.data, idx=index % self._length,
-                        slice_dict=self.slices, decrement=False)
+    try:
+        lengths = {int(value.numel()) for value in slices.values()
+                   if isinstance(value, torch.Tensor)}
+        if len(lengths) != 1 or len(slices) != sum(
+                isinstance(value, torch.Tensor) for value in slices.values()):
+            raise ValueError("slice tensors differ in length or are not tensors")
+        count = lengths.pop() - 1
+        for key, value in slices.items():
+            if value.dim() != 1 or (count >= 0 and int(value[0]) != 0) or bool(
+                    (value[1:] < value[:-1]).any()):
+                raise ValueError(f"slices of {key!r} do not start at 0 and increase")
+        data_class = type(data)
+        return [separate(data_class, batch=data, idx=index, slice_dict=slices,
+                         decrement=False) for index in range(max(count, 0))]
+    except Exception as error:  # torch/PyG raise RuntimeError, KeyError, ... on bad input
+        raise ShardDecodeError(
+            f"shard {name}: malformed (data, slices) payload: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _load_pt(buffer: bytes | bytearray | memoryview, name: str, trusted: bool) -> Any:
@@ -113,7 +118,7 @@ def _as_samples(obj: Any, name: str) -> Sequence[BaseData]:
             data = data_class.from_dict(data)
         if not isinstance(data, BaseData) or not slices:
             raise ShardDecodeError(f"shard {name}: malformed (data, slices) tuple")
-        return CollatedShard(data, slices)
+        return _separate_collated(data, slices, name)
     if isinstance(obj, (list, tuple)):
         for position, item in enumerate(obj):
             if not isinstance(item, BaseData):

@@ -1,0 +1,294 @@
+"""Fuzz the streaming layer's ``.pt`` shard loader with ``trusted=False``.
+
+Inputs are (a) valid shards written by ``torch.save`` (a list of ``Data``, a
+collated ``InMemoryDataset`` tuple, the ``InMemoryDataset.save`` triple) with
+bytes flipped, truncated or spliced, (b) the same archives with their
+``data.pkl`` edited and the zip rebuilt (so the CRC is right and the edit
+reaches the unpickler), and (c) hand-assembled pickles that try to run code
+(``os.system``, ``eval``, ``exec``, ``open``, ``subprocess`` ...) through
+``REDUCE``, ``INST``, ``OBJ``, ``NEWOBJ`` and ``BUILD``, each aimed at creating
+a marker file, placed inside a torch zip archive or given as a bare pickle.
+
+Every input must either decode into samples that can be read, or raise the
+stream layer's ``StreamError`` (``ShardDecodeError`` / ``UnsafePayloadError``)
+naming the shard; the marker file must never appear. A control test shows that
+the same payloads *do* create the marker with ``trusted=True``, so the
+payloads are real. Budget: ``PYG_ATOMPACK_FUZZ_EXAMPLES`` (default 200).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import struct
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from servers.http_server import make_samples
+from test_fuzz_atp import EXAMPLES, FUZZ_TIMEOUT_S, HANG_S, FuzzHang, watchdog
+from torch_geometric.data import Data, InMemoryDataset
+
+from pyg_atompack.stream import ShardDecodeError, StreamError, UnsafePayloadError, decode_shard
+
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+
+SHARD_NAME = "shard-0007.pt"
+# callables that would touch the marker, with the argument list that does it
+DANGEROUS = (
+    ("os", "system", "cmd"), ("posix", "system", "cmd"), ("subprocess", "check_call", "argv"),
+    ("subprocess", "Popen", "argv"), ("builtins", "eval", "code"), ("builtins", "exec", "code"),
+    ("builtins", "open", "open"), ("io", "open", "open"), ("codecs", "open", "open"),
+    ("__builtin__", "eval", "code"), ("runpy", "_run_code", "code"),
+    ("torch.serialization", "load", "path"), ("pathlib", "Path.touch", "path"),
+)
+CALL_OPCODES = ("REDUCE", "INST", "OBJ", "NEWOBJ", "BUILD")
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+BASES = {
+    "list": _torch_bytes(make_samples(7, 3)),
+    "collated": _torch_bytes(InMemoryDataset.collate(make_samples(8, 3))),
+    # the layout InMemoryDataset.save writes: (data.to_dict(), slices, Data)
+    "triple": _torch_bytes((InMemoryDataset.collate(make_samples(9, 2))[0].to_dict(),
+                            InMemoryDataset.collate(make_samples(9, 2))[1], Data)),
+}
+
+
+def _with_pickle(archive: bytes, pickled: bytes) -> bytes:
+    """Replace ``data.pkl`` of a torch zip archive, rebuilding the zip (valid CRCs)."""
+    source = zipfile.ZipFile(io.BytesIO(archive))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            target.writestr(info.filename, pickled if info.filename.endswith("/data.pkl")
+                            else data)
+    return out.getvalue()
+
+
+def _data_pkl(archive: bytes) -> bytes:
+    source = zipfile.ZipFile(io.BytesIO(archive))
+    name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
+    return source.read(name)
+
+
+# ---------------------------------------------------------------------- crafted pickles
+def _unicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
+
+
+def _arguments(style: str, marker: Path) -> list[str] | list[list[str]]:
+    if style == "cmd":
+        return [f"touch {marker}"]
+    if style == "argv":
+        return [["touch", str(marker)]]
+    if style == "code":
+        return [f"open({str(marker)!r}, 'w').close()"]
+    if style == "open":
+        return [str(marker), "w"]
+    return [str(marker)]
+
+
+def _push(value: str | list[str]) -> bytes:
+    if isinstance(value, list):
+        return b"]" + b"(" + b"".join(_unicode(v) for v in value) + b"e"  # EMPTY_LIST MARK APPENDS
+    return _unicode(value)
+
+
+def evil_pickle(module: str, name: str, style: str, call: str, marker: Path,
+                wrap: bool, protocol_header: bool) -> bytes:
+    """A pickle that calls ``module.name`` on arguments that would create ``marker``."""
+    args = b"".join(_push(a) for a in _arguments(style, marker))
+    ref = f"{module}\n{name}\n".encode()
+    if call == "REDUCE":
+        body = b"c" + ref + b"(" + args + b"t" + b"R"
+    elif call == "INST":
+        body = b"(" + args + b"i" + ref
+    elif call == "OBJ":
+        body = b"(" + b"c" + ref + args + b"o"
+    elif call == "NEWOBJ":
+        body = b"c" + ref + b"(" + args + b"t" + b"\x81"
+    else:  # BUILD: an allowed class whose state carries the call's result
+        body = (b"ctorch_geometric.data.data\nData\n)\x81" + b"}" + _unicode("x")
+                + b"c" + ref + b"(" + args + b"t" + b"R" + b"s" + b"b")
+    if wrap:
+        body = b"]" + body + b"a"  # a list holding the object, like a shard
+    return (b"\x80\x02" if protocol_header else b"") + body + b"."
+
+
+@st.composite
+def crafted_inputs(draw: st.DrawFn, marker: Path) -> tuple[str, bytes]:
+    module, name, style = draw(st.sampled_from(DANGEROUS))
+    call = draw(st.sampled_from(CALL_OPCODES))
+    pickled = evil_pickle(module, name, style, call, marker, wrap=draw(st.booleans()),
+                          protocol_header=draw(st.booleans()))
+    container = draw(st.sampled_from(["zip", "bare"]))
+    data = _with_pickle(BASES[draw(st.sampled_from(sorted(BASES)))], pickled) \
+        if container == "zip" else pickled
+    return f"{call} {module}.{name} in {container}", data
+
+
+# ---------------------------------------------------------------------- byte-level mutations
+@st.composite
+def mutated_inputs(draw: st.DrawFn) -> tuple[str, bytes]:
+    base_name = draw(st.sampled_from(sorted(BASES)))
+    data = bytearray(BASES[base_name])
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["flip", "truncate", "pickle_flip", "pickle_insert",
+                                     "pickle_truncate", "splice"]))
+        if kind == "flip" and data:
+            at = draw(st.integers(0, len(data) - 1))
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "truncate" and data:
+            del data[draw(st.integers(0, len(data) - 1)):]
+        elif kind == "splice" and data:
+            src, dst = draw(st.integers(0, len(data) - 1)), draw(st.integers(0, len(data) - 1))
+            chunk = bytes(data[src:src + draw(st.integers(1, 64))])
+            data[dst:dst + len(chunk)] = chunk
+        else:
+            try:
+                pickled = bytearray(_data_pkl(bytes(data)))
+            except (zipfile.BadZipFile, StopIteration, KeyError, ValueError, OSError):
+                continue
+            if not pickled:
+                continue
+            at = draw(st.integers(0, len(pickled) - 1))
+            if kind == "pickle_flip":
+                pickled[at] ^= 1 << draw(st.integers(0, 7))
+            elif kind == "pickle_insert":
+                pickled[at:at] = draw(st.binary(min_size=1, max_size=8))
+            else:
+                del pickled[at:]
+            try:
+                data = bytearray(_with_pickle(bytes(data), bytes(pickled)))
+            except (zipfile.BadZipFile, ValueError, OSError):
+                continue
+        steps.append(kind)
+    return f"{base_name} {steps}", bytes(data)
+
+
+# ---------------------------------------------------------------------- harness
+def decode_and_read(data: bytes) -> str:
+    """Decode with trusted=False and read every sample; ``"ok"`` or the error class."""
+    try:
+        samples = decode_shard(data, SHARD_NAME, trusted=False)
+    except StreamError as error:
+        assert SHARD_NAME in str(error), f"error does not name the shard: {error}"
+        return type(error).__name__
+    for sample in samples:
+        for _key, value in sample.items():
+            if isinstance(value, torch.Tensor):
+                value.sum()
+    return "ok"
+
+
+def _run(case: tuple[str, bytes], marker: Path, outcomes: Counter) -> None:
+    what, data = case
+    with watchdog(HANG_S, what):
+        try:
+            outcomes[decode_and_read(data)] += 1
+        except (AssertionError, FuzzHang):
+            raise
+        except Exception as error:
+            raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
+    assert not marker.exists(), f"{what}: the payload ran code (marker file created)"
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_crafted_pickles_never_execute_code(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=max(EXAMPLES // 2, 20), derandomize=True, deadline=None,
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(crafted_inputs(marker))
+    def fuzz(case: tuple[str, bytes]) -> None:
+        _run(case, marker, outcomes)
+
+    fuzz()
+    assert outcomes["ok"] == 0, outcomes
+    assert outcomes["UnsafePayloadError"] > 0, outcomes
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_mutated_pt_shards_decode_or_raise_stream_error(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mutated_inputs())
+    def fuzz(case: tuple[str, bytes]) -> None:
+        _run(case, marker, outcomes)
+
+    fuzz()
+    print(f"pt fuzz outcomes: {dict(outcomes)}")
+    assert outcomes["ShardDecodeError"] + outcomes["UnsafePayloadError"] > 0, outcomes
+
+
+@pytest.mark.parametrize("call", ["REDUCE", "INST", "OBJ", "BUILD"])  # NEWOBJ needs a class
+def test_payloads_are_real_when_trusted(tmp_path: Path, call: str) -> None:
+    """Control: the crafted pickles do run code when unpickled without the allow-list."""
+    marker = tmp_path / f"pwned-{call}"
+    pickled = evil_pickle("os", "system", "cmd", call, marker, wrap=True, protocol_header=True)
+    # BUILD yields a valid list of Data; the other calls leave no Data behind
+    with contextlib.suppress(StreamError):
+        decode_shard(_with_pickle(BASES["list"], pickled), SHARD_NAME, trusted=True)
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(UnsafePayloadError, match="trusted=True"):
+        decode_shard(_with_pickle(BASES["list"], pickled), SHARD_NAME, trusted=False)
+    assert not marker.exists()
+
+
+def test_unmodified_bases_decode(tmp_path: Path) -> None:
+    for name, data in BASES.items():
+        assert decode_and_read(data) == "ok", name
+    assert len(decode_shard(BASES["collated"], SHARD_NAME)) == 3
+
+
+def test_error_family() -> None:
+    assert issubclass(UnsafePayloadError, ShardDecodeError)
+    assert issubclass(ShardDecodeError, StreamError)
+    with pytest.raises(ShardDecodeError, match=SHARD_NAME):
+        decode_shard(b"not a pickle at all", SHARD_NAME)
+    with pytest.raises(StreamError, match=SHARD_NAME):
+        decode_shard(pickle.dumps({"a": 1}, protocol=2), SHARD_NAME)
+
+
+# ---------------------------------------------------------------------- known stream-layer bug
+# A damaged collated shard (slices that do not fit the data, or a Data whose storage did
+# not survive unpickling) must fail as a named ShardDecodeError at decode time, where
+# on_error="skip" can handle it. Found by this fuzzer (PYG_ATOMPACK_FUZZ_EXAMPLES=2000).
+
+
+def _read_all(data: bytes) -> None:
+    for sample in decode_shard(data, SHARD_NAME, trusted=False):
+        sample.to_dict()
+
+
+def test_collated_shard_with_inconsistent_slices_raises_stream_error() -> None:
+    data, slices = InMemoryDataset.collate(make_samples(3, 3))
+    slices["pos"] = torch.tensor([0, 100, 200, 300])  # the data holds 9 rows, not 300
+    with pytest.raises(ShardDecodeError, match=SHARD_NAME):
+        _read_all(_torch_bytes((data, slices)))
+
+
+def test_collated_shard_with_damaged_storage_raises_stream_error() -> None:
+    pickled = _data_pkl(BASES["collated"])
+    assert b"_store" in pickled
+    with pytest.raises(ShardDecodeError, match=SHARD_NAME):
+        _read_all(_with_pickle(BASES["collated"], pickled.replace(b"_store", b"_stord", 1)))
