@@ -25,6 +25,23 @@ test: $(STAMP)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
 	$(PY) -m pytest -q
 
+# A long fuzzing run of the .atp reader and the .pt shard loader (~10 min).
+fuzz: $(STAMP)
+	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py
+
+# Streaming soak test against the fault-injecting loopback server (not in CI).
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
+
+# Every benchmark, one after another; each writes benchmarks/results/<name>.md.
+bench: $(STAMP)
+	$(PY) benchmarks/bench_atp.py
+	$(PY) benchmarks/bench_dataset.py
+	$(PY) benchmarks/bench_convert.py
+	$(PY) benchmarks/bench_graph.py
+	$(PY) benchmarks/stream_overlap.py
+	$(PY) benchmarks/paired_schnet.py
+
 lint: $(STAMP)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
 
