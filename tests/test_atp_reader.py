@@ -308,3 +308,152 @@ def test_read_batch_on_a_damaged_record_names_it(tmp_path, golden_dir):
             assert len(f.read_batch([0, 2])["n_atoms"]) == 2
             with pytest.raises(atp.RecordDecodeError, match=r"t\.atp: record 1\b"):
                 f.read_batch([0, 2, 1])
+
+
+# ------------------------------------------------------------------ file lists
+
+
+def _write_small(path, sizes, energy_start=0):
+    rng = np.random.default_rng(len(sizes))
+    with atp.Writer(path) as w:
+        for j, n in enumerate(sizes):
+            w.add(rng.normal(size=(n, 3)).astype(np.float32), np.arange(1, n + 1),
+                  energy=float(energy_start + j))
+    return path
+
+
+def test_from_paths_reads_files_in_the_given_order(tmp_path):
+    first = _write_small(tmp_path / "b.atp", (2, 3), energy_start=0)
+    second = _write_small(tmp_path / "a.atp", (4,), energy_start=10)
+    for reader in (atp.ShardedReader.from_paths([first, second]),
+                   atp.open((str(first), str(second)), access="pread")):
+        assert isinstance(reader, atp.ShardedReader)
+        assert len(reader) == 3
+        assert [m.energy for m in reader] == [0.0, 1.0, 10.0]
+        assert reader.locate(2) == (1, 0)
+        batch = reader.read_batch([2, 0])
+        assert batch["energy"].tolist() == [10.0, 0.0]
+        assert batch["n_atoms"].tolist() == [4, 2]
+        assert reader.shard_paths == [str(first), str(second)]
+        assert str(first) in reader.path and str(second) in reader.path
+        clone = pickle.loads(pickle.dumps(reader))
+        assert [m.energy for m in clone] == [0.0, 1.0, 10.0]
+
+
+def test_from_paths_rejects_bad_lists(tmp_path):
+    good = _write_small(tmp_path / "good.atp", (2,))
+    with pytest.raises(atp.AtpValueError, match="empty list"):
+        atp.ShardedReader.from_paths([])
+    with pytest.raises(atp.AtpValueError, match="list of files"):
+        atp.ShardedReader.from_paths(str(good))
+    with pytest.raises(atp.AtpValueError, match="access"):
+        atp.ShardedReader.from_paths([good], access="nope")
+    with pytest.raises(FileNotFoundError, match="missing.atp"):
+        atp.open([good, tmp_path / "missing.atp"])
+    (tmp_path / "junk.atp").write_bytes(b"not an atp file at all" * 10)
+    with pytest.raises(atp.AtpError, match="junk.atp"):
+        atp.open([good, tmp_path / "junk.atp"])
+
+
+# ------------------------------------------------------------------ mixed-size batches
+
+
+def _expected_batch(reader, indices, fields):
+    """read_batch's arrays rebuilt record by record from reader[i]."""
+    mols = [reader[i] for i in indices]
+    out = {"positions": np.concatenate([m.positions for m in mols]),
+           "atomic_numbers": np.concatenate([m.atomic_numbers for m in mols])}
+    for field in fields:
+        if field.startswith("atom_properties/"):
+            out[field] = np.concatenate([m.atom_properties[field.split("/")[1]] for m in mols])
+        elif field.startswith("properties/"):
+            out[field] = np.stack([np.asarray(m.properties[field.split("/")[1]]) for m in mols])
+        elif field in ("forces", "velocities", "charges"):
+            out[field] = np.concatenate([getattr(m, field) for m in mols])
+        else:
+            out[field] = np.stack([np.asarray(getattr(m, field)) for m in mols])
+    return out
+
+
+def _batch_value(batch, field):
+    if field.startswith("atom_properties/"):
+        return batch["atom_properties"][field.split("/")[1]]
+    if field.startswith("properties/"):
+        return batch["properties"][field.split("/")[1]]
+    return batch[field]
+
+
+@pytest.mark.parametrize("odd_one", [None, "name", "extra_property", "missing_forces"])
+def test_mixed_size_read_batch_matches_records(tmp_path, odd_one, monkeypatch):
+    """Records of many sizes (one structure, or one record that breaks it)."""
+    from pyg_atompack.atp import batch as atp_batch
+
+    structured = []  # results of the one-gather-per-field path (None: it declined)
+    original = atp_batch._read_structured
+    monkeypatch.setattr(atp_batch, "_read_structured",
+                        lambda *args: structured.append(original(*args)) or structured[-1])
+    rng = np.random.default_rng(7)
+    sizes = [int(n) for n in rng.integers(1, 40, size=60)]
+    path = tmp_path / "sizes.atp"
+    with atp.Writer(path) as w:
+        for j, n in enumerate(sizes):
+            kwargs = {"energy": float(j), "forces": rng.normal(size=(n, 3)).astype(np.float32),
+                      "cell": rng.normal(size=(3, 3)), "pbc": np.array([1, 0, j % 2], bool),
+                      "properties": {"vec": np.full(3, j, np.float64), "count": j},
+                      "atom_properties": {"q": rng.normal(size=n).astype(np.float32)}}
+            if j == 30 and odd_one == "name":
+                kwargs["name"] = "different structure"
+            if j == 30 and odd_one == "extra_property":
+                kwargs["properties"] = {"vec": np.full(3, j, np.float64), "count": j,
+                                        "extra": 1.5}
+            if j == 30 and odd_one == "missing_forces":
+                del kwargs["forces"]
+            w.add(rng.normal(size=(n, 3)).astype(np.float32),
+                  rng.integers(1, 90, size=n), **kwargs)
+    fields = ["energy", "forces", "cell", "pbc", "properties/count", "properties/vec",
+              "atom_properties/q"]
+    safe = [i for i in range(60) if i != 30]
+    for access in ("mmap", "pread"):
+        reader = atp.open(path, access=access)
+        for indices in (rng.permutation(safe)[:25], np.array(safe[::-1])):
+            batch = reader.read_batch(indices, fields=fields)
+            expected = _expected_batch(reader, indices, fields)
+            assert batch["n_atoms"].tolist() == [sizes[i] for i in indices]
+            for key in ("positions", "atomic_numbers", *fields):
+                got = _batch_value(batch, key)
+                assert got.dtype == expected[key].dtype, key
+                np.testing.assert_array_equal(got, expected[key], err_msg=key)
+            assert all(mask.all() for mask in batch["mask"].values())
+        if access == "mmap":
+            assert structured and all(out is not None for out in structured)
+        # a batch holding the record that breaks the structure still decodes right
+        batch = reader.read_batch([0, 30, 1], fields=["energy", "forces"])
+        assert batch["energy"].tolist() == [0.0, 30.0, 1.0]
+        forces_30 = batch["forces"][sizes[0]:sizes[0] + sizes[30]]
+        if odd_one == "missing_forces":
+            assert batch["mask"]["forces"].tolist() == [True, False, True]
+            assert not forces_30.any()
+        else:
+            np.testing.assert_array_equal(forces_30, reader[30].forces)
+
+
+def test_mixed_size_read_batch_rejects_a_damaged_structure(tmp_path):
+    """A header byte flipped in one record: the batch falls back and names the record."""
+    path = tmp_path / "damaged.atp"
+    with atp.Writer(path) as w:
+        for n in (3, 5, 7, 9):
+            w.add(np.zeros((n, 3), np.float32), np.ones(n, np.uint8), energy=1.0,
+                  forces=np.ones((n, 3), np.float32))
+    reader = atp.open(path)
+    assert reader.read_batch([0, 1, 2, 3])["forces"].shape == (24, 3)
+    offset = int(reader.index["offset"][2])
+    raw = bytearray(path.read_bytes())
+    raw[offset + 4 + 13 * 7 + 2] = 9  # record 2's first section kind: unknown
+    damaged = tmp_path / "damaged2.atp"
+    damaged.write_bytes(bytes(raw))
+    with atp.open(damaged) as f:
+        carried = [f[i].energy is not None for i in range(4)]
+        assert carried.count(False) == 1 or f[2].forces is None  # the damage took effect
+        batch = f.read_batch([0, 1, 2, 3], fields=["energy", "forces"])
+        assert batch["mask"]["energy"].tolist() == carried
+        assert batch["mask"]["forces"].tolist() == [f[i].forces is not None for i in range(4)]

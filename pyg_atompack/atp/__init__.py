@@ -33,17 +33,23 @@ from .sharded import ShardedReader, find_shards
 from .writer import Writer
 
 
-def open(path: str | os.PathLike, access: str = "mmap") -> Reader | ShardedReader:  # noqa: A001
-    """Open an `.atp` file, or a directory of shards, read-only.
+def open(  # noqa: A001
+    path: str | os.PathLike | list[str | os.PathLike] | tuple[str | os.PathLike, ...],
+    access: str = "mmap",
+) -> Reader | ShardedReader:
+    """Open an `.atp` file, a directory of shards, or a list of files, read-only.
 
     Args:
-        path: a file, or a directory searched recursively for ``*.atp`` shards.
+        path: a file, a directory searched recursively for ``*.atp`` shards, or a
+            list/tuple of files read as one dataset in the given order.
         access: ``"mmap"`` (zero-copy views) or ``"pread"`` (owned, writable arrays).
             (default: ``"mmap"``)
 
     Returns:
-        A :class:`Reader` for a file, a :class:`ShardedReader` for a directory.
+        A :class:`Reader` for a file, a :class:`ShardedReader` for a directory or a list.
     """
+    if isinstance(path, (list, tuple)):
+        return ShardedReader.from_paths(path, access=access)
     if os.path.isdir(path):
         return ShardedReader(path, access=access)
     return Reader(path, access=access)

@@ -25,7 +25,7 @@ from .errors import (
     RecordDecodeError,
 )
 from .fields import FieldInfo
-from .gather import read_mapped
+from .gather import plan_of, read_mapped
 from .header import HEADER_SIZE
 from .records import (
     OP_ARRAY,
@@ -37,6 +37,7 @@ from .records import (
     Slot,
     decode_slot,
 )
+from .structure import read_structured
 from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
@@ -151,7 +152,13 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     n_atoms = entries["n_atoms"].astype(np.int64)
     try:
         if st.u8 is not None and len(idx):
-            # mapped, uncompressed: gather straight from the file (gather.py)
+            # mapped, uncompressed: gather straight from the file
+            if not (n_atoms == n_atoms[0]).all():
+                # mixed sizes: one gather per field when the records share a structure
+                out = _read_structured(reader, st, idx, entries, n_atoms, infos)
+                if out is not None:
+                    out["n_atoms"] = n_atoms
+                    return out
             lids = _checked_layout_ids(reader, st, idx, entries)
             # grouped gathers pay per group; mostly-distinct layouts decode faster per record
             if lids is not None and 4 * (len(np.unique(lids)) - 1) <= len(lids):
@@ -175,6 +182,28 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     for key in ("properties", "atom_properties", "mask"):
         out.setdefault(key, {})
     return out
+
+
+def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
+    """``read_batch`` of mixed-size records sharing the first one's structure (structure.py).
+
+    Returns None when they do not share it or a field needs per-record decoding.
+    """
+    _check_index_bounds(reader, st)
+    first = int(idx[0])
+    lid = reader._memo(st)[first]
+    if lid:
+        layout = st.memo_layouts[lid]
+    else:
+        layout = reader._record(st, first)[2]
+        reader._remember(st, first, layout)
+    structure = plan_of(layout, st.u8).structure()
+    if structure is None:
+        return None
+    offsets = entries["offset"].astype(np.int64)
+    if not structure.fits(offsets, entries["raw"].astype(np.int64), n_atoms):
+        return None
+    return read_structured(structure, offsets, n_atoms, infos)
 
 
 def _name_failed_record(reader, idx: np.ndarray, exc: Exception) -> AtpError:

@@ -48,7 +48,17 @@ class FieldInfo:
     shape: tuple[int, ...] | None
 
     def zeros(self, rows: int) -> np.ndarray | None:
-        """A zero array for ``rows`` molecules (or atoms), or None if the shape varies."""
+        """A zero array for ``rows`` molecules (or atoms), or None if the shape varies.
+
+        Used to fill the rows of molecules that do not carry this field.
+
+        Args:
+            rows: Number of molecules (per-molecule fields) or atoms (per-atom fields).
+
+        Returns:
+            An array of shape ``(rows, *shape)`` in the field's dtype, or :obj:`None` when
+            the field's shape or dtype differs between records (strings, ragged arrays).
+        """
         if self.shape is None or self.dtype is None:
             return None
         return np.zeros((rows, *self.shape), dtype=self.dtype)

@@ -22,6 +22,7 @@ import numpy as np
 from .assemble import assemble, store
 from .fields import FieldInfo
 from .records import OP_ARRAY, OP_F32, OP_F64, OP_I64, OP_PBC, Layout, Slot, decode_slot
+from .structure import Structure, build_structure
 
 _U8 = np.dtype("u1")
 _SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
@@ -105,7 +106,7 @@ class GatherPlan:
         file_u8: the mapped file as uint8.
     """
 
-    __slots__ = ("layout", "file_u8", "positions", "numbers", "_fields")
+    __slots__ = ("layout", "file_u8", "positions", "numbers", "_fields", "_structure")
 
     def __init__(self, layout: Layout, file_u8: np.ndarray) -> None:
         n = layout.n_atoms
@@ -114,6 +115,13 @@ class GatherPlan:
         self.positions = Window(file_u8, 4, layout.pos_dtype, (n, 3))
         self.numbers = Window(file_u8, layout.z_offset, _U8, (n,))
         self._fields: dict[str, Window | None] = {}
+        self._structure: Structure | bool | None = None
+
+    def structure(self) -> Structure | None:
+        """The layout's affine structure (structure.py) over this mapping, or None."""
+        if self._structure is None:
+            self._structure = build_structure(self.layout, self.file_u8) or False
+        return self._structure or None
 
     def window(self, field: str) -> Window | None:
         """The window of ``field`` (None if this layout lacks it or it is not fixed-size)."""
@@ -181,7 +189,7 @@ def gather_groups(windows: list[Window | None], group_of: np.ndarray, offsets: n
     return out, present
 
 
-def _plan(layout: Layout, file_u8: np.ndarray) -> GatherPlan:
+def plan_of(layout: Layout, file_u8: np.ndarray) -> GatherPlan:
     if layout.gather is None:
         layout.gather = GatherPlan(layout, file_u8)
     return layout.gather
@@ -212,7 +220,7 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
     everyone.flags.writeable = False
     first = int(layout_ids[0])
     if (layout_ids == first).all():
-        plan = _plan(st.memo_layouts[first], file_u8)
+        plan = plan_of(st.memo_layouts[first], file_u8)
         out["positions"] = plan.positions.take(offsets).reshape(-1, 3)
         out["atomic_numbers"] = plan.numbers.take(offsets).reshape(-1)
         for field, info in infos.items():
@@ -223,7 +231,7 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
                 _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms)
         return out
     lids, group_of = np.unique(layout_ids, return_inverse=True)
-    plans = [_plan(st.memo_layouts[lid], file_u8) for lid in lids.tolist()]
+    plans = [plan_of(st.memo_layouts[lid], file_u8) for lid in lids.tolist()]
     out["positions"] = gather_groups([p.positions for p in plans], group_of, offsets,
                                      n_atoms, True)[0]
     out["atomic_numbers"] = gather_groups([p.numbers for p in plans], group_of, offsets,

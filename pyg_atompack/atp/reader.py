@@ -306,7 +306,19 @@ class Reader:
             raise RecordDecodeError(f"{self._name}: record {i}: {exc}") from exc
 
     def get(self, i: int) -> Molecule:
-        """Same as ``reader[i]``."""
+        """Decode one molecule; the same as ``reader[i]``.
+
+        Args:
+            i: Molecule index; negative values count from the end.
+
+        Returns:
+            The decoded :class:`Molecule`.
+
+        Raises:
+            AtpIndexError: ``i`` is out of range.
+            AtpValueError: ``i`` is not an integer.
+            AtpError: The record is damaged (the message names the file and record).
+        """
         return self[i]
 
     def __iter__(self) -> Iterator[Molecule]:
@@ -314,7 +326,19 @@ class Reader:
             yield self[i]
 
     def raw_record(self, i: int) -> bytes:
-        """The uncompressed bytes of record ``i`` (as written, byte for byte)."""
+        """The uncompressed bytes of record ``i`` (as written, byte for byte).
+
+        Args:
+            i: Molecule index; negative values count from the end.
+
+        Returns:
+            The record's bytes after decompression, without decoding its sections.
+
+        Raises:
+            AtpIndexError: ``i`` is out of range.
+            AtpValueError: ``i`` is not an integer.
+            RecordDecodeError: The stored bytes do not decompress to the indexed size.
+        """
         st = self._state()
         i = molecule_index(i, st.count, self._name)
         off, stored, raw, _ = self._entry(st, i)

@@ -32,8 +32,15 @@ def find_shards(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def _check_access(access: str) -> None:
+    if access not in ACCESS_MODES:
+        raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
+
+
 class ShardedReader:
-    """Concatenation of the shards of a directory, indexed globally.
+    """Concatenation of the shards of a directory (or of a file list), indexed globally.
+
+    Use :meth:`from_paths` for an explicit list of files.
 
     Args:
         root: directory holding the shards (searched recursively).
@@ -45,13 +52,51 @@ class ShardedReader:
     """
 
     def __init__(self, root: str | os.PathLike, access: str = "mmap") -> None:
-        if access not in ACCESS_MODES:
-            raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
-        self._root = os.fspath(root)
-        self._access = access
+        _check_access(access)
+        name = os.fspath(root)
         paths = find_shards(root)
         if not paths:
-            raise AtpValueError(f"{self._root}: no .atp files below this directory")
+            raise AtpValueError(f"{name}: no .atp files below this directory")
+        self._open_shards(name, paths, access)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[str | os.PathLike],
+                   access: str = "mmap") -> ShardedReader:
+        """One logical dataset over an explicit list of files, in the given order.
+
+        Args:
+            paths: the `.atp` files; molecule ``0`` is the first file's first record.
+            access: ``"mmap"`` or ``"pread"``, passed to every file.
+
+        Returns:
+            A reader indexing the files' molecules globally; its :attr:`path` is a
+            bracketed list of the files (used in error messages).
+
+        Raises:
+            AtpValueError: ``paths`` is empty, a string, or ``access`` is unknown.
+            FileNotFoundError: a file does not exist (the message names it).
+            AtpError: a file is unreadable (the message names it).
+        """
+        if isinstance(paths, (str, bytes, os.PathLike)):
+            raise AtpValueError(f"from_paths needs a list of files, got the single path "
+                                f"{os.fspath(paths)!r}")
+        _check_access(access)
+        files = [Path(p) for p in paths]
+        if not files:
+            raise AtpValueError("from_paths needs at least one .atp file, got an empty list")
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"{str(path)!r}: no such .atp file")
+        shown = [str(p) for p in files]
+        name = "[" + (", ".join(shown) if len(shown) <= 3 else
+                      f"{shown[0]}, ... {len(shown) - 2} more ..., {shown[-1]}") + "]"
+        reader = cls.__new__(cls)
+        reader._open_shards(name, files, access)
+        return reader
+
+    def _open_shards(self, name: str, paths: Sequence[Path], access: str) -> None:
+        self._root = name
+        self._access = access
         self._shards = [Reader(p, access=access) for p in paths]
         self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
         self._starts_list = self._starts.tolist()
@@ -70,7 +115,7 @@ class ShardedReader:
 
     @property
     def path(self) -> str:
-        """The dataset directory."""
+        """The dataset directory (a bracketed file list for :meth:`from_paths`)."""
         return self._root
 
     @property

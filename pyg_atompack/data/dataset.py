@@ -53,28 +53,6 @@ def _describe(source: Any) -> str:
     return type(source).__name__
 
 
-class _FileListReader(atp.ShardedReader):
-    """A :class:`~pyg_atompack.atp.ShardedReader` over an explicit list of files.
-
-    ``ShardedReader`` only takes a directory; this fills the same state from a
-    list of files in the caller's order, so indexing, ``read_batch`` across
-    shards and pickling come from the format layer unchanged.
-    """
-
-    def __init__(self, paths: Sequence[str | os.PathLike], access: str = "mmap") -> None:
-        files = [Path(path) for path in paths]
-        for path in files:
-            if not path.is_file():
-                raise FileNotFoundError(f"AtompackDataset source file {str(path)!r} does not exist")
-        self._root = f"[{', '.join(str(path) for path in files)}]"
-        self._access = access
-        self._shards = [atp.Reader(path, access=access) for path in files]
-        self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
-        self._starts_list = self._starts.tolist()
-        self._fields = None
-        self._n_atoms = None
-
-
 def _open_source(source: Any, access: str) -> Any:
     """Opens whatever ``source`` names as one reader with the `.atp` reader interface."""
     if _is_reader(source):
@@ -90,7 +68,7 @@ def _open_source(source: Any, access: str) -> Any:
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("AtompackDataset needs at least one .atp file, got an empty list")
-        return _FileListReader(source, access=access)
+        return atp.ShardedReader.from_paths(source, access=access)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.exists():

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 import torch.utils.data
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch_geometric.data import Batch
@@ -160,6 +161,23 @@ class AtompackLoader(torch.utils.data.DataLoader):
             collate_fn=_pass_through,
             **kwargs,
         )
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.num_workers == 0 and not self.pin_memory:
+            # In-process loading needs none of the iterator machinery of
+            # DataLoader (profiler scopes, worker bookkeeping: ~15 us a batch,
+            # a fifth of the whole cost of a 32-molecule batch).
+            positions = iter(self.batch_sampler)
+            # DataLoader draws a base seed per epoch from the loader's generator
+            # (or the global one); draw it too so that shuffles stay identical.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            return self._batches_in_process(positions)
+        return super().__iter__()
+
+    def _batches_in_process(self, positions: Iterator[list[int]]) -> Iterator[Batch]:
+        fetch = self.dataset.__getitems__
+        for batch_positions in positions:
+            yield fetch(batch_positions)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,55 @@
+"""Shared torch helpers: turn `.atp` records and flat batches into PyG objects.
+
+Both the dataset layer (:mod:`pyg_atompack.data`) and the streaming layer
+(:mod:`pyg_atompack.stream`) build their :class:`~torch_geometric.data.Data`
+and :class:`~torch_geometric.data.Batch` objects here, so that every dataset in
+the project exposes the same attribute names (the table in
+``docs/architecture.md``):
+
+========================  ==================  =================================
+attribute                 shape / dtype       source
+========================  ==================  =================================
+``z``                     ``[N]`` int64       atomic numbers
+``pos``                   ``[N, 3]``          positions (stored float dtype)
+``natoms``                ``[1]`` int64       number of atoms
+``energy``                ``[1]`` float64     energy (float32 values widened)
+``forces``                ``[N, 3]``          forces
+``charges``               ``[N]``             charges
+``velocities``            ``[N, 3]``          velocities
+``cell``                  ``[1, 3, 3]``       cell (rows are lattice vectors)
+``stress``                ``[1, 3, 3]``       stress
+``pbc``                   ``[1, 3]`` bool     periodic axes
+``name``                  ``str``             name
+per-atom custom ``key``   ``[N, ...]``        atom property (node level)
+per-molecule ``key``      ``[1, ...]``        molecule property (graph level)
+========================  ==================  =================================
+
+A custom key that collides with a builtin attribute is renamed ``prop_<key>``
+(per molecule) or ``atom_<key>`` (per atom).
+
+:func:`flat_to_batch` assembles a ``Batch`` straight from the concatenated
+arrays of ``Reader.read_batch`` without creating one ``Data`` per molecule. It
+reproduces :meth:`torch_geometric.data.Batch.from_data_list` exactly (values,
+dtypes, ``batch``, ``ptr``, ``_slice_dict``, ``_inc_dict``), so
+``get_example``/``to_data_list`` work on the result.
+
+Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.data`
+(one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.errors`.
+"""
+
+from .batch import flat_to_batch
+from .data import flat_to_data_list, record_to_data
+from .errors import BatchAssemblyError, FieldSelectionError, PygConversionError
+from .fields import BUILTIN_FIELDS, attribute_name, resolve_fields
+
+__all__ = [
+    "BUILTIN_FIELDS",
+    "FieldSelectionError",
+    "BatchAssemblyError",
+    "PygConversionError",
+    "attribute_name",
+    "record_to_data",
+    "flat_to_data_list",
+    "flat_to_batch",
+    "resolve_fields",
+]
