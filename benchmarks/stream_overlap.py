@@ -6,7 +6,10 @@ of a shard is 0.5x, 1x or 3x a synthetic consumer's fixed compute time C per sha
 sleep, modelling a GPU step). Each pair runs, in rotating order:
 
 * ``sequential``: ``ShardStreamDataset(prefetch=0)``, download then compute;
-* ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)``;
+* ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the default, safe
+  ``torch.load(weights_only=True)``);
+* ``trusted``: the same with ``trusted=True`` (``weights_only=False``, the unpickler FoldPipe
+  uses), which isolates what the safe unpickler costs;
 * ``foldpipe``: FoldPipe's ``AsyncFoldPipeLoader`` over a source reading the same server.
 
 Speed-ups are ``sequential / candidate`` per pair, summarised by their geometric mean and a
@@ -109,9 +112,10 @@ def consume(samples, compute_per_sample: float) -> int:
     return count
 
 
-def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float):
+def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
+               trusted: bool = False):
     dataset = ShardStreamDataset(HTTPSource(f"{base_url}/manifest.json"), prefetch=prefetch,
-                                 concurrency=concurrency)
+                                 concurrency=concurrency, trusted=trusted)
     with RssSampler() as rss:
         started = time.perf_counter()
         consume(dataset, compute)
@@ -201,18 +205,19 @@ def main() -> None:
     names = write_pt_shards(root, [args.samples] * args.shards, atoms=args.atoms)
     shard_bytes = max((root / n).stat().st_size for n in names)
     compute_per_sample = args.compute / args.samples
-    rows, details, panels = [], {}, []
+    rows, loader_rows, details, panels = [], [], {}, []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(root, bandwidth)
-        times = {"sequential": [], "prefetch": [], "foldpipe": []}
-        rss = {"sequential": [], "prefetch": [], "foldpipe": []}
+        times = {"sequential": [], "prefetch": [], "trusted": [], "foldpipe": []}
+        rss = {variant: [] for variant in times}
         traces = {}
         variants = list(times)
         try:
             run_stream(server.base_url, 1, 1, 0.0)  # warm-up: imports, page cache
             for pair in range(args.pairs):
-                order = variants[pair % 3:] + variants[:pair % 3]  # rotate who goes first
+                turn = pair % len(variants)
+                order = variants[turn:] + variants[:turn]  # rotate who goes first
                 for variant in order:
                     if variant == "foldpipe":
                         elapsed, growth = run_foldpipe(server.base_url, names,
@@ -221,7 +226,8 @@ def main() -> None:
                         depth, conc = (0, 1) if variant == "sequential" else (prefetch,
                                                                             concurrency)
                         elapsed, growth, trace, stats = run_stream(
-                            server.base_url, depth, conc, compute_per_sample)
+                            server.base_url, depth, conc, compute_per_sample,
+                            trusted=variant == "trusted")
                         traces[variant] = (trace, stats)
                     times[variant].append(elapsed)
                     rss[variant].append(growth)
@@ -230,20 +236,28 @@ def main() -> None:
         ours = summarize_pairs(times["sequential"], times["prefetch"])
         theirs = summarize_pairs(times["sequential"], times["foldpipe"])
         versus = summarize_pairs(times["foldpipe"], times["prefetch"])
+        trusted_versus = summarize_pairs(times["foldpipe"], times["trusted"])
+        safe_cost = summarize_pairs(times["trusted"], times["prefetch"])
         overlap = trace_overlap(traces["prefetch"][0]).to_dict()
         peak = {v: max(r) / 2**20 for v, r in rss.items()}
         rows.append((ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak))
+        loader_rows.append((ratio, versus, trusted_versus, safe_cost,
+                            traces["prefetch"][1], traces["trusted"][1]))
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
             "times": times, "rss_growth_bytes": rss, "prefetch_vs_sequential": ours.to_dict(),
             "foldpipe_vs_sequential": theirs.to_dict(), "prefetch_vs_foldpipe": versus.to_dict(),
+            "trusted_vs_foldpipe": trusted_versus.to_dict(),
+            "prefetch_vs_trusted": safe_cost.to_dict(),
             "prefetch_trace_overlap": overlap, "prefetch_stats": traces["prefetch"][1],
+            "trusted_stats": traces["trusted"][1],
         }
         panels.append((f"D/C={ratio}: sequential (prefetch=0)", traces["sequential"][0]))
         panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
                        traces["prefetch"][0]))
         print(f"D/C={ratio}: prefetch {fmt_ci(ours)}, foldpipe {fmt_ci(theirs)}, "
-              f"prefetch/foldpipe {fmt_ci(versus)}", flush=True)
+              f"prefetch/foldpipe {fmt_ci(versus)}, trusted/foldpipe {fmt_ci(trusted_versus)}",
+              flush=True)
 
     figure = HERE / "figures" / "stream_timeline.png"
     draw_timelines([p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]], figure)
@@ -258,16 +272,42 @@ def main() -> None:
         f"(20,000 resamples, fixed seed). Machine: shared 2-core VM.",
         "",
         "| D/C | k | conc. | ours vs sequential | FoldPipe vs sequential | ours vs FoldPipe "
-        "| overlap s | wait s | peak RSS growth MiB (seq / ours / FoldPipe) |",
+        "| overlap s | wait s | peak RSS growth MiB (seq / ours / trusted / FoldPipe) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak in rows:
         lines.append(
             f"| {ratio} | {prefetch} | {concurrency} | {fmt_ci(ours)} | {fmt_ci(theirs)} | "
             f"{fmt_ci(versus)} | {overlap['overlap']:.2f} | {overlap['wait']:.2f} | "
-            f"{peak['sequential']:.1f} / {peak['prefetch']:.1f} / {peak['foldpipe']:.1f} |"
+            f"{peak['sequential']:.1f} / {peak['prefetch']:.1f} / {peak['trusted']:.1f} / "
+            f"{peak['foldpipe']:.1f} |"
         )
     lines += [
+        "",
+        "## What the safe unpickler costs",
+        "",
+        "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
+        "from the shard; ours defaults to `weights_only=True`, whose unpickler is pure "
+        "Python. The `trusted=True` arm runs our pipeline with FoldPipe's unpickler; "
+        "deserialise time is per shard, from the traces of the last pair.",
+        "",
+        "| D/C | ours (safe) vs FoldPipe | ours (trusted) vs FoldPipe | safe vs trusted "
+        "| deserialise ms/shard (safe / trusted) |",
+        "|---|---|---|---|---|",
+    ]
+    for ratio, versus, trusted_versus, safe_cost, safe_stats, trusted_stats in loader_rows:
+        safe_ms = 1e3 * safe_stats["deserialize_s"] / max(1, safe_stats["shards"])
+        trusted_ms = 1e3 * trusted_stats["deserialize_s"] / max(1, trusted_stats["shards"])
+        lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(trusted_versus)} | "
+                     f"{fmt_ci(safe_cost)} | {safe_ms:.1f} / {trusted_ms:.1f} |")
+    lines += [
+        "",
+        "The safe unpickler runs on the prefetch thread and holds the GIL while it works, "
+        "so it also delays the consumer each time the consumer needs the GIL back (after "
+        "each sleep here, after each GPU kernel launch in training). Options that keep "
+        "the safe default, not measured here: `.atp` shards (decoded by numpy, no "
+        "pickle), or a DataLoader with `num_workers > 0` (decoding then happens in worker "
+        "processes).",
         "",
         f"Median wall times and time saved per run are in `{args.out.with_suffix('.json').name}`."
         f" Timeline: `figures/{figure.name}` (blue: download, orange: consume).",

@@ -134,6 +134,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _atp_info_lines(path: Path, list_shards: bool) -> list[str]:
     """Header facts, counts and schema fields of an `.atp` file or shard directory."""
     from pyg_atompack import atp
+    from pyg_atompack.convert.summary import describe_atp_fields
 
     files = [path] if path.is_file() else sorted(path.rglob("*.atp"), key=lambda p: p.as_posix())
     described = [atp.describe(file) for file in files]
@@ -147,12 +148,7 @@ def _atp_info_lines(path: Path, list_shards: bool) -> list[str]:
                   f"{d['file_size']} bytes" for f, d in zip(files, described)]
     lines += [f"structures: {sum(d['num_molecules'] for d in described)}",
               f"atoms: {sum(d['total_atoms'] for d in described)}", "fields:"]
-    fields: dict[str, str] = {}
-    for d in described:
-        for field in d["schema"] or []:
-            shape = "" if field["shape"] is None else str(field["shape"])
-            scope = "per atom" if field["per_atom"] else "per structure"
-            fields.setdefault(field["name"], f"{field['dtype']}{shape} ({scope})")
+    fields = describe_atp_fields(files)
     lines += [f"  {name}: {kind}" for name, kind in fields.items()]
     return lines
 

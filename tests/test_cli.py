@@ -53,7 +53,7 @@ def test_convert_info_verify_head_shard(extxyz, tmp_path):
     assert info.returncode == 0, info.stderr
     assert "codec: zstd (level 5)" in info.stdout
     assert "structures: 5" in info.stdout
-    assert "forces: float64[3] (per atom)" in info.stdout
+    assert "forces: float64[n,3] (per atom)" in info.stdout
     assert "properties/dipole: float64[3] (per structure)" in info.stdout
 
     verify = run("verify", out)
@@ -68,6 +68,58 @@ def test_convert_info_verify_head_shard(extxyz, tmp_path):
     assert shard.returncode == 0 and shard.stdout == ""
     manifest = json.loads((tmp_path / "pt" / "manifest.json").read_text())
     assert [s["records"] for s in manifest["shards"]] == [2, 2, 1]
+
+
+def write_every_property_kind(path, first: int, count: int) -> None:
+    """An .atp file written by the reference library with one property of each kind."""
+    import atompack
+
+    molecules = []
+    for i in range(first, first + count):
+        n = 2 + i % 2
+        molecule = atompack.Molecule.from_arrays(
+            np.zeros((n, 3), np.float32), np.full(n, 6, np.uint8), energy=float(i))
+        molecule.set_property("label", f"mol{i}")
+        molecule.set_property("nothing", None)
+        molecule.set_property("step", i)
+        molecule.set_property("temperature", 300.0 + i)
+        molecule.set_property("dipole", np.arange(3, dtype=np.float64))
+        molecule.set_property("polarisability", np.eye(2, dtype=np.float32))
+        molecule.set_property("ragged", np.zeros((i + 1, 2), np.float64))
+        molecule.set_property("spin", np.zeros(n, np.float32), scope="atom")
+        molecule.set_property("multipole", np.zeros((n, 2, 2), np.float64), scope="atom")
+        molecules.append(molecule)
+    db = atompack.Database(str(path))
+    db.add_molecules(molecules)
+    db.flush()
+
+
+def test_info_names_the_type_of_every_property_kind(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    # the ragged tensor is (1, 2) in the first shard and (2, 2) in the second: the shapes
+    # of all shards are merged
+    write_every_property_kind(shards / "a.atp", first=0, count=1)
+    write_every_property_kind(shards / "b.atp", first=1, count=1)
+    info = run("info", shards)
+    assert info.returncode == 0, info.stderr
+    fields = info.stdout.split("fields:\n", 1)[1].splitlines()
+    assert sorted(line.strip() for line in fields) == sorted([
+        "positions: float32[n,3] (per atom)",
+        "atomic_numbers: uint8[n] (per atom)",
+        "energy: float64 (per structure)",
+        "properties/label: str (per structure)",
+        "properties/nothing: None (per structure)",
+        "properties/step: int64 (per structure)",
+        "properties/temperature: float64 (per structure)",
+        "properties/dipole: float64[3] (per structure)",
+        "properties/polarisability: float32[2,2] (per structure)",
+        "properties/ragged: float64[?,2] ragged (per structure)",
+        "atom_properties/spin: float32[n] (per atom)",
+        "atom_properties/multipole: float64[n,2,2] (per atom)",
+    ])
+    one_shard = run("info", shards / "a.atp")
+    assert "properties/ragged: float64[1,2] (per structure)" in one_shard.stdout
 
 
 def test_verify_reports_checksum_mismatch(extxyz, tmp_path):

@@ -153,23 +153,8 @@ import gen_api  # noqa: E402
 # Docstring gaps in code owned by other engineers, reported in docs/_notebook_issues.md.
 # A ratchet: a new gap fails the test, and so does a fixed one left on this list.
 KNOWN_DOCSTRING_GAPS = {
-    "pyg_atompack.atp.fields.FieldInfo.zeros: no Args section",
-    "pyg_atompack.atp.reader.Reader.get: no Args section",
-    "pyg_atompack.atp.reader.Reader.raw_record: no Args section",
     "pyg_atompack.atp.sharded.ShardedReader.locate: no Args section",
     "pyg_atompack.atp.sharded.ShardedReader.read_batch: no Args section",
-    "pyg_atompack.convert.base.StructureReader.error: no Args section",
-    "pyg_atompack.convert.base.StructureWriter.add: no Args section",
-    "pyg_atompack.convert.registry.register: no Args section",
-    "pyg_atompack.hub.atp_reader.HubAtpReader.locate: no Args section",
-    "pyg_atompack.hub.remote.is_commit_sha: no Args section",
-    "pyg_atompack.stream.dataset.ShardStreamDataset.plan: no Args section",
-    "pyg_atompack.stream.dataset.ShardStreamDataset.set_epoch: no Args section",
-    "pyg_atompack.stream.http.HTTPSource.fetch: no Args section",
-    "pyg_atompack.stream.hub_source.HubSource.fetch: no Args section",
-    "pyg_atompack.stream.sources.CancelToken.sleep: no Args section",
-    "pyg_atompack.stream.sources.LocalSource.fetch: no Args section",
-    "pyg_atompack.stream.sources.Source.fetch: no Args section",
 }
 
 

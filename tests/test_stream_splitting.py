@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pyg_atompack.stream.splitting import StreamSlot, _water_fill, epoch_shard_order, plan_stream
@@ -22,6 +22,8 @@ def _plans(records, world_size, num_workers, **options):
     batch_size=st.sampled_from([None, 1, 4]),
     epoch=st.integers(0, 3),
 )
+# one batch for two workers of a rank: the worker without a whole batch must get none
+@example(records=[4, 4], world_size=2, num_workers=2, batch_size=4, epoch=0)
 def test_known_counts_partition_exactly_once_with_equal_rank_totals(
         records, world_size, num_workers, batch_size, epoch):
     plans = _plans(records, world_size, num_workers, shuffle=True, seed=1, epoch=epoch,
@@ -60,12 +62,15 @@ def test_epoch_order_is_seeded():
 
 @pytest.mark.parametrize(
     ("capacities", "total", "expected"),
-    [([5, 5], 6, [3, 3]), ([1, 9], 6, [1, 5]), ([0, 4, 4], 5, [0, 3, 2]), ([2, 2], 0, [0, 0])],
+    [([5, 5], 6, [3, 3]), ([1, 9], 6, [1, 5]), ([0, 4, 4], 5, [0, 3, 2]), ([2, 2], 0, [0, 0]),
+     # fewer units than bins, and a bin without room: the unit goes where it fits
+     ([4, 0], 1, [1, 0]), ([0, 4], 1, [0, 1]), ([0, 0, 3], 2, [0, 0, 2])],
 )
 def test_water_fill_is_even_within_capacity(capacities, total, expected):
     quotas = _water_fill(capacities, total)
     assert sum(quotas) == total
     assert sorted(quotas) == sorted(expected)
+    assert [q for q, c in zip(quotas, capacities) if c == 0] == [0] * capacities.count(0)
     assert all(q <= c for q, c in zip(quotas, capacities))
 
 

@@ -62,7 +62,16 @@ class StructureReader(ABC):
         self.close()
 
     def error(self, problem: str, index: int | None = None) -> ConvertError:
-        """Build a :class:`ConvertError` about this source."""
+        """Build a :class:`ConvertError` about this source, for the caller to raise.
+
+        Args:
+            problem: What is wrong, in words.
+            index: The structure index inside the source, when the problem is about one
+                structure. (default: :obj:`None`)
+
+        Returns:
+            The error; its message names this reader's path and, if given, the index.
+        """
         return ConvertError(self.path, problem, index)
 
     def __repr__(self) -> str:
@@ -95,7 +104,15 @@ class StructureWriter(ABC):
         self._closed = False
 
     def add(self, structure: Structure) -> None:
-        """Append one structure."""
+        """Append one structure to the output.
+
+        Args:
+            structure: The structure to write.
+
+        Raises:
+            ConvertError: The destination cannot store the structure (the message
+                names the destination and the structure's position in the output).
+        """
         self._add(structure)
         self.count += 1
 

@@ -53,7 +53,12 @@ FORMATS: dict[str, Format] = {}
 
 
 def register(fmt: Format) -> None:
-    """Add a format to the registry (a later registration replaces one of the same name)."""
+    """Add a format to the registry (a later registration replaces one of the same name).
+
+    Args:
+        fmt: The format; its :attr:`Format.name` becomes a valid ``--from`` / ``--to``
+            value and a format name accepted by :func:`open_reader` / :func:`open_writer`.
+    """
     FORMATS[fmt.name] = fmt
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,95 @@ def scan(path: str | os.PathLike, progress: Callable[[int | None], Any] | None =
             bar.close()
     return {"format": fmt, "structures": count, "atoms": atoms,
             "fields": {k: (" | ".join(sorted(v["kinds"])), v["count"]) for k, v in fields.items()}}
+
+
+def _shape_text(dims: Sequence[int | None], per_atom: bool) -> str:
+    """``[n,3]``-style text; ``None`` dimensions (they vary) are shown as ``?``."""
+    shown = ["n"] if per_atom else []
+    shown += ["?" if d is None else str(d) for d in dims]
+    return f"[{','.join(shown)}]" if shown else ""
+
+
+def _common_shape(shapes: set[tuple[int, ...]]) -> tuple[int | None, ...] | None:
+    """The dimensions every shape agrees on (``None`` where they differ), or None if the
+    ranks differ."""
+    if len({len(shape) for shape in shapes}) != 1:
+        return None
+    return tuple(dims[0] if len(set(dims)) == 1 else None for dims in zip(*shapes))
+
+
+def _field_value(batch: dict[str, Any], info: Any) -> Any:
+    if info.kind == "molecule":
+        return batch["properties"].get(info.key)
+    if info.kind == "atom":
+        return batch["atom_properties"].get(info.key)
+    return batch.get(info.name)
+
+
+def _value_shapes(value: Any, present: np.ndarray, per_atom: bool) -> set[tuple[int, ...]]:
+    """Shapes of one field's values in a ``read_batch`` result, atom axis left out."""
+    if isinstance(value, np.ndarray):  # one shape for the whole batch
+        return {tuple(value.shape[1:])} if present.any() else set()
+    arrays = [v for v, p in zip(value, present) if p and isinstance(v, np.ndarray)]
+    return {tuple(a.shape[1:] if per_atom else a.shape) for a in arrays}
+
+
+def describe_atp_fields(files: Sequence[Path], chunk: int = 4096) -> dict[str, str]:
+    """How ``info`` shows the type of every field of `.atp` files.
+
+    Scalars show their dtype (``float64``), fixed-shape values their dtype and shape
+    (``float64[3]``; per-atom values with a leading ``n``: ``float32[n,3]``), strings
+    ``str`` and always-None values ``None``. The schema does not fix the shape of
+    tensor values, so those records are read (``chunk`` at a time, only the tensor
+    fields): a shape that varies between records is shown with ``?`` for the varying
+    dimensions and marked ``ragged``.
+
+    Args:
+        files: `.atp` files (e.g. the shards of one dataset), read in this order.
+        chunk: Records decoded per ``read_batch`` call when scanning tensor fields.
+
+    Returns:
+        ``{field name: description}`` in schema order, each description ending with
+        ``(per atom)`` or ``(per structure)``.
+    """
+    from pyg_atompack import atp
+    from pyg_atompack.atp.types import TAG_NONE, TAG_STR
+
+    infos: dict[str, Any] = {}
+    tensor_shapes: dict[str, set[tuple[int, ...]]] = {}
+    for file in files:
+        with atp.open(file) as reader:
+            for name, info in reader.fields.items():
+                infos.setdefault(name, info)
+            tensors = [info for info in reader.fields.values()
+                       if info.shape is None and info.dtype is not None]
+            for start in range(0, len(reader) if tensors else 0, chunk):
+                indices = np.arange(start, min(start + chunk, len(reader)))
+                batch = reader.read_batch(indices, fields=[info.name for info in tensors])
+                for info in tensors:
+                    found = _value_shapes(_field_value(batch, info), batch["mask"][info.name],
+                                          info.per_atom)
+                    tensor_shapes.setdefault(info.name, set()).update(found)
+    described = {}
+    for name, info in infos.items():
+        scope = "(per atom)" if info.per_atom else "(per structure)"
+        if info.tag == TAG_STR:
+            kind = "str"
+        elif info.tag == TAG_NONE or info.dtype is None:
+            kind = "None"
+        elif info.shape is not None:
+            kind = f"{info.dtype}{_shape_text(info.shape, info.per_atom)}"
+        else:
+            shapes = tensor_shapes.get(name, set())
+            common = _common_shape(shapes) if shapes else None
+            if common is None:  # never present, or ranks differ
+                kind = f"{info.dtype}{_shape_text([], info.per_atom)} tensor"
+                kind += " ragged" if shapes else ""
+            else:
+                kind = f"{info.dtype}{_shape_text(common, info.per_atom)}"
+                kind += " ragged" if len(shapes) > 1 else ""
+        described[name] = f"{kind} {scope}"
+    return described
 
 
 def directory_size(path: Path) -> int:

@@ -174,7 +174,19 @@ class HubAtpReader:
             return list(pool.map(fetch, self.shards))
 
     def locate(self, index: int) -> tuple[int, int]:
-        """Map a global index (negative allowed) to ``(shard, index in shard)``."""
+        """Map a global molecule index to the shard holding it, without downloading.
+
+        Args:
+            index: Index over all shards in listing order; negative values count from
+                the end.
+
+        Returns:
+            ``(shard, local)``: the shard's position in :attr:`shards` and the
+            molecule's index inside that shard.
+
+        Raises:
+            AtpIndexError: ``index`` is out of range (the message names the repository).
+        """
         from pyg_atompack import atp
 
         n = len(self)

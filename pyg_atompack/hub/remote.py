@@ -69,7 +69,15 @@ class RemoteFile:
 
 
 def is_commit_sha(revision: str | None) -> bool:
-    """Whether ``revision`` is a full 40-hex git commit id (already pinned)."""
+    """Whether ``revision`` is a full 40-hex git commit id (already pinned).
+
+    Args:
+        revision: A branch, tag or commit id, or :obj:`None` for the default branch.
+
+    Returns:
+        :obj:`True` only for a 40-character lowercase hexadecimal string; branch names,
+        tags, short ids and :obj:`None` give :obj:`False`.
+    """
     return bool(revision) and _COMMIT_SHA.match(revision) is not None
 
 

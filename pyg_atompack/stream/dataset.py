@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,49 +18,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
-from pyg_atompack.stream.errors import (
-    ShardFetchError,
-    ShardIntegrityError,
-    StreamCancelled,
-    StreamError,
-)
-from pyg_atompack.stream.payloads import decode_shard
+from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.loading import ON_ERROR_CHOICES, ShardLoader
+from pyg_atompack.stream.ordering import group_items, mix_across_shards, shard_samples
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.retry import RetryPolicy
-from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
+from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream
 from pyg_atompack.stream.trace import TraceRecorder, merge_traces, summarize
-
-logger = logging.getLogger(__name__)
-
-_ON_ERROR = ("raise", "skip")
-# (position in the stream's shard list, shard index in the source listing)
-_Job = tuple[int, int]
-# (position, sample index within the decoded shard, sample)
-_Item = tuple[int, int, BaseData]
-
-
-class LoadedShard:
-    """A decoded shard held by the pipeline; its lifetime is counted in the trace.
-
-    Args:
-        position: Position in the stream's shard list.
-        index: Index of the shard in the source listing.
-        info: The shard's listing entry.
-        samples: Decoded samples (empty for a skipped shard).
-        recorder: Trace recorder counting live shards.
-    """
-
-    def __init__(self, position: int, index: int, info: ShardInfo,
-                 samples: Sequence[BaseData], recorder: TraceRecorder):
-        self.position = position
-        self.index = index
-        self.info = info
-        self.samples = samples
-        if len(samples):
-            recorder.shard_alive(+1)
-            weakref.finalize(self, recorder.shard_alive, -1)
 
 
 def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
@@ -75,16 +39,6 @@ def _distributed_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _integrity_problem(info: ShardInfo, data: bytes | bytearray) -> str | None:
-    if info.size is not None and len(data) != info.size:
-        return f"size {len(data)} bytes, expected {info.size}"
-    if info.sha256 is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != info.sha256.lower():
-            return f"sha256 {digest}, expected {info.sha256}"
-    return None
 
 
 class ShardStreamDataset(IterableDataset):
@@ -122,7 +76,10 @@ class ShardStreamDataset(IterableDataset):
             samples instead of single samples. (default: :obj:`None`)
         transform: Function applied to every sample before batching. (default: :obj:`None`)
         trusted: Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
-            ``weights_only=False``). Only for sources you trust. (default: :obj:`False`)
+            ``weights_only=False``). Only for sources you trust. The safe default's
+            unpickler is pure Python, about 3x slower, and holds the GIL on the prefetch
+            thread; ``.atp`` shards or DataLoader workers avoid that cost without
+            trusting the source. (default: :obj:`False`)
         retries: Retries of transient transfer failures (timeouts, resets, HTTP 429/5xx);
             replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
             (default: :obj:`None`, the source's policy)
@@ -150,8 +107,8 @@ class ShardStreamDataset(IterableDataset):
             raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if on_error not in _ON_ERROR:
-            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+        if on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         if retries is not None and isinstance(getattr(source, "retry", None), RetryPolicy):
@@ -185,11 +142,25 @@ class ShardStreamDataset(IterableDataset):
 
     # ----------------------------------------------------------------- configuration
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch that seeds shard and sample order (call before each epoch)."""
+        """Set the epoch that seeds shard and sample order (call before each epoch).
+
+        Like :meth:`torch.utils.data.distributed.DistributedSampler.set_epoch`: every
+        rank and worker must see the same epoch so that together they read each shard
+        exactly once. Call it in the main process before iterating, so that DataLoader
+        workers started afterwards inherit it.
+
+        Args:
+            epoch: The epoch number, mixed into every permutation's seed.
+        """
         self.epoch = int(epoch)
 
     def slot(self) -> StreamSlot:
-        """The (rank, worker) stream this process reads when iterating now."""
+        """The (rank, worker) stream this process reads when iterating now.
+
+        Returns:
+            The slot from ``rank`` / ``world_size`` (or :mod:`torch.distributed`) and
+            the current DataLoader worker, if any.
+        """
         if self.rank is not None:
             rank, world_size = self.rank, self.world_size
         else:
@@ -199,7 +170,16 @@ class ShardStreamDataset(IterableDataset):
         return StreamSlot(rank, world_size, worker, num_workers)
 
     def plan(self, slot: StreamSlot | None = None) -> StreamPlan:
-        """The shards and sample quota of ``slot`` (default: this process) this epoch."""
+        """The shards and sample quota of ``slot`` (default: this process) this epoch.
+
+        Args:
+            slot: The (rank, worker) stream to plan for. (default: :obj:`None`, the
+                stream of the calling process, see :meth:`slot`)
+
+        Returns:
+            The shards, in reading order, assigned to the slot for the current
+            :attr:`epoch`, and the number of samples it may hand out.
+        """
         return plan_stream([s.records for s in self.shards], slot or self.slot(),
                            shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
                            batch_size=self.batch_size)
@@ -240,50 +220,6 @@ class ShardStreamDataset(IterableDataset):
         resume.finished = False
         return resume
 
-    # ----------------------------------------------------------------- loading
-    def _fetch_verified(self, info: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
-        problem = None
-        for attempt in range(2):
-            try:
-                data = self.source.fetch(info, cancel)
-            except OSError as error:  # custom sources may raise plain I/O errors
-                raise ShardFetchError(f"shard {info.name}: {error}") from error
-            problem = _integrity_problem(info, data) if self.verify else None
-            if problem is None:
-                return data
-            del data
-            if attempt == 0:
-                logger.warning("shard %s: %s; downloading it once more", info.name, problem)
-        raise ShardIntegrityError(
-            f"shard {info.name}: {problem} (also after a second download); the source "
-            f"may be corrupt or have changed since it was listed"
-        )
-
-    def _load(self, job: _Job, cancel: CancelToken, recorder: TraceRecorder) -> LoadedShard:
-        position, shard_index = job
-        info = self.shards[shard_index]
-        record = recorder.record(position, shard_index, info.name)
-        record.download_start_s = recorder.now()
-        try:
-            data = self._fetch_verified(info, cancel)
-            record.download_finish_s = recorder.now()
-            record.bytes = len(data)
-            cancel.raise_if_cancelled()
-            samples = decode_shard(data, info.name, trusted=self.trusted)
-            del data  # bytes are never kept once decoded
-            record.deserialize_finish_s = recorder.now()
-            record.structures = len(samples)
-            return LoadedShard(position, shard_index, info, samples, recorder)
-        except StreamCancelled:
-            record.status = "cancelled"
-            raise
-        except StreamError as error:
-            if self.on_error != "skip":
-                raise
-            record.status = "skipped"
-            logger.warning("skipping shard %s (on_error='skip'): %s", info.name, error)
-            return LoadedShard(position, shard_index, info, [], recorder)
-
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BaseData]:
         slot = self.slot()
@@ -293,57 +229,6 @@ class ShardStreamDataset(IterableDataset):
         self._recorder, self._progress = recorder, progress
         return self._generate(plan, slot, progress, recorder)
 
-    def _samples(self, shards: Iterator[LoadedShard], progress: StreamProgress,
-                 pending: dict[int, int]) -> Iterator[_Item]:
-        for shard in shards:
-            position, count = shard.position, len(shard.samples)
-            already = progress.emitted_in(position)
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed, self.epoch, shard.index, 7])
-                order = rng.permutation(count).tolist()
-            else:
-                order = range(count)
-            todo = [i for i in order if i not in already]
-            pending[position] = len(todo)
-            if not todo:
-                progress.mark_complete(position)
-            for index in todo:
-                sample = shard.samples[index]
-                if self.transform is not None:
-                    sample = self.transform(sample)
-                yield position, index, sample
-            del shard  # release the decoded shard before the next one is taken
-
-    def _mixed(self, items: Iterator[_Item], slot: StreamSlot) -> Iterator[_Item]:
-        if self.shuffle_buffer == 0:
-            yield from items
-            return
-        rng = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
-        buffer: list[_Item] = []
-        for item in items:
-            if len(buffer) < self.shuffle_buffer:
-                buffer.append(item)
-                continue
-            pick = int(rng.integers(len(buffer)))
-            buffer[pick], item = item, buffer[pick]
-            yield item
-        rng.shuffle(buffer)
-        yield from buffer
-
-    def _units(self, items: Iterator[_Item]) -> Iterator[list[_Item]]:
-        if self.batch_size is None:
-            for item in items:
-                yield [item]
-            return
-        batch: list[_Item] = []
-        for item in items:
-            batch.append(item)
-            if len(batch) == self.batch_size:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
     def _generate(self, plan: StreamPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder) -> Iterator[BaseData]:
         jobs = [(position, shard) for position, shard in enumerate(plan.shards)
@@ -351,15 +236,20 @@ class ShardStreamDataset(IterableDataset):
         quota = None if plan.sample_quota is None else plan.sample_quota - progress.samples_emitted
         if quota is not None and quota <= 0:
             jobs = []
+        loader = ShardLoader(self.source, self.shards, trusted=self.trusted, verify=self.verify,
+                             on_error=self.on_error)
         prefetcher = Prefetcher(
-            jobs, lambda job, cancel: self._load(job, cancel, recorder),
+            jobs, lambda job, cancel: loader.load(*job, cancel, recorder),
             depth=self.prefetch, concurrency=self.concurrency,
         )
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
         handed = 0
         try:
-            items = self._mixed(self._samples(iter(prefetcher), progress, pending), slot)
-            for unit in self._units(items):
+            items = shard_samples(iter(prefetcher), progress, pending, shuffle=self.shuffle,
+                                  seed=self.seed, epoch=self.epoch, transform=self.transform)
+            mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
+            items = mix_across_shards(items, self.shuffle_buffer, mixing)
+            for unit in group_items(items, self.batch_size):
                 if quota is not None and handed + len(unit) > quota:
                     break
                 now = recorder.now()

@@ -99,7 +99,24 @@ class HubSource:
         return self._shards
 
     def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
-        """Stream one shard from its pinned ``resolve`` URL."""
+        """Stream one shard from its pinned ``resolve`` URL.
+
+        Transient failures (timeouts, resets, HTTP 429/5xx) are retried with the
+        source's :class:`RetryPolicy`; a retried transfer resumes from the bytes already
+        received when the server supports ranges.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Stops the transfer, and any backoff wait, when cancelled.
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            ShardFetchError: A permanent HTTP error, or transient errors outlasting
+                every retry (the message names the shard and the URL).
+            StreamCancelled: ``cancel`` was cancelled during the transfer.
+        """
         return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
                          headers=self.headers)
 

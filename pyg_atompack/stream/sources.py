@@ -130,7 +130,17 @@ class CancelToken:
             raise StreamCancelled("iteration was closed")
 
     def sleep(self, seconds: float) -> None:
-        """Sleep up to ``seconds``, waking (and raising) as soon as cancellation happens."""
+        """Sleep up to ``seconds``, waking (and raising) as soon as cancellation happens.
+
+        Sources use it for retry backoff, so that closing an iteration never waits for a
+        backoff to run out.
+
+        Args:
+            seconds: How long to wait; negative values are treated as zero.
+
+        Raises:
+            StreamCancelled: The token was (or becomes) cancelled during the wait.
+        """
         if self._event.wait(max(0.0, seconds)):
             raise StreamCancelled("iteration was closed")
 
@@ -152,7 +162,20 @@ class Source(Protocol):
         ...
 
     def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
-        """Return the bytes of ``shard``."""
+        """Return the complete bytes of ``shard``.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Cancellation of the iteration that asked for the shard; check it
+                between chunks, or register an interrupt with :meth:`CancelToken.on_cancel`.
+
+        Returns:
+            The shard's bytes (a :class:`bytearray` avoids one copy for large shards).
+
+        Raises:
+            ShardFetchError: The shard cannot be retrieved (after any retries).
+            StreamCancelled: ``cancel`` was cancelled during the transfer.
+        """
         ...
 
 
@@ -257,7 +280,19 @@ class LocalSource:
         return self._shards
 
     def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
-        """Read one shard in 1 MiB chunks, stopping early when cancelled."""
+        """Read one shard in 1 MiB chunks, stopping early when cancelled.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Checked between chunks.
+
+        Returns:
+            The file's bytes.
+
+        Raises:
+            ShardFetchError: The file cannot be read (the message names shard and path).
+            StreamCancelled: ``cancel`` was cancelled during the read.
+        """
         try:
             with open(shard.location, "rb") as handle:
                 buffer = bytearray()

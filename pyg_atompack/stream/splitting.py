@@ -80,7 +80,12 @@ def _water_fill(capacities: Sequence[int], total: int) -> list[int]:
     quotas = [0] * len(capacities)
     remaining = total
     open_bins = sorted(range(len(capacities)), key=lambda b: capacities[b])
-    while remaining > 0 and open_bins:
+    while remaining > 0:
+        # full bins (capacity 0 ones from the start) take nothing more; every open bin
+        # has been filled to the same level, so each still has room for one unit
+        open_bins = [b for b in open_bins if quotas[b] < capacities[b]]
+        if not open_bins:
+            break
         share = remaining // len(open_bins)
         smallest = open_bins[0]
         if capacities[smallest] - quotas[smallest] <= share or share == 0:

@@ -128,7 +128,8 @@ class ShardServer(ThreadingHTTPServer):
             name: File name (path under the root, no leading ``/``).
             kind: One of :data:`FAULT_KINDS`.
             times: How many consecutive requests get this fault.
-            retry_after: ``Retry-After`` seconds sent with ``"429"`` / ``"503"``.
+            retry_after: ``Retry-After`` sent with ``"429"`` / ``"503"``, in whole seconds
+                (the header's delay-seconds form, RFC 9110): fractions are truncated.
             at_fraction: Where in the body ``"reset"`` / ``"truncate"`` cut it, and which
                 byte ``"wrong_bytes"`` corrupts.
         """

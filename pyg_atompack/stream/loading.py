@@ -1,0 +1,158 @@
+"""Fetching, verifying and decoding one shard: the work a prefetch thread does per job."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import weakref
+from collections.abc import Sequence
+
+from torch_geometric.data.data import BaseData
+
+from pyg_atompack.stream.errors import (
+    ShardFetchError,
+    ShardIntegrityError,
+    StreamCancelled,
+    StreamError,
+)
+from pyg_atompack.stream.payloads import decode_shard
+from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
+from pyg_atompack.stream.trace import TraceRecorder
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR_CHOICES = ("raise", "skip")
+
+
+class LoadedShard:
+    """A decoded shard held by the pipeline; its lifetime is counted in the trace.
+
+    Args:
+        position: Position in the stream's shard list.
+        index: Index of the shard in the source listing.
+        info: The shard's listing entry.
+        samples: Decoded samples (empty for a skipped shard).
+        recorder: Trace recorder counting live shards.
+    """
+
+    def __init__(self, position: int, index: int, info: ShardInfo,
+                 samples: Sequence[BaseData], recorder: TraceRecorder):
+        self.position = position
+        self.index = index
+        self.info = info
+        self.samples = samples
+        if len(samples):
+            recorder.shard_alive(+1)
+            weakref.finalize(self, recorder.shard_alive, -1)
+
+
+def integrity_problem(info: ShardInfo, data: bytes | bytearray) -> str | None:
+    """What is wrong with a shard's bytes given its listing entry, or None if nothing.
+
+    Args:
+        info: The listing entry; its ``size`` and ``sha256`` are checked when known.
+        data: The fetched bytes.
+
+    Returns:
+        A short description of the first mismatch, or :obj:`None`.
+    """
+    if info.size is not None and len(data) != info.size:
+        return f"size {len(data)} bytes, expected {info.size}"
+    if info.sha256 is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != info.sha256.lower():
+            return f"sha256 {digest}, expected {info.sha256}"
+    return None
+
+
+class ShardLoader:
+    """Fetches, verifies and decodes shards of one source, recording each step.
+
+    Args:
+        source: Where the bytes come from.
+        shards: The source's listing; jobs refer to shards by their index in it.
+        trusted: Allow arbitrary pickles in ``.pt`` shards.
+        verify: Check size and sha256 against the listing (one re-download on mismatch).
+        on_error: ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
+    """
+
+    def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
+                 verify: bool, on_error: str):
+        if on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+        self.source = source
+        self.shards = shards
+        self.trusted = trusted
+        self.verify = verify
+        self.on_error = on_error
+
+    def fetch_verified(self, info: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
+        """Fetch one shard, downloading it once more if it fails verification.
+
+        Args:
+            info: The shard.
+            cancel: Cancellation of the iteration.
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            ShardFetchError: The source cannot deliver the shard.
+            ShardIntegrityError: Both downloads disagree with the listing.
+        """
+        problem = None
+        for attempt in range(2):
+            try:
+                data = self.source.fetch(info, cancel)
+            except OSError as error:  # custom sources may raise plain I/O errors
+                raise ShardFetchError(f"shard {info.name}: {error}") from error
+            problem = integrity_problem(info, data) if self.verify else None
+            if problem is None:
+                return data
+            del data
+            if attempt == 0:
+                logger.warning("shard %s: %s; downloading it once more", info.name, problem)
+        raise ShardIntegrityError(
+            f"shard {info.name}: {problem} (also after a second download); the source "
+            f"may be corrupt or have changed since it was listed"
+        )
+
+    def load(self, position: int, shard_index: int, cancel: CancelToken,
+             recorder: TraceRecorder) -> LoadedShard:
+        """Fetch and decode one shard; the bytes are dropped as soon as it is decoded.
+
+        Args:
+            position: Position of the shard in the stream's shard list.
+            shard_index: Index of the shard in the listing.
+            cancel: Cancellation of the iteration.
+            recorder: Receives the download / deserialise times and the outcome.
+
+        Returns:
+            The decoded shard (no samples when it failed and ``on_error="skip"``).
+
+        Raises:
+            StreamCancelled: The iteration was closed meanwhile.
+            StreamError: The shard cannot be fetched or decoded and ``on_error="raise"``.
+        """
+        info = self.shards[shard_index]
+        record = recorder.record(position, shard_index, info.name)
+        record.download_start_s = recorder.now()
+        try:
+            data = self.fetch_verified(info, cancel)
+            record.download_finish_s = recorder.now()
+            record.bytes = len(data)
+            cancel.raise_if_cancelled()
+            samples = decode_shard(data, info.name, trusted=self.trusted)
+            del data  # bytes are never kept once decoded
+            record.deserialize_finish_s = recorder.now()
+            record.structures = len(samples)
+            return LoadedShard(position, shard_index, info, samples, recorder)
+        except StreamCancelled:
+            record.status = "cancelled"
+            raise
+        except StreamError as error:
+            if self.on_error != "skip":
+                raise
+            record.status = "skipped"
+            logger.warning("skipping shard %s (on_error='skip'): %s", info.name, error)
+            return LoadedShard(position, shard_index, info, [], recorder)

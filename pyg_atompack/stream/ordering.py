@@ -1,0 +1,128 @@
+"""Sample order within an epoch: in-shard permutation, cross-shard mixing, batching.
+
+Every step is a generator over ``(position, index, sample)`` items, so that the dataset
+can record, for each sample it hands out, which shard and which record it came from
+(the resume state is kept per record). All randomness comes from generators seeded by
+``(seed, epoch, ...)``, so an epoch's order is the same in every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+from torch_geometric.data.data import BaseData
+
+from pyg_atompack.stream.loading import LoadedShard
+from pyg_atompack.stream.progress import StreamProgress
+
+# (position in the stream's shard list, sample index within the decoded shard, sample)
+Item = tuple[int, int, BaseData]
+
+
+def shard_sample_order(count: int, *, shuffle: bool, seed: int, epoch: int,
+                       shard_index: int) -> list[int] | range:
+    """The order in which the samples of one shard are handed out this epoch.
+
+    Args:
+        count: Number of samples in the shard.
+        shuffle: Permute (else keep the stored order).
+        seed: Base seed of the dataset.
+        epoch: Current epoch.
+        shard_index: The shard's index in the source listing (not its position in the
+            epoch), so a shard is permuted the same way whichever stream reads it.
+
+    Returns:
+        A permutation of ``range(count)``.
+    """
+    if not shuffle:
+        return range(count)
+    rng = np.random.default_rng([seed, epoch, shard_index, 7])
+    return rng.permutation(count).tolist()
+
+
+def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
+                  pending: dict[int, int], *, shuffle: bool, seed: int, epoch: int,
+                  transform: Callable[[BaseData], BaseData] | None) -> Iterator[Item]:
+    """The samples of each shard in turn, skipping those ``progress`` already handed out.
+
+    Args:
+        shards: Decoded shards in stream order.
+        progress: Resume state; samples it has seen are left out and a shard with
+            nothing left is marked complete.
+        pending: Filled with the number of samples still to hand out per shard position.
+        shuffle: Permute the samples within each shard.
+        seed: Base seed of the dataset.
+        epoch: Current epoch.
+        transform: Applied to each sample as it is taken.
+
+    Yields:
+        ``(position, index in shard, sample)``.
+    """
+    for shard in shards:
+        position = shard.position
+        already = progress.emitted_in(position)
+        order = shard_sample_order(len(shard.samples), shuffle=shuffle, seed=seed, epoch=epoch,
+                                   shard_index=shard.index)
+        todo = [i for i in order if i not in already]
+        pending[position] = len(todo)
+        if not todo:
+            progress.mark_complete(position)
+        for index in todo:
+            sample = shard.samples[index]
+            if transform is not None:
+                sample = transform(sample)
+            yield position, index, sample
+        del shard  # release the decoded shard before the next one is taken
+
+
+def mix_across_shards(items: Iterable[Item], buffer_size: int,
+                      rng: np.random.Generator) -> Iterator[Item]:
+    """Mix items from neighbouring shards through a buffer of ``buffer_size`` items.
+
+    Args:
+        items: Items in shard order.
+        buffer_size: Items held back; ``0`` passes the items through unchanged.
+        rng: Picks which buffered item leaves next.
+
+    Yields:
+        The same items, in a mixed order.
+    """
+    if buffer_size == 0:
+        yield from items
+        return
+    buffer: list[Item] = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        pick = int(rng.integers(len(buffer)))
+        buffer[pick], item = item, buffer[pick]
+        yield item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def group_items(items: Iterable[Item], batch_size: int | None) -> Iterator[list[Item]]:
+    """Group items into the units the dataset yields.
+
+    Args:
+        items: The items.
+        batch_size: Items per group (the last one may be smaller); :obj:`None` makes
+            every item its own unit.
+
+    Yields:
+        Lists of items.
+    """
+    if batch_size is None:
+        for item in items:
+            yield [item]
+        return
+    batch: list[Item] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
