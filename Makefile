@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/schnet_md17.py --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
