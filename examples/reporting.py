@@ -174,7 +174,7 @@ def plot_timeline(trace: Sequence[Mapping], path: str | Path, *, title: str = ""
     axes.invert_yaxis()
     axes.set_xlabel("seconds since the start of the pass")
     axes.set_title(title or "per-shard download and training")
-    axes.legend(loc="lower right", fontsize="small")
+    axes.legend(loc="upper right", fontsize="small")  # early shards sit top left
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
