@@ -457,3 +457,135 @@ def test_mixed_size_read_batch_rejects_a_damaged_structure(tmp_path):
         batch = f.read_batch([0, 1, 2, 3], fields=["energy", "forces"])
         assert batch["mask"]["energy"].tolist() == carried
         assert batch["mask"]["forces"].tolist() == [f[i].forces is not None for i in range(4)]
+
+
+def _atompack_mixed_file(path, sizes, seed=3):
+    """A mixed-size uncompressed file written by atompack-db's ``add_molecules``."""
+    import atompack
+
+    rng = np.random.default_rng(seed)
+    db = atompack.Database(str(path), compression="none", overwrite=True)
+    db.add_molecules([atompack.Molecule.from_arrays(
+        rng.normal(size=(n, 3)).astype(np.float32), rng.integers(1, 90, n).astype(np.uint8),
+        energy=float(j), forces=rng.normal(size=(n, 3)).astype(np.float32),
+        cell=rng.normal(size=(3, 3)), stress=rng.normal(size=(3, 3)),
+        pbc=(True, j % 2 == 0, False)) for j, n in enumerate(sizes)])
+    db.flush()
+    del db
+    return path
+
+
+def _assert_batch_equals_records(reader, indices, batch):
+    fields = ["energy", "forces", "cell", "stress", "pbc"]
+    expected = _expected_batch(reader, indices, fields)
+    assert batch["n_atoms"].tolist() == [len(reader[int(i)].positions) for i in indices]
+    for key in ("positions", "atomic_numbers", *fields):
+        assert batch[key].dtype == expected[key].dtype, key
+        np.testing.assert_array_equal(batch[key], expected[key], err_msg=key)
+        assert batch[key].flags.writeable, key
+
+
+def test_mixed_size_batches_verify_each_record_once(tmp_path, monkeypatch):
+    """Records verified against a structure are remembered; later batches skip the byte checks."""
+    import atompack
+
+    from pyg_atompack.atp import structure as atp_structure
+
+    sizes = [int(n) for n in np.random.default_rng(5).integers(1, 40, size=50)]
+    path = _atompack_mixed_file(tmp_path / "mixed.atp", sizes)
+    checked = []  # how many records each structure check looked at
+    original = atp_structure.Structure.fits
+    monkeypatch.setattr(atp_structure.Structure, "fits",
+                        lambda self, offsets, *rest: checked.append(len(offsets)) or
+                        original(self, offsets, *rest))
+    reference = atompack.Database.open(str(path))
+    rng = np.random.default_rng(6)
+    with atp.open(path) as f:
+        first = rng.permutation(50)[:20]
+        _assert_batch_equals_records(f, first, f.read_batch(first))
+        assert checked == [20]
+        # only the records not seen before are checked, whatever record comes first
+        # (structures built from layouts of other atom counts are the same structure)
+        second = np.concatenate([first[::-1][:10], np.setdiff1d(np.arange(50), first)[:5]])
+        _assert_batch_equals_records(f, second, f.read_batch(second.tolist()))
+        assert checked == [20, 5]
+        for _ in range(3):
+            batch = f.read_batch(second.tolist())
+        assert checked == [20, 5]
+        flat = reference.get_molecules_flat(second.tolist())
+        for key in ("positions", "atomic_numbers", "energy", "forces", "cell", "stress", "pbc"):
+            np.testing.assert_array_equal(batch[key], flat[key], err_msg=key)
+        # subsets of fields come from the same gathers
+        only = f.read_batch(second, fields=["pbc", "forces"])
+        assert set(only["mask"]) == {"pbc", "forces"} and "energy" not in only
+        np.testing.assert_array_equal(only["forces"], batch["forces"])
+        np.testing.assert_array_equal(only["pbc"], batch["pbc"])
+        # a new mapping starts with nothing verified
+        f.close()
+        f.read_batch(second)
+        assert checked == [20, 5, 15]
+
+
+def test_mixed_size_batches_never_remember_a_damaged_record(tmp_path, monkeypatch):
+    """A record that does not fit is checked again each time; the batch is decoded per record."""
+    from pyg_atompack.atp import batch as atp_batch
+
+    sizes = [3, 5, 7, 9, 11, 4]
+    path = _atompack_mixed_file(tmp_path / "ok.atp", sizes)
+    offset = int(atp.open(path).index["offset"][2])
+    raw = bytearray(path.read_bytes())
+    raw[offset + 4 + 13 * 7 + 2] = 9  # record 2's first section kind: unknown
+    damaged = tmp_path / "damaged.atp"
+    damaged.write_bytes(bytes(raw))
+    structured = []
+    original = atp_batch._read_structured
+    monkeypatch.setattr(atp_batch, "_read_structured",
+                        lambda *args: structured.append(original(*args)) or structured[-1])
+    with atp.open(damaged) as f:
+        healthy = [0, 1, 3, 4, 5]
+        _assert_batch_equals_records(f, healthy, f.read_batch(healthy))
+        assert structured[-1] is not None
+        for indices in ([0, 1, 2, 3], [2, 0, 1], [4, 2]):
+            for _ in range(2):  # the second time the healthy ones are remembered
+                batch = f.read_batch(indices, fields=["energy", "forces"])
+                assert structured[-1] is None  # the damaged record sends it elsewhere
+                carries = [f[i].energy is not None for i in indices]
+                assert batch["mask"]["energy"].tolist() == carries
+                has_forces = [f[i].forces is not None for i in indices]
+                assert batch["mask"]["forces"].tolist() == has_forces
+        ids = f._st.views.structures.ids
+        assert ids[0] and ids[2] != ids[0]  # never taken for the healthy structure
+        _assert_batch_equals_records(f, healthy[::-1], f.read_batch(healthy[::-1]))
+        assert structured[-1] is not None
+
+
+def test_mixed_size_batches_without_free_structure_ids(tmp_path, monkeypatch):
+    """Past the id limit a structure is still used, its records checked on every batch."""
+    from pyg_atompack.atp import structure as atp_structure
+
+    monkeypatch.setattr(atp_structure.StructureMemo, "MAX_IDS", 0)
+    sizes = [int(n) for n in np.random.default_rng(8).integers(1, 30, size=20)]
+    path = _atompack_mixed_file(tmp_path / "mixed.atp", sizes)
+    checked = []
+    original = atp_structure.Structure.fits
+    monkeypatch.setattr(atp_structure.Structure, "fits",
+                        lambda self, offsets, *rest: checked.append(len(offsets)) or
+                        original(self, offsets, *rest))
+    with atp.open(path) as f:
+        for _ in range(2):
+            indices = list(range(19, -1, -2))
+            _assert_batch_equals_records(f, indices, f.read_batch(indices))
+        assert checked == [10, 10]
+        assert not f._st.views.structures.ids.any()
+
+
+def test_read_batch_index_forms(golden_dir):
+    with atp.open(golden_dir / "builtins_none.atp") as f:
+        names = [f[i].name for i in range(5)]
+        for indices in ([4, -5, 2], (4, 0, -3), np.array([4, 0, 2], np.uint16),
+                        np.array([[4], [0], [2]]), [np.int32(4), np.int64(0), 2]):
+            assert f.read_batch(indices)["name"] == [names[4], names[0], names[2]]
+        for bad in ([0, -6], np.array([0, 2**63 + 1], np.uint64), [[0], [5]]):
+            with pytest.raises(atp.AtpIndexError, match="out of range"):
+                f.read_batch(bad)
+        assert f.read_batch([])["positions"].shape == (0, 3)

@@ -37,7 +37,7 @@ from .records import (
     Slot,
     decode_slot,
 )
-from .structure import read_structured
+from .structure import StructureMemo, read_structured
 from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
@@ -94,19 +94,45 @@ def resolve_fields(all_fields: dict[str, FieldInfo], fields: Sequence[str] | Non
 
 
 def _normalize_indices(indices: Any, count: int, name: str) -> np.ndarray:
+    """``indices`` as a flat int64 array of in-range non-negative indices.
+
+    Args:
+        indices: integers (list, tuple or array; negative counts from the end).
+        count: the number of records.
+        name: file name for error messages.
+
+    Returns:
+        The indices (the caller's array itself when it is already valid int64).
+
+    Raises:
+        AtpValueError: the indices are not integers.
+        AtpIndexError: an index is out of range.
+    """
     idx = np.asarray(indices)
+    kind = idx.dtype.kind
     if idx.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if idx.dtype.kind not in "iu":
+    if kind not in "iu":
         raise AtpValueError(f"{name}: indices must be integers, got dtype {idx.dtype}")
-    idx = idx.astype(np.int64).ravel()
-    idx = np.where(idx < 0, idx + count, idx)
-    bad = (idx < 0) | (idx >= count)
+    # common case: already in range, nothing to wrap; a flat list of ints is
+    # scanned by Python's min/max (cheaper than two numpy reductions at batch sizes)
+    flat_list = type(indices) is list and idx.ndim == 1
+    if idx.ndim != 1:
+        idx = idx.ravel()
+    lo, hi = (min(indices), max(indices)) if flat_list else (idx.min(), idx.max())
+    if lo >= 0 and hi < count:
+        return idx.astype(np.int64, copy=False)
+    if kind == "u":  # no negative indices; keep huge values out of int64 wrap-around
+        bad = idx >= count
+    else:
+        idx = idx.astype(np.int64, copy=False)
+        idx = np.where(idx < 0, idx + count, idx)
+        bad = (idx < 0) | (idx >= count)
     if bad.any():
         first = int(np.asarray(indices).ravel()[np.argmax(bad)])
         raise AtpIndexError(f"{name}: molecule index {first} out of range for {count} "
                             f"molecules")
-    return idx
+    return idx.astype(np.int64, copy=False)
 
 
 def _check_index_bounds(reader, st) -> None:
@@ -185,23 +211,37 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
 
 
 def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
-    """``read_batch`` of mixed-size records sharing the first one's structure (structure.py).
+    """``read_batch`` of mixed-size records sharing one structure (structure.py).
 
+    Records verified against a structure before (by an earlier batch) are known
+    from the mapping's :class:`StructureMemo`; otherwise the structure is that of
+    the first record's layout and the unverified records are checked against it.
     Returns None when they do not share it or a field needs per-record decoding.
     """
     _check_index_bounds(reader, st)
-    first = int(idx[0])
-    lid = reader._memo(st)[first]
-    if lid:
-        layout = st.memo_layouts[lid]
-    else:
-        layout = reader._record(st, first)[2]
-        reader._remember(st, first, layout)
-    structure = plan_of(layout, st.u8).structure()
-    if structure is None:
-        return None
+    memo = st.views.structures
+    if memo is None:
+        memo = st.views.structures = StructureMemo(st.count)
+    ids = memo.ids[idx]
+    sid = int(ids[0])
     offsets = entries["offset"].astype(np.int64)
-    if not structure.fits(offsets, entries["raw"].astype(np.int64), n_atoms):
+    if sid and (ids == sid).all():  # every record verified against one structure
+        return read_structured(memo.structures[sid], offsets, n_atoms, infos)
+    if sid:
+        structure = memo.structures[sid]
+    else:
+        first = int(idx[0])
+        lid = reader._memo(st)[first]
+        if lid:
+            layout = st.memo_layouts[lid]
+        else:
+            layout = reader._record(st, first)[2]
+            reader._remember(st, first, layout)
+        structure = plan_of(layout, st.u8).structure()
+        if structure is None:
+            return None
+        structure = memo.canonical(structure)
+    if not memo.verify(structure, idx, offsets, entries["raw"].astype(np.int64), n_atoms):
         return None
     return read_structured(structure, offsets, n_atoms, infos)
 

@@ -37,15 +37,19 @@ _new_molecule = Molecule.__new__
 class WholeFileViews:
     """Whole-file typed views of one mapping, created on first use.
 
+    It also carries the mapping's ``structures`` memo (``structure.StructureMemo``,
+    set by ``read_batch`` on first use), which lives exactly as long as the mapping.
+
     Args:
         file_u8: the mapped file as a uint8 array.
     """
 
-    __slots__ = ("file_u8", "_views")
+    __slots__ = ("file_u8", "_views", "structures")
 
     def __init__(self, file_u8: np.ndarray) -> None:
         self.file_u8 = file_u8
         self._views: dict[tuple[np.dtype, int], np.ndarray] = {}
+        self.structures = None
 
     def get(self, dtype: np.dtype, shift: int) -> np.ndarray:
         """The file as rows of ``dtype`` starting at byte ``shift``.
