@@ -127,7 +127,17 @@ class ShardedReader:
         return self._starts_list[-1]
 
     def locate(self, i: int) -> tuple[int, int]:
-        """``(shard number, local index)`` of global molecule ``i`` (negative allowed)."""
+        """Finds the shard holding a global molecule index.
+
+        Args:
+            i (int): Global molecule index; negative values count from the end.
+
+        Returns:
+            tuple[int, int]: ``(shard number, index inside that shard)``.
+
+        Raises:
+            AtpIndexError: If ``i`` is out of range.
+        """
         i = molecule_index(i, self._starts_list[-1], self._root)
         shard = bisect.bisect_right(self._starts_list, i) - 1
         return shard, i - self._starts_list[shard]
@@ -160,7 +170,20 @@ class ShardedReader:
 
     def read_batch(self, indices: Sequence[int] | np.ndarray,
                    fields: Sequence[str] | None = None) -> dict[str, Any]:
-        """Decode several molecules across shards; see :meth:`Reader.read_batch`."""
+        """Decodes several molecules across shards into concatenated arrays.
+
+        Args:
+            indices (Sequence[int] | np.ndarray): Global molecule indices, in the order
+                the result should follow (they may span shards and repeat).
+            fields (Sequence[str], optional): Fields to decode; :obj:`None` for all.
+                (default: :obj:`None`)
+
+        Returns:
+            dict[str, Any]: The same layout as :meth:`Reader.read_batch`.
+
+        Raises:
+            AtpIndexError: If an index is out of range.
+        """
         infos = _batch.resolve_fields(self.fields, fields, self._root)
         idx = _batch._normalize_indices(indices, len(self), self._root)
         if not len(idx):
