@@ -137,7 +137,7 @@ def render(result: dict, problems: list[str]) -> str:
         "# Reliability figures",
         "",
         "Produced by `benchmarks/soak.py` (`make soak`); rerun it to refresh this file.",
-        "Crash, fuzz and multi-rank results are tests, not figures: see `docs/guarantees.md`.",
+        "Crash, fuzz and multi-rank results are tests, not figures: see README, Guarantees.",
         "",
         "## Soak: streaming through a fault-injecting loopback server",
         "",
