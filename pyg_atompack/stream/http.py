@@ -161,7 +161,45 @@ def _name_from_url(url: str) -> str:
     return unquote(posixpath.basename(urlsplit(url).path)) or url
 
 
-class HTTPSource:
+class URLShardSource:
+    """Base of the sources whose shards are plain URLs listed once at construction.
+
+    Subclasses fill ``_shards`` (a tuple of :class:`ShardInfo` whose ``location`` is
+    the URL), ``headers`` and ``retry``; listing and fetching are shared.
+    """
+
+    _shards: tuple[ShardInfo, ...]
+    headers: dict[str, str]
+    retry: RetryPolicy
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return the shards, in the order they were listed at construction."""
+        return self._shards
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+        """Download one shard (see :func:`fetch_url`).
+
+        Transient failures (timeouts, resets, HTTP 429/5xx) are retried with the
+        source's :class:`RetryPolicy`; a retried transfer resumes from the bytes already
+        received when the server supports ranges.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Stops the transfer, and any backoff wait, when cancelled.
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            ShardFetchError: A permanent HTTP error, or transient errors outlasting
+                every retry (the message names the shard and the URL).
+            StreamCancelled: ``cancel`` was cancelled during the transfer.
+        """
+        return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
+                         headers=self.headers)
+
+
+class HTTPSource(URLShardSource):
     """Shards fetched over HTTP(S).
 
     Args:
@@ -206,32 +244,6 @@ class HTTPSource:
                       records=entry.get("records"), location=urljoin(url, name))
             for name, entry in entries.items()
         )
-
-    def list_shards(self) -> Sequence[ShardInfo]:
-        """Return the shards, in manifest or URL-list order (listed once, at construction)."""
-        return self._shards
-
-    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
-        """Download one shard (see :func:`fetch_url`).
-
-        Transient failures (timeouts, resets, HTTP 429/5xx) are retried with the
-        source's :class:`RetryPolicy`; a retried transfer resumes from the bytes already
-        received when the server supports ranges.
-
-        Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Stops the transfer, and any backoff wait, when cancelled.
-
-        Returns:
-            The shard's bytes.
-
-        Raises:
-            ShardFetchError: A permanent HTTP error, or transient errors outlasting
-                every retry (the message names the shard and the URL).
-            StreamCancelled: ``cancel`` was cancelled during the transfer.
-        """
-        return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
-                         headers=self.headers)
 
     def __repr__(self) -> str:
         origin = self.manifest_url or f"{len(self._shards)} URLs"

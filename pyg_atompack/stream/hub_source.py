@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Sequence
 
 from pyg_atompack.stream.errors import ShardFetchError
-from pyg_atompack.stream.http import fetch_url
+from pyg_atompack.stream.http import URLShardSource, fetch_url
 from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import (
     MANIFEST_NAME,
@@ -17,7 +16,7 @@ from pyg_atompack.stream.sources import (
 )
 
 
-class HubSource:
+class HubSource(URLShardSource):
     """Shards stored in a Hub repository (dataset, model or space).
 
     At construction the revision is resolved to a commit sha (:attr:`revision`) and the
@@ -93,32 +92,6 @@ class HubSource:
         except (UnicodeDecodeError, json.JSONDecodeError):
             return {}  # some other tool's manifest.json: the listing alone is enough
         return read_manifest_records(document, remote.describe())
-
-    def list_shards(self) -> Sequence[ShardInfo]:
-        """Return the shards of the pinned commit, sorted by path."""
-        return self._shards
-
-    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
-        """Stream one shard from its pinned ``resolve`` URL.
-
-        Transient failures (timeouts, resets, HTTP 429/5xx) are retried with the
-        source's :class:`RetryPolicy`; a retried transfer resumes from the bytes already
-        received when the server supports ranges.
-
-        Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Stops the transfer, and any backoff wait, when cancelled.
-
-        Returns:
-            The shard's bytes.
-
-        Raises:
-            ShardFetchError: A permanent HTTP error, or transient errors outlasting
-                every retry (the message names the shard and the URL).
-            StreamCancelled: ``cancel`` was cancelled during the transfer.
-        """
-        return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
-                         headers=self.headers)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.repo_id!r}, {self.path_in_repo!r}, "

@@ -139,20 +139,7 @@ class FakeHub(ThreadingHTTPServer):
     def commit(self, repo_id: str, files: dict[str, bytes] | str | Path, *,
                repo_type: str = "dataset", branch: str = "main", token: str | None = None,
                replace: bool = True) -> str:
-        """Create a commit on ``branch`` (creating the repo if needed).
-
-        Args:
-            repo_id: ``owner/name``.
-            files: ``{path: bytes}`` or a local directory whose files are all committed.
-            repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
-            branch: Branch moved to the new commit.
-            token: Make the repo private: requests need ``Authorization: Bearer {token}``.
-            replace: The commit holds exactly ``files``; with ``False`` they are
-                added on top of the branch's current files.
-
-        Returns:
-            The new commit's 40-hex sha.
-        """
+        """Create a commit on ``branch``; see :meth:`hub_repos.HubStore.commit`."""
         return self.store.commit(repo_id, files, repo_type=repo_type, branch=branch,
                                  token=token, replace=replace)
 
