@@ -139,7 +139,7 @@ class FakeHub(ThreadingHTTPServer):
     def commit(self, repo_id: str, files: dict[str, bytes] | str | Path, *,
                repo_type: str = "dataset", branch: str = "main", token: str | None = None,
                replace: bool = True) -> str:
-        """Create a commit on ``branch``; see :meth:`hub_repos.HubStore.commit`."""
+        """Create a commit on ``branch``; see :meth:`hub_repos.RepoStore.commit`."""
         return self.store.commit(repo_id, files, repo_type=repo_type, branch=branch,
                                  token=token, replace=replace)
 
