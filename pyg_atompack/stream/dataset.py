@@ -20,6 +20,7 @@ from torch_geometric.data.data import BaseData
 
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import ON_ERROR_CHOICES, ShardLoader
+from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, mix_across_shards, shard_samples
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
@@ -93,6 +94,11 @@ class ShardStreamDataset(IterableDataset):
         world_size: Number of DDP ranks (default: as for ``rank``, else 1).
         trace_dir: Directory for worker trace files. (default: a temporary directory
             removed with the dataset)
+        trim_memory: After each consumed shard, hand freed heap memory back to the
+            operating system (glibc ``malloc_trim``; a no-op elsewhere). Without it the
+            resident set keeps the high-water mark of the prefetch threads' malloc
+            arenas, several shards above what is alive; see
+            :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
     """
 
     def __init__(self, source: Source, *, prefetch: int = 1, concurrency: int = 1,
@@ -101,7 +107,8 @@ class ShardStreamDataset(IterableDataset):
                  transform: Callable[[BaseData], BaseData] | None = None,
                  trusted: bool = False, retries: int | None = None, verify: bool = True,
                  on_error: str = "raise", rank: int | None = None,
-                 world_size: int | None = None, trace_dir: str | os.PathLike | None = None):
+                 world_size: int | None = None, trace_dir: str | os.PathLike | None = None,
+                 trim_memory: bool = True):
         super().__init__()
         if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0:
             raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
@@ -128,6 +135,7 @@ class ShardStreamDataset(IterableDataset):
         self.trusted = trusted
         self.verify = verify
         self.on_error = on_error
+        self.trim_memory = trim_memory
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -249,12 +257,20 @@ class ShardStreamDataset(IterableDataset):
                                   seed=self.seed, epoch=self.epoch, transform=self.transform)
             mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
+            trim_due = False
             for unit in group_items(items, self.batch_size):
+                if trim_due:
+                    # the shard finished last time has been dropped by now (pulling this
+                    # unit advanced past it): give its memory back to the OS
+                    release_free_memory()
+                    trim_due = False
                 if quota is not None and handed + len(unit) > quota:
                     break
                 now = recorder.now()
                 finishing = []
-                for position, index, _ in unit:
+                # (no loop variable may keep a sample alive: a sample cut from a collated
+                # shard is a view that pins the whole shard's storage)
+                for position, index in [(position, index) for position, index, _ in unit]:
                     record = recorder.record(position, plan.shards[position], "")
                     if record.consume_start_s is None:
                         record.consume_start_s = now
@@ -271,6 +287,7 @@ class ShardStreamDataset(IterableDataset):
                 now = recorder.now()  # the consumer is back: it is done with `finishing`
                 for position in finishing:
                     recorder.record(position, plan.shards[position], "").consume_finish_s = now
+                trim_due = self.trim_memory and bool(finishing)
                 if quota is not None and handed >= quota:
                     break  # do not pull (and download) anything past the quota
             progress.finished = True

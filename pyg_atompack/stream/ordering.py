@@ -73,7 +73,10 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
             if transform is not None:
                 sample = transform(sample)
             yield position, index, sample
-        del shard  # release the decoded shard before the next one is taken
+        # release the decoded shard (and the last sample, which may be a view into a
+        # collated shard's storage) before the next one is taken
+        del shard
+        sample = None
 
 
 def mix_across_shards(items: Iterable[Item], buffer_size: int,

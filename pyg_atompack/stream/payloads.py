@@ -82,8 +82,41 @@ def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData
         ) from error
 
 
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it.
+
+    ``io.BytesIO`` copies a ``bytearray`` (it shares only immutable ``bytes``), which
+    would hold every downloaded shard twice while it is decoded.
+    """
+
+    def __init__(self, buffer: bytearray | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(buffer).cast("B")
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        count = min(len(target), len(self._view) - self._position)
+        target[:count] = self._view[self._position:self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}
+        self._position = max(base[whence] + offset, 0)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
 def _load_pt(buffer: bytes | bytearray | memoryview, name: str, trusted: bool) -> Any:
-    stream = io.BytesIO(buffer)
+    stream = io.BytesIO(buffer) if isinstance(buffer, bytes) else _MemoryFile(buffer)
     try:
         if trusted:
             return torch.load(stream, map_location="cpu", weights_only=False)

@@ -1,0 +1,173 @@
+"""Peak memory of ``ShardStreamDataset`` against the bound baseline + (k+1) x shard.
+
+Streams ``.pt`` shards large enough (default ~12 MiB) that the bound is far above
+allocator noise, from a loopback HTTP server running in its own process (so only the
+client's memory is measured), while a consumer pauses now and then (as a training
+step would). Each configuration runs in a fresh child process
+that samples its own resident set (``/proc/self/statm``) every millisecond; the
+baseline is the RSS after imports, the server and the source listing, just before
+iteration starts. The shard files' total size is several times the bound, so an
+implementation that kept shards alive would overshoot it.
+
+Usage::
+
+    python benchmarks/stream_memory.py              # writes benchmarks/results/stream_memory.md
+    python benchmarks/stream_memory.py --shards 8 --shard-mib 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "stream_memory.md"
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as handle:
+        return int(handle.read().split()[1]) * _PAGE
+
+
+def write_shards(folder: Path, shards: int, shard_mib: float, atoms: int = 64) -> int:
+    """Write ``shards`` list-of-Data ``.pt`` files of about ``shard_mib`` MiB each."""
+    import torch
+    from torch_geometric.data import Data
+
+    per_sample = atoms * (3 * 4 * 2 + 8) + 8  # pos + forces (f32), z (int64), energy
+    count = max(int(shard_mib * 2**20 / per_sample), 1)
+    generator = torch.Generator().manual_seed(0)
+    largest = 0
+    for index in range(shards):
+        samples = [Data(z=torch.randint(1, 90, (atoms,), generator=generator),
+                        pos=torch.randn(atoms, 3, generator=generator),
+                        forces=torch.randn(atoms, 3, generator=generator),
+                        energy=torch.randn(1, generator=generator, dtype=torch.float64))
+                   for _ in range(count)]
+        path = folder / f"shard_{index:05d}.pt"
+        torch.save(samples, path)
+        largest = max(largest, path.stat().st_size)
+    return largest
+
+
+def serve(folder: str) -> tuple[subprocess.Popen, str]:
+    """A plain HTTP server for ``folder`` in its own process (its memory is not ours)."""
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
+         "--directory", folder], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    banner = server.stdout.readline()  # "Serving HTTP on 127.0.0.1 port N (http://...) ..."
+    port = int(banner.split(" port ")[1].split()[0])
+    return server, f"http://127.0.0.1:{port}"
+
+
+def child(folder: str, prefetch: int, concurrency: int, hold_s: float) -> None:
+    """One measured run (in its own process); prints a JSON line."""
+    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+
+    server, base_url = serve(folder)
+    try:
+        names = sorted(p.name for p in Path(folder).glob("*.pt"))
+        source = HTTPSource([f"{base_url}/{name}" for name in names])
+        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency)
+        baseline = _rss_bytes()
+        peak = baseline
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, _rss_bytes())
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        seen = 0
+        for _ in dataset:
+            seen += 1
+            if hold_s and seen % 256 == 0:
+                time.sleep(hold_s)  # a training step: the shard stays alive meanwhile
+        stop.set()
+        sampler.join()
+        stats = dataset.stats()
+    finally:
+        server.terminate()
+        server.wait()
+    print(json.dumps({"baseline": baseline, "peak": peak, "samples": seen,
+                      "peak_live_shards": stats.get("peak_live_shards")}))
+
+
+def run_child(folder: Path, prefetch: int, concurrency: int, hold_s: float) -> dict:
+    command = [sys.executable, __file__, "--child", str(folder), str(prefetch),
+               str(concurrency), str(hold_s)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=12)
+    parser.add_argument("--shard-mib", type=float, default=8.0)
+    parser.add_argument("--hold", type=float, default=0.01,
+                        help="seconds the consumer pauses every 256 samples")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        folder, prefetch, concurrency, hold_s = args.child
+        child(folder, int(prefetch), int(concurrency), float(hold_s))
+        return 0
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stream_memory_") as tmp:
+        folder = Path(tmp)
+        largest = write_shards(folder, args.shards, args.shard_mib)
+        total = sum(p.stat().st_size for p in folder.glob("*.pt"))
+        print(f"{args.shards} shards, largest {largest / 2**20:.1f} MiB, "
+              f"total {total / 2**20:.0f} MiB", flush=True)
+        for prefetch, concurrency in ((0, 1), (1, 1), (2, 2), (4, 3)):
+            figures = run_child(folder, prefetch, concurrency, args.hold)
+            growth = figures["peak"] - figures["baseline"]
+            bound = (prefetch + 1) * largest * 1.2
+            rows.append((prefetch, concurrency, figures["baseline"], growth, bound,
+                         figures["peak_live_shards"], figures["samples"]))
+            print(f"prefetch={prefetch} concurrency={concurrency}: growth "
+                  f"{growth / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
+                  f"peak live shards {figures['peak_live_shards']}", flush=True)
+
+    lines = [
+        "# Streaming memory bound (`benchmarks/stream_memory.py`)", "",
+        f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}",
+        f"- machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores), "
+        f"Python {platform.python_version()}", "",
+        f"{args.shards} `.pt` shards (lists of `Data`, 64 atoms each), largest "
+        f"{largest / 2**20:.1f} MiB, {total / 2**20:.0f} MiB in all, served over loopback by "
+        "`python -m http.server` in its own process; the consumer pauses "
+        f"{args.hold * 1e3:.0f} ms every 256 samples. Peak RSS growth is measured in a fresh "
+        "process per row (1 ms sampling) over the RSS just before iteration. Bound = "
+        "(k+1) x largest shard file + 20% (the issue's target: baseline + (k+1) x largest "
+        "shard + 20%).", "",
+        "| prefetch k | concurrency | baseline MiB | peak growth MiB | bound MiB | within | "
+        "peak live shards |",
+        "|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for prefetch, concurrency, baseline, growth, bound, live, _ in rows:
+        lines.append(f"| {prefetch} | {concurrency} | {baseline / 2**20:.0f} | "
+                     f"{growth / 2**20:.1f} | {bound / 2**20:.1f} | "
+                     f"{'yes' if growth <= bound else 'no'} | {live} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Handing consumed shards' memory back to the OS (``trim_memory``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from servers.http_server import write_pt_shards
+from torch_geometric.data import Data
+
+from pyg_atompack.stream import LocalSource, ShardStreamDataset
+from pyg_atompack.stream import dataset as stream_dataset
+from pyg_atompack.stream.memory import release_free_memory
+
+SIZES = [5, 7, 3, 6]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim is Linux")
+def test_release_free_memory_calls_malloc_trim_on_glibc():
+    # the CI and development machines run glibc, which has malloc_trim
+    assert release_free_memory() is True
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_memory_is_trimmed_once_per_consumed_shard(tmp_path, monkeypatch, prefetch):
+    write_pt_shards(tmp_path, SIZES)
+    calls = []
+    monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
+    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=prefetch))
+    assert len(samples) == sum(SIZES)
+    # after every shard but the last, the next sample pulled has released it
+    assert len(calls) == len(SIZES) - 1
+
+
+def test_trimming_can_be_switched_off(tmp_path, monkeypatch):
+    write_pt_shards(tmp_path, SIZES)
+    calls = []
+    monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
+    list(ShardStreamDataset(LocalSource(tmp_path), trim_memory=False))
+    assert calls == []
+
+
+def test_trimming_happens_after_the_shard_is_released(tmp_path, monkeypatch):
+    # when the trim runs, no sample of the finished shard may be alive in the stream
+    import weakref
+
+    shard = [Data(x=torch.full((3, 1), float(i))) for i in range(4)]
+    torch.save(shard, tmp_path / "a.pt")
+    torch.save([Data(x=torch.zeros(3, 1)) for _ in range(4)], tmp_path / "b.pt")
+    refs: list[weakref.ref] = []
+    alive_at_trim = []
+
+    def check() -> bool:
+        alive_at_trim.append(sum(ref() is not None for ref in refs))
+        return True
+
+    monkeypatch.setattr(stream_dataset, "release_free_memory", check)
+    iterator = iter(ShardStreamDataset(LocalSource(tmp_path), prefetch=0))
+    for _ in range(4):
+        refs.append(weakref.ref(next(iterator)))
+    rest = list(iterator)
+    assert len(rest) == 4 and alive_at_trim == [0]
