@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_convert.py
 	$(PY) benchmarks/bench_graph.py
 	$(PY) benchmarks/stream_overlap.py
+	$(PY) benchmarks/stream_memory.py
 	$(PY) benchmarks/paired_schnet.py
 
 lint: $(STAMP)
