@@ -188,39 +188,27 @@ def _check_both(path: Path, spec: FileSpec, data: st.DataObject) -> None:
         assert _committed_record_format(path) == expected_format
 
 
+# "atompack": written by atompack-db (add_molecule(s) / add_arrays_batch), read by us;
+# "ours": written by us (add / add_batch), read by atompack-db. Both are checked both ways.
+@pytest.mark.parametrize("writer", ["atompack", "ours"])
 @BOUNDED
 @given(spec=molecule_files(), data=st.data())
-def test_atompack_add_molecules_read_by_ours(spec: FileSpec, data: st.DataObject) -> None:
+def test_molecule_path_files_read_identically(writer: str, spec: FileSpec,
+                                             data: st.DataObject) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "reference.atp"
-        write_file(path, spec, _writers(spec, "atompack"))
+        path = Path(tmp) / f"{writer}.atp"
+        write_file(path, spec, _writers(spec, writer))
         _check_both(path, spec, data)
 
 
+@pytest.mark.parametrize("writer", ["atompack", "ours"])
 @BOUNDED
 @given(spec=batch_files(), data=st.data())
-def test_atompack_add_arrays_batch_read_by_ours(spec: FileSpec, data: st.DataObject) -> None:
+def test_batch_path_files_read_identically(writer: str, spec: FileSpec,
+                                          data: st.DataObject) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "reference_batch.atp"
-        write_file(path, spec, _writers(spec, "atompack"))
-        _check_both(path, spec, data)
-
-
-@BOUNDED
-@given(spec=molecule_files(), data=st.data())
-def test_our_add_read_by_atompack(spec: FileSpec, data: st.DataObject) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ours.atp"
-        write_file(path, spec, _writers(spec, "ours"))
-        _check_both(path, spec, data)
-
-
-@BOUNDED
-@given(spec=batch_files(), data=st.data())
-def test_our_add_batch_read_by_atompack(spec: FileSpec, data: st.DataObject) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ours_batch.atp"
-        write_file(path, spec, _writers(spec, "ours"))
+        path = Path(tmp) / f"{writer}_batch.atp"
+        write_file(path, spec, _writers(spec, writer))
         _check_both(path, spec, data)
 
 
