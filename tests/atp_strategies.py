@@ -142,6 +142,25 @@ def _molecule_value(draw: st.DrawFn, plan: PropertyPlan, rng: np.random.Generato
     return random_array(rng, shape, plan.dtype, specials)
 
 
+def _file_settings(draw, codecs, alternate_keys):
+    """Seeded rng, specials flag, codec, level, positions dtype and builtin dtypes.
+
+    Alternate builtin dtypes need record format 3, which float64 positions guarantee,
+    so they are drawn only then (for the builtins in ``alternate_keys``).
+    """
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    specials = draw(st.booleans())
+    codec = draw(st.sampled_from(codecs))
+    level = draw(st.sampled_from((1, 3, 7))) if codec == "zstd" else 3
+    pos_dtype = draw(st.sampled_from((np.float32, np.float64)))
+    dtypes = dict(CANONICAL_DTYPES)
+    if pos_dtype is np.float64:
+        for key in alternate_keys:
+            if draw(st.booleans()):
+                dtypes[key] = ALTERNATE_DTYPES[key]
+    return rng, specials, codec, level, pos_dtype, dtypes
+
+
 @st.composite
 def molecule_files(draw: st.DrawFn, *, max_atoms: int = 300, max_sessions: int = 3,
                    max_per_session: int = 4, codecs: tuple[str, ...] = CODECS) -> FileSpec:
@@ -156,18 +175,9 @@ def molecule_files(draw: st.DrawFn, *, max_atoms: int = 300, max_sessions: int =
     Returns:
         A :class:`FileSpec` whose sessions hold :class:`MoleculeSpec` objects.
     """
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    specials = draw(st.booleans())
-    codec = draw(st.sampled_from(codecs))
-    level = draw(st.sampled_from((1, 3, 7))) if codec == "zstd" else 3
-    pos_dtype = draw(st.sampled_from((np.float32, np.float64)))
-    # alternate builtin dtypes need record format 3, which float64 positions guarantee;
     # from_arrays always stores the energy as float64
-    dtypes = dict(CANONICAL_DTYPES)
-    if pos_dtype is np.float64:
-        for key in ("forces", "velocities", "charges", "cell", "stress"):
-            if draw(st.booleans()):
-                dtypes[key] = ALTERNATE_DTYPES[key]
+    rng, specials, codec, level, pos_dtype, dtypes = _file_settings(
+        draw, codecs, ("forces", "velocities", "charges", "cell", "stress"))
     plans = draw(property_plans())
     n_sessions = draw(st.integers(1, max_sessions))
     sessions = []
@@ -275,16 +285,8 @@ def batch_files(draw: st.DrawFn, *, max_atoms: int = 300, max_sessions: int = 3,
     Returns:
         A :class:`FileSpec` whose sessions hold :class:`BatchSpec` objects.
     """
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    specials = draw(st.booleans())
-    codec = draw(st.sampled_from(codecs))
-    level = draw(st.sampled_from((1, 3, 7))) if codec == "zstd" else 3
-    pos_dtype = draw(st.sampled_from((np.float32, np.float64)))
-    dtypes = dict(CANONICAL_DTYPES)
-    if pos_dtype is np.float64:
-        for key in ALTERNATE_DTYPES:
-            if draw(st.booleans()):
-                dtypes[key] = ALTERNATE_DTYPES[key]
+    rng, specials, codec, level, pos_dtype, dtypes = _file_settings(
+        draw, codecs, tuple(ALTERNATE_DTYPES))
     plans = draw(batch_column_plans())
     sessions = []
     for number in range(draw(st.integers(1, max_sessions))):

@@ -11,11 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import atompack
-import numpy as np
 import pytest
 import torch
-from servers.fake_hub import FakeHub, serve_fake_hub
+from servers.fake_hub import FakeHub, serve_fake_hub, write_reference_shard
 from test_loader import assert_batches_equal, assert_data_equal
 
 from pyg_atompack import AtompackDataset, AtompackLoader, hub
@@ -24,26 +22,13 @@ from pyg_atompack.pyg import FieldSelectionError
 REPO = "org/molecules"
 
 
-def _write_shard(path: Path, n_molecules: int, n_atoms: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = atompack.Database(str(path), compression="zstd", overwrite=True)
-    db.add_arrays_batch(
-        rng.normal(size=(n_molecules, n_atoms, 3)).astype(np.float32),
-        rng.integers(1, 30, size=(n_molecules, n_atoms)).astype(np.uint8),
-        energy=seed * 100.0 + np.arange(n_molecules, dtype=np.float64),
-        forces=rng.normal(size=(n_molecules, n_atoms, 3)).astype(np.float32),
-    )
-    db.flush()
-
-
 @pytest.fixture(scope="module")
 def local_root(tmp_path_factory) -> Path:
     """Shards of 3, 4 and 5 molecules in `train/` (order: a/…, part_1, part_2)."""
     root = tmp_path_factory.mktemp("hub_dataset")
-    _write_shard(root / "train" / "a" / "part_0.atp", 3, 2, seed=1)
-    _write_shard(root / "train" / "part_1.atp", 4, 3, seed=2)
-    _write_shard(root / "train" / "part_2.atp", 5, 4, seed=3)
+    write_reference_shard(root / "train" / "a" / "part_0.atp", 3, 2, seed=1)
+    write_reference_shard(root / "train" / "part_1.atp", 4, 3, seed=2)
+    write_reference_shard(root / "train" / "part_2.atp", 5, 4, seed=3)
     (root / "train" / "manifest.json").write_text(json.dumps({"output_files": []}))
     return root
 
@@ -104,7 +89,7 @@ def test_revision_is_pinned_when_opened(served, local_root, tmp_path):
     dataset = _from_hub(served, tmp_path / "cache", revision="main")
     first_energy = float(dataset[0].energy)
     replacement = tmp_path / "new.atp"
-    _write_shard(replacement, 2, 2, seed=9)
+    write_reference_shard(replacement, 2, 2, seed=9)
     served.commit(REPO, {"train/a/part_0.atp": replacement.read_bytes()})  # main moves on
     assert len(dataset) == 12 and float(dataset[0].energy) == first_energy
     assert float(_from_hub(served, tmp_path / "cache2")[0].energy) == 900.0

@@ -12,7 +12,7 @@ from pathlib import Path
 import atompack
 import numpy as np
 import pytest
-from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub
+from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub, write_reference_shard
 
 from pyg_atompack import hub
 
@@ -21,27 +21,13 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------------- data
-def _write_shard(path: Path, n_mol: int, n_atoms: int, seed: int) -> None:
-    """A zstd shard written by the reference implementation (atompack-db)."""
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = atompack.Database(str(path), compression="zstd", overwrite=True)
-    db.add_arrays_batch(
-        rng.normal(size=(n_mol, n_atoms, 3)).astype(np.float32),
-        rng.integers(1, 30, size=(n_mol, n_atoms)).astype(np.uint8),
-        energy=seed * 100.0 + np.arange(n_mol, dtype=np.float64),
-        forces=rng.normal(size=(n_mol, n_atoms, 3)).astype(np.float32),
-    )
-    db.flush()
-
-
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory) -> Path:
     """Three shards of 2, 3 and 4 molecules (3, 2, 4 atoms each) plus a manifest."""
     root = tmp_path_factory.mktemp("hubdata")
-    _write_shard(root / "train" / "b" / "part_0.atp", 2, 3, seed=1)
-    _write_shard(root / "train" / "part_1.atp", 3, 2, seed=2)
-    _write_shard(root / "train" / "part_2.atp", 4, 4, seed=3)
+    write_reference_shard(root / "train" / "b" / "part_0.atp", 2, 3, seed=1)
+    write_reference_shard(root / "train" / "part_1.atp", 3, 2, seed=2)
+    write_reference_shard(root / "train" / "part_2.atp", 4, 4, seed=3)
     (root / "train" / "manifest.json").write_text(json.dumps({"output_files": []}))
     (root / "README.md").write_text("fake dataset card\n")
     return root

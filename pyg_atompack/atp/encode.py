@@ -248,18 +248,25 @@ def molecule_sections(n: int, builtins: dict[str, Any], properties: dict[str, An
                       atom_properties: dict[str, Any] | None) -> list[Section]:
     """All sections of one molecule in the ``add_molecule`` order (spec §5.6)."""
     sections = builtin_sections(n, builtins, None)
-    properties = properties or {}
-    atom_properties = atom_properties or {}
-    both = set(properties) & set(atom_properties)
-    if both:
-        raise AtpValueError(f"custom key(s) {sorted(both)} used in both properties and "
-                            f"atom_properties of one molecule")
+    properties, atom_properties = _custom_scopes(properties, atom_properties)
     for key in sorted(atom_properties, key=lambda k: k.encode("utf-8")):
         sections.append(molecule_value(key, atom_properties[key], n, True))
     for key in sorted(properties, key=lambda k: k.encode("utf-8")):
         sections.append(molecule_value(key, properties[key], n, False))
     _check_keys(sections)
     return sections
+
+
+def _custom_scopes(properties: dict[str, Any] | None, atom_properties: dict[str, Any] | None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    # one key cannot live at both scopes of a molecule (spec §5.2)
+    properties = properties or {}
+    atom_properties = atom_properties or {}
+    both = set(properties) & set(atom_properties)
+    if both:
+        raise AtpValueError(f"custom key(s) {sorted(both)} used in both properties and "
+                            f"atom_properties")
+    return properties, atom_properties
 
 
 def _check_keys(sections: list[Section]) -> None:
@@ -317,12 +324,7 @@ def batch_columns(batch: int, n: int, builtins: dict[str, Any],
                   atom_properties: dict[str, Any] | None) -> list[Section]:
     """All sections of a stacked batch in the ``add_arrays_batch`` order (spec §5.6)."""
     sections = builtin_sections(n, builtins, batch)
-    properties = properties or {}
-    atom_properties = atom_properties or {}
-    both = set(properties) & set(atom_properties)
-    if both:
-        raise AtpValueError(f"custom key(s) {sorted(both)} used in both properties and "
-                            f"atom_properties")
+    properties, atom_properties = _custom_scopes(properties, atom_properties)
     sections += [_column(k, v, batch, n, False) for k, v in properties.items()]
     sections += [_column(k, v, batch, n, True) for k, v in atom_properties.items()]
     _check_keys(sections)

@@ -195,3 +195,24 @@ def fake_hub() -> Iterator[FakeHub]:
 def fake_hub_server() -> Iterator[FakeHub]:
     """Same as ``fake_hub`` (the name other test modules were told about)."""
     yield from serve_fake_hub()
+
+
+def write_reference_shard(path: Path, n_molecules: int, n_atoms: int, seed: int) -> None:
+    """A zstd `.atp` shard written by the reference implementation (atompack-db).
+
+    Energies are ``seed * 100 + molecule index``, so a test can tell which shard and
+    molecule a value came from.
+    """
+    import atompack  # the test oracle; imported here so the server alone needs no extra
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = atompack.Database(str(path), compression="zstd", overwrite=True)
+    db.add_arrays_batch(
+        rng.normal(size=(n_molecules, n_atoms, 3)).astype(np.float32),
+        rng.integers(1, 30, size=(n_molecules, n_atoms)).astype(np.uint8),
+        energy=seed * 100.0 + np.arange(n_molecules, dtype=np.float64),
+        forces=rng.normal(size=(n_molecules, n_atoms, 3)).astype(np.float32),
+    )
+    db.flush()
