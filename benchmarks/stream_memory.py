@@ -39,10 +39,17 @@ def _rss_bytes() -> int:
 
 
 def write_shards(folder: Path, shards: int, shard_mib: float, atoms: int = 64) -> int:
-    """Write ``shards`` list-of-Data ``.pt`` files of about ``shard_mib`` MiB each."""
+    """Write ``shards`` list-of-Data ``.pt`` files of about ``shard_mib`` MiB each.
+
+    The same structures also go to ``folder / "atp"`` as ``.atp`` shards (codec none), so
+    both payload kinds are measured on identical data.
+    """
     import torch
     from torch_geometric.data import Data
 
+    from pyg_atompack import atp
+
+    (folder / "atp").mkdir(exist_ok=True)
     per_sample = atoms * (3 * 4 * 2 + 8) + 8  # pos + forces (f32), z (int64), energy
     count = max(int(shard_mib * 2**20 / per_sample), 1)
     generator = torch.Generator().manual_seed(0)
@@ -56,6 +63,11 @@ def write_shards(folder: Path, shards: int, shard_mib: float, atoms: int = 64) -
         path = folder / f"shard_{index:05d}.pt"
         torch.save(samples, path)
         largest = max(largest, path.stat().st_size)
+        with atp.Writer(folder / "atp" / f"shard_{index:05d}.atp") as writer:
+            writer.add_batch(torch.stack([s.pos for s in samples]).numpy(),
+                             torch.stack([s.z for s in samples]).numpy().astype("uint8"),
+                             energy=torch.cat([s.energy for s in samples]).numpy(),
+                             forces=torch.stack([s.forces for s in samples]).numpy())
     return largest
 
 
@@ -76,6 +88,7 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float) -> None:
     server, base_url = serve(folder)
     try:
         names = sorted(p.name for p in Path(folder).glob("*.pt"))
+        names = names or sorted(p.name for p in Path(folder).glob("*.atp"))
         source = HTTPSource([f"{base_url}/{name}" for name in names])
         dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency)
         baseline = _rss_bytes()
@@ -129,38 +142,44 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="stream_memory_") as tmp:
         folder = Path(tmp)
-        largest = write_shards(folder, args.shards, args.shard_mib)
-        total = sum(p.stat().st_size for p in folder.glob("*.pt"))
-        print(f"{args.shards} shards, largest {largest / 2**20:.1f} MiB, "
-              f"total {total / 2**20:.0f} MiB", flush=True)
-        for prefetch, concurrency in ((0, 1), (1, 1), (2, 2), (4, 3)):
-            figures = run_child(folder, prefetch, concurrency, args.hold)
-            growth = figures["peak"] - figures["baseline"]
-            bound = (prefetch + 1) * largest * 1.2
-            rows.append((prefetch, concurrency, figures["baseline"], growth, bound,
-                         figures["peak_live_shards"], figures["samples"]))
-            print(f"prefetch={prefetch} concurrency={concurrency}: growth "
-                  f"{growth / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
-                  f"peak live shards {figures['peak_live_shards']}", flush=True)
+        write_shards(folder, args.shards, args.shard_mib)
+        for kind, shard_folder in (("pt", folder), ("atp", folder / "atp")):
+            files = sorted(shard_folder.glob(f"*.{kind}"))
+            largest = max(p.stat().st_size for p in files)
+            total = sum(p.stat().st_size for p in files)
+            print(f"{kind}: {args.shards} shards, largest {largest / 2**20:.1f} MiB, "
+                  f"total {total / 2**20:.0f} MiB", flush=True)
+            for prefetch, concurrency in ((0, 1), (1, 1), (2, 2), (4, 3)):
+                figures = run_child(shard_folder, prefetch, concurrency, args.hold)
+                growth = figures["peak"] - figures["baseline"]
+                bound = (prefetch + 1) * largest * 1.2
+                rows.append((kind, largest, total, prefetch, concurrency, figures["baseline"],
+                             growth, bound, figures["peak_live_shards"], figures["samples"]))
+                print(f"{kind} prefetch={prefetch} concurrency={concurrency}: growth "
+                      f"{growth / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
+                      f"peak live shards {figures['peak_live_shards']}", flush=True)
 
+    sizes = {kind: (largest, total) for kind, largest, total, *_ in rows}
     lines = [
         "# Streaming memory bound (`benchmarks/stream_memory.py`)", "",
         f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}",
         f"- machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores), "
         f"Python {platform.python_version()}", "",
-        f"{args.shards} `.pt` shards (lists of `Data`, 64 atoms each), largest "
-        f"{largest / 2**20:.1f} MiB, {total / 2**20:.0f} MiB in all, served over loopback by "
+        f"{args.shards} shards of the same 64-atom structures, as `.pt` (lists of `Data`, "
+        f"largest {sizes['pt'][0] / 2**20:.1f} MiB, {sizes['pt'][1] / 2**20:.0f} MiB in all) "
+        f"and as `.atp` (codec none, largest {sizes['atp'][0] / 2**20:.1f} MiB, "
+        f"{sizes['atp'][1] / 2**20:.0f} MiB in all), served over loopback by "
         "`python -m http.server` in its own process; the consumer pauses "
         f"{args.hold * 1e3:.0f} ms every 256 samples. Peak RSS growth is measured in a fresh "
         "process per row (1 ms sampling) over the RSS just before iteration. Bound = "
-        "(k+1) x largest shard file + 20% (the issue's target: baseline + (k+1) x largest "
-        "shard + 20%).", "",
-        "| prefetch k | concurrency | baseline MiB | peak growth MiB | bound MiB | within | "
-        "peak live shards |",
-        "|---:|---:|---:|---:|---:|---|---:|",
+        "(k+1) x largest shard file of that kind + 20% (the issue's target: baseline + "
+        "(k+1) x largest shard + 20%).", "",
+        "| shards | prefetch k | concurrency | baseline MiB | peak growth MiB | bound MiB | "
+        "within | peak live shards |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for prefetch, concurrency, baseline, growth, bound, live, _ in rows:
-        lines.append(f"| {prefetch} | {concurrency} | {baseline / 2**20:.0f} | "
+    for kind, _, _, prefetch, concurrency, baseline, growth, bound, live, _ in rows:
+        lines.append(f"| `.{kind}` | {prefetch} | {concurrency} | {baseline / 2**20:.0f} | "
                      f"{growth / 2**20:.1f} | {bound / 2**20:.1f} | "
                      f"{'yes' if growth <= bound else 'no'} | {live} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -823,8 +823,9 @@ server.stop()
   reshuffles the shard order.
 * `HubSource` streams shards from a Hugging Face dataset repository and `LocalSource`
   from a directory; any object with `list_shards()` and `fetch(shard, cancel)` works.
-* `.pt` shards are loaded with `torch.load(weights_only=True)` plus PyG's own
-  classes; `trusted=True` allows arbitrary pickles and must only be used for sources
+* `.pt` shards are loaded by `torch.load` through a restricted unpickler that only
+  rebuilds tensors and PyG's own classes (the `weights_only=True` contract, at full
+  speed); `trusted=True` allows arbitrary pickles and must only be used for sources
   you trust. `.atp` shards contain no code at all.
 '''
 

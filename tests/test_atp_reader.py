@@ -143,6 +143,21 @@ def test_from_bytes_matches_file(golden_dir):
         atp.Reader.from_bytes(b"x" * 9000, name="junk")
 
 
+def test_from_bytes_can_take_a_bytearray_over_without_copying(golden_dir):
+    raw = (golden_dir / "builtins_none.atp").read_bytes()
+    owned = bytearray(raw)
+    kept = atp.Reader.from_bytes(owned, name="kept.atp", copy=False)
+    copied = atp.Reader.from_bytes(owned, name="copied.atp")
+    # codec none: positions are views of whichever buffer the reader holds
+    assert np.shares_memory(kept[0].positions, np.frombuffer(owned, np.uint8))
+    assert not np.shares_memory(copied[0].positions, np.frombuffer(owned, np.uint8))
+    with atp.open(golden_dir / "builtins_none.atp") as f:
+        for i in range(len(f)):
+            np.testing.assert_array_equal(kept[i].positions, f[i].positions)
+    # bytes are immutable: never copied, whatever ``copy`` says
+    assert not atp.Reader.from_bytes(raw, copy=False)[0].positions.flags.writeable
+
+
 def test_n_atoms_comes_from_index_only(tmp_path, golden_dir):
     data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
     data[8192:10402] = bytes(10402 - 8192)  # wipe every record, keep schema + index

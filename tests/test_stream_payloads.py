@@ -181,3 +181,36 @@ def test_golden_atp_matches_reference(golden_dir):
 def test_corrupt_atp_names_the_shard():
     with pytest.raises(ShardDecodeError, match=r"shard broken\.atp"):
         decode_shard(b"ATPK" + b"\0" * 100, "broken.atp")
+
+
+def test_atp_shard_decodes_lazily_into_the_same_graphs(tmp_path):
+    from pyg_atompack import atp
+    from pyg_atompack.pyg import flat_to_data_list
+    from pyg_atompack.stream.payloads import AtpShardSamples
+
+    positions, numbers, energy, forces = _write_atp(tmp_path / "s.atp", 6, 5, 3)
+    raw = (tmp_path / "s.atp").read_bytes()
+    decoded = decode_shard(raw, "s.atp")
+    # no Data exists before a sample is taken: the shard is the reader over its bytes
+    assert isinstance(decoded, AtpShardSamples) and len(decoded) == 6
+    eager = flat_to_data_list(atp.Reader.from_bytes(raw).read_batch(range(6)))
+    for index in (5, 0, 3):  # any order, any number of times
+        got, want = decoded[index], eager[index]
+        assert sorted(got.keys()) == sorted(want.keys())
+        for key in want.keys():  # noqa: SIM118 - iterating a Data yields pairs
+            assert torch.equal(got[key], want[key]), key
+        np.testing.assert_array_equal(got.pos.numpy(), positions[index])
+    # samples are writable and independent of each other
+    decoded[1].pos += 1.0
+    np.testing.assert_array_equal(decoded[2].pos.numpy(), positions[2])
+
+
+def test_damaged_atp_record_fails_at_decode_time_not_mid_iteration(tmp_path):
+    from pyg_atompack import atp
+
+    _write_atp(tmp_path / "s.atp", 6, 5, 4)
+    raw = bytearray((tmp_path / "s.atp").read_bytes())
+    offset = int(atp.Reader.from_bytes(bytes(raw)).index[4][0])
+    raw[offset:offset + 4] = b"\xff\xff\xff\xff"  # record 4's zstd frame magic
+    with pytest.raises(ShardDecodeError, match=r"shard s\.atp"):
+        decode_shard(raw, "s.atp")

@@ -73,21 +73,28 @@ class Reader:
         self._load()
 
     @classmethod
-    def from_bytes(cls, buffer: bytes | bytearray | memoryview, name: str = "<memory>") -> Reader:
+    def from_bytes(cls, buffer: bytes | bytearray | memoryview, name: str = "<memory>", *,
+                   copy: bool = True) -> Reader:
         """Open an in-memory `.atp` image (e.g. a shard fetched over HTTP).
 
         Args:
             buffer: the complete file contents.
             name: name used in error messages.
+            copy: take a private ``bytes`` copy of a ``bytearray`` or ``memoryview``.
+                ``False`` keeps a ``bytearray`` as it is, so a downloaded shard is held
+                once rather than twice; the caller hands it over and must not change it
+                afterwards. ``bytes`` are never copied.
 
         Returns:
-            A reader over the buffer; arrays are zero-copy read-only views of it.
+            A reader over the buffer; arrays are zero-copy views of it (read-only over
+            ``bytes``, writable over a kept ``bytearray``).
         """
         self = cls.__new__(cls)
         self._path = None
         self._name = name
         self._access = "memory"
-        self._image = bytes(buffer)
+        keep = not copy and isinstance(buffer, bytearray)
+        self._image = buffer if keep else bytes(buffer)
         self._st = None
         self._load()
         return self

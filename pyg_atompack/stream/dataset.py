@@ -77,10 +77,11 @@ class ShardStreamDataset(IterableDataset):
             samples instead of single samples. (default: :obj:`None`)
         transform: Function applied to every sample before batching. (default: :obj:`None`)
         trusted: Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
-            ``weights_only=False``). Only for sources you trust. The safe default's
-            unpickler is pure Python, about 3x slower, and holds the GIL on the prefetch
-            thread; ``.atp`` shards or DataLoader workers avoid that cost without
-            trusting the source. (default: :obj:`False`)
+            ``weights_only=False``). Only for sources you trust. The safe default
+            unpickles with CPython's C unpickler restricted to tensors and PyG data
+            classes (:mod:`pyg_atompack.stream.safe_pickle`), within a few percent of
+            the unrestricted speed, so there is rarely a reason to set it.
+            (default: :obj:`False`)
         retries: Retries of transient transfer failures (timeouts, resets, HTTP 429/5xx);
             replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
             (default: :obj:`None`, the source's policy)

@@ -1,57 +1,49 @@
 """Safe decoding of shard payloads (``.pt`` pickles and ``.atp`` images) into PyG samples.
 
-``.pt`` shards are read with ``torch.load(weights_only=True)``: only tensors, containers
-and an explicit allow-list of PyG data classes can be reconstructed, so a shard cannot
-run code when it is opened. Anything else is refused with :class:`UnsafePayloadError`
-unless the user passes ``trusted=True``.
+``.pt`` shards are read by ``torch.load`` through the restricted C unpickler of
+:mod:`pyg_atompack.stream.safe_pickle`: only tensors, containers and an explicit
+allow-list of PyG data classes can be reconstructed, so a shard cannot run code when it
+is opened. Anything else is refused with :class:`UnsafePayloadError` unless the user
+passes ``trusted=True``.
 
 Accepted ``.pt`` layouts:
 
 * a ``list`` / ``tuple`` of :class:`~torch_geometric.data.Data` (or ``HeteroData``);
 * a collated :class:`~torch_geometric.data.Batch` (only with ``trusted=True``: a pickled
-  ``Batch`` is rebuilt by calling a dynamic class factory, which ``weights_only`` forbids;
+  ``Batch`` is rebuilt by calling a dynamic class factory, which the allow-list forbids;
   save ``batch.to_data_list()`` instead);
 * an ``InMemoryDataset``-style ``(data, slices)`` tuple, or the newer
   ``(data.to_dict(), slices, data_class)`` triple written by ``InMemoryDataset.save``.
 
 ``.atp`` shards are decoded by the format layer (no pickle involved) into ``Data`` with
-the attribute names of :mod:`pyg_atompack.pyg`.
+the attribute names of :mod:`pyg_atompack.pyg`, one sample at a time as the consumer
+takes it (:class:`AtpShardSamples`); every record is validated when the shard is decoded.
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import pickle
-import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch_geometric.data import Batch, Data, HeteroData
-from torch_geometric.data.data import BaseData, DataEdgeAttr, DataTensorAttr
+from torch_geometric.data import Batch, Data
+from torch_geometric.data.data import BaseData
 from torch_geometric.data.separate import separate
-from torch_geometric.data.storage import EdgeStorage, GlobalStorage, NodeStorage
 
 from pyg_atompack.stream.errors import ShardDecodeError, UnsafePayloadError
+from pyg_atompack.stream.safe_pickle import (
+    PYG_SAFE_GLOBALS,
+    ForbiddenGlobalError,
+    restricted_torch_load,
+)
 
-#: Classes a ``.pt`` shard may contain besides tensors and builtin containers.
-PYG_SAFE_GLOBALS = [
-    Data,
-    HeteroData,
-    Batch,
-    DataEdgeAttr,
-    DataTensorAttr,
-    GlobalStorage,
-    NodeStorage,
-    EdgeStorage,
-]
+__all__ = ["PYG_SAFE_GLOBALS", "decode_shard"]
 
 ATP_MAGIC = b"ATPK"
-
-# the allow-list is installed by a context manager that edits process-wide state, so
-# concurrent loads from prefetch threads take turns (unpickling holds the GIL anyway)
-_LOAD_LOCK = threading.Lock()
-
 
 def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData]:
     """Cuts a collated ``(data, slices)`` shard into its samples, all at decode time.
@@ -120,20 +112,27 @@ def _load_pt(buffer: bytes | bytearray | memoryview, name: str, trusted: bool) -
     try:
         if trusted:
             return torch.load(stream, map_location="cpu", weights_only=False)
-        with _LOAD_LOCK, torch.serialization.safe_globals(PYG_SAFE_GLOBALS):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+        return restricted_torch_load(stream)
+    except ForbiddenGlobalError as error:
+        raise UnsafePayloadError(
+            f"shard {name}: refusing to unpickle it, because it references "
+            f"{error.module}.{error.name}, which is outside the allow-list of tensors and "
+            f"PyG data classes. Pickles can run arbitrary code; pass trusted=True only if "
+            f"you trust where this shard comes from (or register the class with "
+            f"torch.serialization.add_safe_globals)."
+        ) from None
     except pickle.UnpicklingError as error:
         if trusted:
             raise ShardDecodeError(f"shard {name}: not a readable .pt file: {error}") from error
-        # torch's message lists the offending global; keep its first line, it names it
+        # torch's own weights_only checker (TORCH_FORCE_WEIGHTS_ONLY_LOAD) names the global
         reason = str(error).strip().splitlines()
         markers = ("GLOBAL", "Unsupported", "Trying to")
         detail = next((line for line in reason if any(m in line for m in markers)),
                       reason[0] if reason else "")
         raise UnsafePayloadError(
-            f"shard {name}: refusing to unpickle it with weights_only=True, because it "
-            f"holds objects outside the PyG allow-list ({detail.strip()}). Pickles can run "
-            f"arbitrary code; pass trusted=True only if you trust where this shard comes from."
+            f"shard {name}: refusing to unpickle it, because it holds objects outside the "
+            f"PyG allow-list ({detail.strip()}). Pickles can run arbitrary code; pass "
+            f"trusted=True only if you trust where this shard comes from."
         ) from None
     except Exception as error:  # corrupt zip archives raise RuntimeError, etc.
         raise ShardDecodeError(f"shard {name}: not a readable .pt file: {error}") from error
@@ -166,29 +165,72 @@ def _as_samples(obj: Any, name: str) -> Sequence[BaseData]:
     )
 
 
-def _decode_atp(buffer: bytes | bytearray, name: str) -> list[Data]:
+class AtpShardSamples(Sequence):
+    """The samples of an ``.atp`` shard, built from its bytes one at a time when taken.
+
+    An ``.atp`` image is already a compact, indexed layout, so the decoded shard is the
+    downloaded buffer itself plus the reader's index: no per-sample Python objects exist
+    until the consumer asks for a sample. This keeps a decoded shard at its file size,
+    where a list of ``Data`` costs about three times its ``.pt`` file.
+
+    Args:
+        reader: An in-memory reader over the shard's bytes.
+    """
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self._length = len(reader)
+        # the format layer's decode caches form reference cycles with the buffer, which
+        # would keep every finished shard's bytes until the next full garbage
+        # collection (measured: one shard more per shard streamed); collecting once
+        # when the shard is dropped frees them at once
+        weakref.finalize(self, _release_reader, reader)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Data:  # type: ignore[override]
+        from pyg_atompack.pyg import record_to_data
+
+        return record_to_data(self._reader[index])
+
+
+def _release_reader(reader: Any) -> None:
+    reader.close()
+    gc.collect()
+
+
+# records decoded per validation step: enough to amortise the call, small next to a shard
+_VALIDATION_CHUNK = 64
+
+
+def _decode_atp(buffer: bytes | bytearray, name: str) -> AtpShardSamples:
     from pyg_atompack import atp
-    from pyg_atompack.pyg import flat_to_data_list
 
     try:
-        reader = atp.Reader.from_bytes(buffer, name=name)
+        # the reader takes the downloaded buffer over instead of copying it
+        reader = atp.Reader.from_bytes(buffer, name=name, copy=False)
+        # every record is decoded once here, on the prefetch thread, and thrown away in
+        # small chunks: a damaged record fails now as a named ShardDecodeError (which
+        # on_error="skip" can handle) rather than halfway through the consumer's loop
+        for start in range(0, len(reader), _VALIDATION_CHUNK):
+            reader.read_batch(range(start, min(start + _VALIDATION_CHUNK, len(reader))))
     except atp.AtpError as error:
         raise ShardDecodeError(f"shard {name}: {error}") from error
-    try:
-        flat = reader.read_batch(range(len(reader)))
-        # owned copies: the decoded samples must not pin the downloaded bytes
-        return [_owned(data) for data in flat_to_data_list(flat)]
-    except atp.AtpError as error:
-        raise ShardDecodeError(f"shard {name}: {error}") from error
-    finally:
-        reader.close()
+    return AtpShardSamples(reader)
 
 
-def _owned(data: Data) -> Data:
-    for key, value in data.items():
-        if isinstance(value, torch.Tensor):
-            data[key] = value.clone()
-    return data
+def is_atp_shard(name: str, buffer: bytes | bytearray) -> bool:
+    """Whether a shard is an ``.atp`` image (by its name's suffix or its magic bytes).
+
+    Args:
+        name: The shard's name.
+        buffer: Its bytes.
+
+    Returns:
+        :obj:`True` for ``.atp`` shards, :obj:`False` for everything read as ``.pt``.
+    """
+    return name.endswith(".atp") or bytes(buffer[:4]) == ATP_MAGIC
 
 
 def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False
@@ -199,9 +241,10 @@ def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False
     an ``.atp`` payload is also recognised by its magic bytes.
 
     Args:
-        buffer: The complete shard bytes. They are not referenced by the result.
+        buffer: The complete shard bytes. A ``.pt`` result does not reference them; an
+            ``.atp`` result is a lazy view over them (see :class:`AtpShardSamples`).
         name: Shard name, used in error messages.
-        trusted: Allow arbitrary pickles in ``.pt`` shards (``weights_only=False``).
+        trusted: Allow arbitrary pickles in ``.pt`` shards (plain ``weights_only=False``).
             (default: :obj:`False`)
 
     Returns:
@@ -211,6 +254,6 @@ def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False
         UnsafePayloadError: A ``.pt`` shard needs globals outside the allow-list.
         ShardDecodeError: The bytes are not a readable shard.
     """
-    if name.endswith(".atp") or bytes(buffer[:4]) == ATP_MAGIC:
+    if is_atp_shard(name, buffer):
         return _decode_atp(buffer, name)
     return _as_samples(_load_pt(buffer, name, trusted), name)
