@@ -158,6 +158,25 @@ def test_from_bytes_can_take_a_bytearray_over_without_copying(golden_dir):
     assert not atp.Reader.from_bytes(raw, copy=False)[0].positions.flags.writeable
 
 
+@pytest.mark.parametrize("name", ["builtins_none.atp", "custom_props_none.atp",
+                                  "builtins_zstd.atp"])
+def test_dropping_a_reader_frees_its_buffer_without_the_garbage_collector(golden_dir, name):
+    import gc
+
+    owned = bytearray((golden_dir / name).read_bytes())
+    gc.collect()
+    gc.disable()  # a reference cycle would now keep the buffer exported
+    try:
+        reader = atp.Reader.from_bytes(owned, name=name, copy=False)
+        reader.read_batch(range(len(reader)))
+        reader.read_batch([0, 0])
+        reader[len(reader) - 1]
+        del reader
+        owned.append(0)  # raises BufferError while any view of the buffer is alive
+    finally:
+        gc.enable()
+
+
 def test_n_atoms_comes_from_index_only(tmp_path, golden_dir):
     data = bytearray((golden_dir / "builtins_none.atp").read_bytes())
     data[8192:10402] = bytes(10402 - 8192)  # wipe every record, keep schema + index

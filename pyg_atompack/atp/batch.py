@@ -237,7 +237,7 @@ def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any]
         else:
             layout = reader._record(st, first)[2]
             reader._remember(st, first, layout)
-        structure = plan_of(layout, st.u8).structure()
+        structure = plan_of(layout, st.u8).structure(layout)
         if structure is None:
             return None
         structure = memo.canonical(structure)

@@ -106,21 +106,23 @@ class GatherPlan:
         file_u8: the mapped file as uint8.
     """
 
-    __slots__ = ("layout", "file_u8", "positions", "numbers", "_fields", "_structure")
+    # no reference back to the layout: the layout caches its plan, and a cycle through
+    # the plan would keep the file's buffer alive until a full garbage collection
+    __slots__ = ("by_field", "file_u8", "positions", "numbers", "_fields", "_structure")
 
     def __init__(self, layout: Layout, file_u8: np.ndarray) -> None:
         n = layout.n_atoms
-        self.layout = layout
+        self.by_field = layout.by_field
         self.file_u8 = file_u8
         self.positions = Window(file_u8, 4, layout.pos_dtype, (n, 3))
         self.numbers = Window(file_u8, layout.z_offset, _U8, (n,))
         self._fields: dict[str, Window | None] = {}
         self._structure: Structure | bool | None = None
 
-    def structure(self) -> Structure | None:
-        """The layout's affine structure (structure.py) over this mapping, or None."""
+    def structure(self, layout: Layout) -> Structure | None:
+        """The affine structure (structure.py) of ``layout``, this plan's layout, or None."""
         if self._structure is None:
-            self._structure = build_structure(self.layout, self.file_u8) or False
+            self._structure = build_structure(layout, self.file_u8) or False
         return self._structure or None
 
     def window(self, field: str) -> Window | None:
@@ -128,7 +130,7 @@ class GatherPlan:
         try:
             return self._fields[field]
         except KeyError:
-            slot = self.layout.by_field.get(field)
+            slot = self.by_field.get(field)
             window = None if slot is None else slot_window(self.file_u8, slot)
             self._fields[field] = window
             return window

@@ -78,13 +78,14 @@ class MappedPlan:
         views: the reader's shared whole-file views.
     """
 
-    __slots__ = ("layout", "views", "period", "arrays", "by_shift", "scalars", "scalar_offset",
+    # n_atoms rather than the layout itself: the layout caches its plan, and a cycle
+    # through the plan would keep the file's buffer alive until a full garbage collection
+    __slots__ = ("n_atoms", "views", "period", "arrays", "by_shift", "scalars", "scalar_offset",
                  "scalar_keys", "others", "customs")
 
     def __init__(self, layout: Layout, views: WholeFileViews) -> None:
-        self.layout = layout
+        self.n_atoms = n = layout.n_atoms
         self.views = views
-        n = layout.n_atoms
         arrays = [("positions", layout.pos_rows, 4, n, False),
                   ("atomic_numbers", _U8, layout.z_offset, n, False)]
         scalar_slots = []
@@ -145,7 +146,7 @@ class MappedPlan:
 
     def _decode_sections(self, d: dict, buf, base: int, where: tuple) -> None:
         """Strings, tensors and custom sections: decoded one by one, checked as they go."""
-        n = self.layout.n_atoms
+        n = self.n_atoms
         if self.others:
             for slot in self.others:
                 d[slot.key] = decode_slot(buf, base, slot, n, where)

@@ -19,7 +19,7 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.stream.errors import ShardFetchError
-from pyg_atompack.stream.loading import ON_ERROR_CHOICES, ShardLoader
+from pyg_atompack.stream.loading import ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, mix_across_shards, shard_samples
 from pyg_atompack.stream.prefetch import Prefetcher
@@ -115,8 +115,7 @@ class ShardStreamDataset(IterableDataset):
             raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+        check_on_error(on_error)  # at construction, not at the first iteration
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         if retries is not None and isinstance(getattr(source, "retry", None), RetryPolicy):

@@ -24,6 +24,23 @@ logger = logging.getLogger(__name__)
 ON_ERROR_CHOICES = ("raise", "skip")
 
 
+def check_on_error(on_error: str) -> str:
+    """Return ``on_error`` if it is one of :data:`ON_ERROR_CHOICES`.
+
+    Args:
+        on_error: The requested failure policy.
+
+    Returns:
+        The same value.
+
+    Raises:
+        ValueError: It is not a known policy.
+    """
+    if on_error not in ON_ERROR_CHOICES:
+        raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+    return on_error
+
+
 class LoadedShard:
     """A decoded shard held by the pipeline; its lifetime is counted in the trace.
 
@@ -78,13 +95,11 @@ class ShardLoader:
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
                  verify: bool, on_error: str):
-        if on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
         self.source = source
         self.shards = shards
         self.trusted = trusted
         self.verify = verify
-        self.on_error = on_error
+        self.on_error = check_on_error(on_error)
 
     def fetch_verified(self, info: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
         """Fetch one shard, downloading it once more if it fails verification.

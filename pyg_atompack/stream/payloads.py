@@ -22,10 +22,8 @@ takes it (:class:`AtpShardSamples`); every record is validated when the shard is
 
 from __future__ import annotations
 
-import gc
 import io
 import pickle
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +39,7 @@ from pyg_atompack.stream.safe_pickle import (
     restricted_torch_load,
 )
 
-__all__ = ["PYG_SAFE_GLOBALS", "decode_shard"]
+__all__ = ["PYG_SAFE_GLOBALS", "AtpShardSamples", "decode_shard", "is_atp_shard"]
 
 ATP_MAGIC = b"ATPK"
 
@@ -74,41 +72,9 @@ def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData
         ) from error
 
 
-class _MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it.
-
-    ``io.BytesIO`` copies a ``bytearray`` (it shares only immutable ``bytes``), which
-    would hold every downloaded shard twice while it is decoded.
-    """
-
-    def __init__(self, buffer: bytearray | memoryview) -> None:
-        super().__init__()
-        self._view = memoryview(buffer).cast("B")
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, target) -> int:
-        count = min(len(target), len(self._view) - self._position)
-        target[:count] = self._view[self._position:self._position + count]
-        self._position += count
-        return count
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}
-        self._position = max(base[whence] + offset, 0)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-
 def _load_pt(buffer: bytes | bytearray | memoryview, name: str, trusted: bool) -> Any:
-    stream = io.BytesIO(buffer) if isinstance(buffer, bytes) else _MemoryFile(buffer)
+    # BytesIO shares ``bytes`` (what the streaming loader passes) and copies anything else
+    stream = io.BytesIO(buffer)
     try:
         if trusted:
             return torch.load(stream, map_location="cpu", weights_only=False)
@@ -180,11 +146,6 @@ class AtpShardSamples(Sequence):
     def __init__(self, reader: Any) -> None:
         self._reader = reader
         self._length = len(reader)
-        # the format layer's decode caches form reference cycles with the buffer, which
-        # would keep every finished shard's bytes until the next full garbage
-        # collection (measured: one shard more per shard streamed); collecting once
-        # when the shard is dropped frees them at once
-        weakref.finalize(self, _release_reader, reader)
 
     def __len__(self) -> int:
         return self._length
@@ -193,11 +154,6 @@ class AtpShardSamples(Sequence):
         from pyg_atompack.pyg import record_to_data
 
         return record_to_data(self._reader[index])
-
-
-def _release_reader(reader: Any) -> None:
-    reader.close()
-    gc.collect()
 
 
 # records decoded per validation step: enough to amortise the call, small next to a shard
