@@ -134,7 +134,7 @@ class ShardLoader:
 
     def load(self, position: int, shard_index: int, cancel: CancelToken,
              recorder: TraceRecorder) -> LoadedShard:
-        """Fetch and decode one shard; the bytes are dropped as soon as it is decoded.
+        """Fetch and decode one shard; the pipeline drops its bytes once it is decoded.
 
         Args:
             position: Position of the shard in the stream's shard list.
@@ -164,7 +164,7 @@ class ShardLoader:
                 # shard keeps its bytearray: the decoded shard is a reader over it.
                 data = bytes(data)
             samples = decode_shard(data, info.name, trusted=self.trusted)
-            del data  # bytes are never kept once decoded
+            del data  # only a decoded .atp shard keeps its buffer (as its samples' storage)
             record.deserialize_finish_s = recorder.now()
             record.structures = len(samples)
             return LoadedShard(position, shard_index, info, samples, recorder)

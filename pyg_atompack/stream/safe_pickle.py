@@ -26,6 +26,7 @@ device-moving rebuild functions are left out because atomistic shards never need
 
 from __future__ import annotations
 
+import _codecs
 import _compat_pickle
 import builtins
 import collections
@@ -34,7 +35,6 @@ import functools
 import os
 import pickle
 import types
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -81,21 +81,23 @@ class ForbiddenGlobalError(pickle.UnpicklingError):
         self.name = name
 
 
-def _qualified_names(obj: Any) -> Iterable[tuple[str, str]]:
+def _qualified_name(obj: Any) -> tuple[str, str] | None:
     module = getattr(obj, "__module__", None)
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    if module and name:
-        yield module, name
+    return (module, name) if module and name else None
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_globals() -> dict[tuple[str, str], Any]:
+def _fixed_globals() -> dict[tuple[str, str], Any]:
+    """The part of the allow-list that never changes, built once per process."""
     allowed: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("collections", "Counter"): collections.Counter,
         ("builtins", "set"): builtins.set,
         ("builtins", "bytearray"): builtins.bytearray,
         ("builtins", "complex"): builtins.complex,
+        # protocol-2 pickles spell ``bytes`` as _codecs.encode(latin-1 text)
+        ("_codecs", "encode"): _codecs.encode,
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch", "Tensor"): torch.Tensor,
@@ -103,9 +105,6 @@ def _builtin_globals() -> dict[tuple[str, str], Any]:
         ("torch", "UntypedStorage"): torch.UntypedStorage,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
     }
-    # protocol-2 pickles spell ``bytes`` as _codecs.encode(latin-1 text); it only encodes
-    import _codecs
-    allowed[("_codecs", "encode")] = _codecs.encode
     for name in _TENSOR_REBUILDERS:
         function = getattr(torch._utils, name, None)
         if function is not None:
@@ -114,27 +113,25 @@ def _builtin_globals() -> dict[tuple[str, str], Any]:
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
+    for data_class in PYG_SAFE_GLOBALS:
+        allowed[_qualified_name(data_class)] = data_class
     return allowed
 
 
 def allowed_globals() -> dict[tuple[str, str], Any]:
     """Return the ``(module, name) -> object`` map a restricted load may resolve.
 
-    It is rebuilt on every call so that globals registered later with
-    :func:`torch.serialization.add_safe_globals` are honoured, as ``weights_only`` does.
+    The globals registered with :func:`torch.serialization.add_safe_globals` are read on
+    every call, so that later registrations are honoured, as ``weights_only`` does.
     """
-    allowed = dict(_builtin_globals())  # scanning torch's namespace once is enough
-    for data_class in PYG_SAFE_GLOBALS:
-        for key in _qualified_names(data_class):
-            allowed[key] = data_class
+    allowed = dict(_fixed_globals())
     for entry in torch.serialization.get_safe_globals():
         if isinstance(entry, tuple):  # (object, "module.name") as torch documents it
             obj, dotted = entry
             module, _, name = dotted.rpartition(".")
             allowed[(module, name)] = obj
-        else:
-            for key in _qualified_names(entry):
-                allowed[key] = entry
+        elif (key := _qualified_name(entry)) is not None:
+            allowed[key] = entry
     return allowed
 
 
