@@ -25,6 +25,7 @@ def test_release_free_memory_calls_malloc_trim_on_glibc():
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_memory_is_trimmed_once_per_consumed_shard(tmp_path, monkeypatch, prefetch):
     write_pt_shards(tmp_path, SIZES)
+    monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", 1)  # every shard is large
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
     samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=prefetch))
@@ -56,8 +57,25 @@ def test_trimming_happens_after_the_shard_is_released(tmp_path, monkeypatch):
         return True
 
     monkeypatch.setattr(stream_dataset, "release_free_memory", check)
+    monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", 1)
     iterator = iter(ShardStreamDataset(LocalSource(tmp_path), prefetch=0))
     for _ in range(4):
         refs.append(weakref.ref(next(iterator)))
     rest = list(iterator)
     assert len(rest) == 4 and alive_at_trim == [0]
+
+
+def test_small_shards_are_trimmed_after_enough_bytes_not_after_each(tmp_path, monkeypatch):
+    sizes = [4] * 7
+    write_pt_shards(tmp_path, sizes)
+    smallest = min(path.stat().st_size for path in tmp_path.glob("*.pt"))
+    largest = max(path.stat().st_size for path in tmp_path.glob("*.pt"))
+    assert largest < 1.25 * smallest  # so 2.5 shards' worth always takes three shards
+    # a trim is due once three shards' bytes were consumed since the last one
+    monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", int(2.5 * smallest))
+    calls = []
+    monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
+    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=1))
+    assert len(samples) == sum(sizes)
+    # due after shards 3 and 6 (and run when the next sample is pulled); not after 7
+    assert len(calls) == 2
