@@ -6,10 +6,12 @@ of a shard is 0.5x, 1x or 3x a synthetic consumer's fixed compute time C per sha
 sleep, modelling a GPU step). Each pair runs, in rotating order:
 
 * ``sequential``: ``ShardStreamDataset(prefetch=0)``, download then compute;
-* ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the safe default: the
-  restricted C unpickler of ``pyg_atompack.stream.safe_pickle``);
-* ``trusted``: the same with ``trusted=True`` (``weights_only=False``, the unpickler FoldPipe
-  uses), which isolates what the safe unpickler costs;
+* ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the defaults: each
+  ``.pt`` list of ``Data`` indexed in place by ``pyg_atompack.stream.lazy_pt`` and its
+  samples built as the consumer takes them);
+* ``eager``: the same with ``lazy_decode=False``: every shard unpickled on the prefetch
+  thread by the restricted C unpickler of ``pyg_atompack.stream.safe_pickle``, which
+  isolates what lazy decoding changes;
 * ``foldpipe``: FoldPipe's ``AsyncFoldPipeLoader`` over a source reading the same server.
 
 Speed-ups are ``sequential / candidate`` per pair, summarised by their geometric mean and a
@@ -113,9 +115,9 @@ def consume(samples, compute_per_sample: float) -> int:
 
 
 def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
-               trusted: bool = False):
+               lazy_decode: bool = True):
     dataset = ShardStreamDataset(HTTPSource(f"{base_url}/manifest.json"), prefetch=prefetch,
-                                 concurrency=concurrency, trusted=trusted)
+                                 concurrency=concurrency, lazy_decode=lazy_decode)
     with RssSampler() as rss:
         started = time.perf_counter()
         consume(dataset, compute)
@@ -209,7 +211,7 @@ def main() -> None:
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(root, bandwidth)
-        times = {"sequential": [], "prefetch": [], "trusted": [], "foldpipe": []}
+        times = {"sequential": [], "prefetch": [], "eager": [], "foldpipe": []}
         rss = {variant: [] for variant in times}
         traces = {}
         variants = list(times)
@@ -227,7 +229,7 @@ def main() -> None:
                                                                             concurrency)
                         elapsed, growth, trace, stats = run_stream(
                             server.base_url, depth, conc, compute_per_sample,
-                            trusted=variant == "trusted")
+                            lazy_decode=variant != "eager")
                         traces[variant] = (trace, stats)
                     times[variant].append(elapsed)
                     rss[variant].append(growth)
@@ -236,27 +238,27 @@ def main() -> None:
         ours = summarize_pairs(times["sequential"], times["prefetch"])
         theirs = summarize_pairs(times["sequential"], times["foldpipe"])
         versus = summarize_pairs(times["foldpipe"], times["prefetch"])
-        trusted_versus = summarize_pairs(times["foldpipe"], times["trusted"])
-        safe_cost = summarize_pairs(times["trusted"], times["prefetch"])
+        eager_versus = summarize_pairs(times["foldpipe"], times["eager"])
+        lazy_gain = summarize_pairs(times["eager"], times["prefetch"])
         overlap = trace_overlap(traces["prefetch"][0]).to_dict()
         peak = {v: max(r) / 2**20 for v, r in rss.items()}
         rows.append((ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak))
-        loader_rows.append((ratio, versus, trusted_versus, safe_cost,
-                            traces["prefetch"][1], traces["trusted"][1]))
+        loader_rows.append((ratio, versus, eager_versus, lazy_gain,
+                            traces["prefetch"][1], traces["eager"][1]))
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
             "times": times, "rss_growth_bytes": rss, "prefetch_vs_sequential": ours.to_dict(),
             "foldpipe_vs_sequential": theirs.to_dict(), "prefetch_vs_foldpipe": versus.to_dict(),
-            "trusted_vs_foldpipe": trusted_versus.to_dict(),
-            "prefetch_vs_trusted": safe_cost.to_dict(),
+            "eager_vs_foldpipe": eager_versus.to_dict(),
+            "prefetch_vs_eager": lazy_gain.to_dict(),
             "prefetch_trace_overlap": overlap, "prefetch_stats": traces["prefetch"][1],
-            "trusted_stats": traces["trusted"][1],
+            "eager_stats": traces["eager"][1],
         }
         panels.append((f"D/C={ratio}: sequential (prefetch=0)", traces["sequential"][0]))
         panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
                        traces["prefetch"][0]))
         print(f"D/C={ratio}: prefetch {fmt_ci(ours)}, foldpipe {fmt_ci(theirs)}, "
-              f"prefetch/foldpipe {fmt_ci(versus)}, trusted/foldpipe {fmt_ci(trusted_versus)}",
+              f"prefetch/foldpipe {fmt_ci(versus)}, eager/foldpipe {fmt_ci(eager_versus)}",
               flush=True)
 
     figure = HERE / "figures" / "stream_timeline.png"
@@ -272,50 +274,52 @@ def main() -> None:
         f"(20,000 resamples, fixed seed). Machine: shared 2-core VM.",
         "",
         "| D/C | k | conc. | ours vs sequential | FoldPipe vs sequential | ours vs FoldPipe "
-        "| overlap s | wait s | peak RSS growth MiB (seq / ours / trusted / FoldPipe) |",
+        "| overlap s | wait s | peak RSS growth MiB (seq / ours / eager / FoldPipe) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak in rows:
         lines.append(
             f"| {ratio} | {prefetch} | {concurrency} | {fmt_ci(ours)} | {fmt_ci(theirs)} | "
             f"{fmt_ci(versus)} | {overlap['overlap']:.2f} | {overlap['wait']:.2f} | "
-            f"{peak['sequential']:.1f} / {peak['prefetch']:.1f} / {peak['trusted']:.1f} / "
+            f"{peak['sequential']:.1f} / {peak['prefetch']:.1f} / {peak['eager']:.1f} / "
             f"{peak['foldpipe']:.1f} |"
         )
     lines += [
         "",
-        "## What the safe unpickler costs",
+        "## What lazy decoding changes",
         "",
         "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
-        "from the shard; ours defaults to CPython's C unpickler restricted to tensors and "
-        "PyG classes (`pyg_atompack/stream/safe_pickle.py`). The `trusted=True` arm runs "
-        "our pipeline with FoldPipe's unrestricted unpickler; deserialise time is per "
-        "shard, from the traces of the last pair.",
+        "from the shard. Ours (default) indexes each `.pt` list of `Data` in place without "
+        "unpickling it (`pyg_atompack/stream/lazy_pt.py`) and builds each sample as the "
+        "consumer takes it; the `eager` arm (`lazy_decode=False`) unpickles every shard on "
+        "the prefetch thread with CPython's C unpickler restricted to tensors and PyG "
+        "classes (`pyg_atompack/stream/safe_pickle.py`). Deserialise time is per shard, "
+        "from the traces of the last pair (for the lazy arm it excludes building the "
+        "samples, which happens in the consumer's thread).",
         "",
-        "| D/C | ours (safe) vs FoldPipe | ours (trusted) vs FoldPipe | safe vs trusted "
-        "| deserialise ms/shard (safe / trusted) |",
+        "| D/C | ours (lazy) vs FoldPipe | ours (eager) vs FoldPipe | lazy vs eager "
+        "| deserialise ms/shard (lazy / eager) |",
         "|---|---|---|---|---|",
     ]
-    for ratio, versus, trusted_versus, safe_cost, safe_stats, trusted_stats in loader_rows:
-        safe_ms = 1e3 * safe_stats["deserialize_s"] / max(1, safe_stats["shards"])
-        trusted_ms = 1e3 * trusted_stats["deserialize_s"] / max(1, trusted_stats["shards"])
-        lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(trusted_versus)} | "
-                     f"{fmt_ci(safe_cost)} | {safe_ms:.1f} / {trusted_ms:.1f} |")
+    for ratio, versus, eager_versus, lazy_gain, lazy_stats, eager_stats in loader_rows:
+        lazy_ms = 1e3 * lazy_stats["deserialize_s"] / max(1, lazy_stats["shards"])
+        eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
+        lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
+                     f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
     lines += [
         "",
-        "Any unpickler runs on the prefetch thread and holds the GIL while it works, so "
-        "it delays the consumer each time the consumer needs the GIL back (after each "
-        "sleep here, after each GPU kernel launch in training); the restricted unpickler "
-        "holds it no longer than FoldPipe's. At D/C <= 1 every arm is within a few "
-        "percent of the ideal N*C + D, so the remaining differences are of the order of "
-        "the pair-to-pair noise.",
+        "Work on the prefetch thread holds the GIL and delays the consumer each time it "
+        "needs the GIL back (after each sleep here, after each GPU kernel launch in "
+        "training). At D/C <= 1 every arm is within a few percent of the ideal N*C + D, "
+        "so the remaining differences are of the order of the pair-to-pair noise."
         "",
         f"Median wall times and time saved per run are in `{args.out.with_suffix('.json').name}`."
         f" Timeline: `figures/{figure.name}` (blue: download, orange: consume).",
         "",
-        f"Memory bound: (k+1) x largest shard file = up to "
+        f"Memory: (k+1) x largest shard file = up to "
         f"{(max(r[1] for r in rows) + 1) * shard_bytes / 2**20:.1f} MiB of file bytes; "
-        "decoded shards are larger than their files (Python objects per sample).",
+        "shards this small are below allocator noise, so the memory bound is measured by "
+        "`benchmarks/stream_memory.py` (`results/stream_memory.md`).",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")

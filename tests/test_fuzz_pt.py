@@ -181,7 +181,7 @@ def mutated_inputs(draw: st.DrawFn) -> tuple[str, bytes]:
 
 
 # ---------------------------------------------------------------------- harness
-def decode_and_read(data: bytes) -> str:
+def decode_and_read(data: bytes | bytearray) -> str:
     """Decode with trusted=False and read every sample; ``"ok"`` or the error class."""
     try:
         samples = decode_shard(data, SHARD_NAME, trusted=False)
@@ -200,6 +200,9 @@ def _run(case: tuple[str, bytes], marker: Path, outcomes: Counter) -> None:
     with watchdog(HANG_S, what):
         try:
             outcomes[decode_and_read(data)] += 1
+            # a bytearray (what downloads give) goes through the lazy in-place indexer
+            # of lists of Data first, and to torch.load only when it gives up
+            outcomes["lazy " + decode_and_read(bytearray(data))] += 1
         except (AssertionError, FuzzHang):
             raise
         except Exception as error:
@@ -219,8 +222,9 @@ def test_crafted_pickles_never_execute_code(tmp_path: Path) -> None:
         _run(case, marker, outcomes)
 
     fuzz()
-    assert outcomes["ok"] == 0, outcomes
+    assert outcomes["ok"] == 0 and outcomes["lazy ok"] == 0, outcomes
     assert outcomes["UnsafePayloadError"] > 0, outcomes
+    assert outcomes["lazy UnsafePayloadError"] == outcomes["UnsafePayloadError"], outcomes
 
 
 @pytest.mark.timeout(FUZZ_TIMEOUT_S)
@@ -237,6 +241,7 @@ def test_mutated_pt_shards_decode_or_raise_stream_error(tmp_path: Path) -> None:
     fuzz()
     print(f"pt fuzz outcomes: {dict(outcomes)}")
     assert outcomes["ShardDecodeError"] + outcomes["UnsafePayloadError"] > 0, outcomes
+    assert outcomes["lazy ok"] > 0 and outcomes["lazy ShardDecodeError"] > 0, outcomes
 
 
 @pytest.mark.parametrize("call", ["REDUCE", "INST", "OBJ", "BUILD"])  # NEWOBJ needs a class
@@ -257,6 +262,7 @@ def test_payloads_are_real_when_trusted(tmp_path: Path, call: str) -> None:
 def test_unmodified_bases_decode(tmp_path: Path) -> None:
     for name, data in BASES.items():
         assert decode_and_read(data) == "ok", name
+        assert decode_and_read(bytearray(data)) == "ok", name
     assert len(decode_shard(BASES["collated"], SHARD_NAME)) == 3
 
 
@@ -292,3 +298,31 @@ def test_collated_shard_with_damaged_storage_raises_stream_error() -> None:
     assert b"_store" in pickled
     with pytest.raises(ShardDecodeError, match=SHARD_NAME):
         _read_all(_with_pickle(BASES["collated"], pickled.replace(b"_store", b"_stord", 1)))
+
+
+# ---------------------------------------------------------------------- found at 1,500 examples
+def test_huge_memo_index_is_refused_before_the_c_unpickler_allocates_it() -> None:
+    """One flipped byte in a LONG_BINPUT asked CPython's unpickler for a ~10^9-entry memo:
+    gigabytes allocated and ~15 s spent clearing them, on a 3 KB shard."""
+    import time
+
+    pickled = bytearray(_data_pkl(BASES["list"]))
+    at = pickled.index(b"q\x01")  # the first BINPUT, turned into LONG_BINPUT 1114728289
+    pickled[at:at + 2] = b"r" + struct.pack("<I", 1_114_728_289)
+    damaged = _with_pickle(BASES["list"], bytes(pickled))
+    for data in (damaged, bytearray(damaged)):
+        for trusted in (False, True):
+            started = time.monotonic()
+            with pytest.raises(ShardDecodeError, match=f"{SHARD_NAME}.*memo index 1114728289"):
+                decode_shard(data, SHARD_NAME, trusted=trusted)
+            assert time.monotonic() - started < 2.0
+
+
+def test_list_of_data_with_damaged_storage_raises_stream_error() -> None:
+    """A flipped bit turning ``_store`` into ``^store`` unpickled into a Data that raised
+    RuntimeError on first use, in the consumer's loop instead of at decode time."""
+    damaged = _with_pickle(BASES["list"],
+                           _data_pkl(BASES["list"]).replace(b"_store", b"^store", 1))
+    for data in (damaged, bytearray(damaged)):
+        with pytest.raises(ShardDecodeError, match=f"{SHARD_NAME}: element 0 is a damaged"):
+            decode_shard(data, SHARD_NAME)

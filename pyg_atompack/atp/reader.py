@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import mmap
 import os
 import struct
 import weakref
@@ -80,10 +81,10 @@ class Reader:
         Args:
             buffer: the complete file contents.
             name: name used in error messages.
-            copy: take a private ``bytes`` copy of a ``bytearray`` or ``memoryview``.
-                ``False`` keeps a ``bytearray`` as it is, so a downloaded shard is held
-                once rather than twice; the caller hands it over and must not change it
-                afterwards. ``bytes`` are never copied.
+            copy: take a private ``bytes`` copy of a ``bytearray``, ``mmap`` or
+                ``memoryview``. ``False`` keeps a ``bytearray`` or ``mmap`` as it is, so
+                a downloaded shard is held once rather than twice; the caller hands it
+                over and must not change it afterwards. ``bytes`` are never copied.
 
         Returns:
             A reader over the buffer; arrays are zero-copy views of it (read-only over
@@ -93,7 +94,7 @@ class Reader:
         self._path = None
         self._name = name
         self._access = "memory"
-        keep = not copy and isinstance(buffer, bytearray)
+        keep = not copy and isinstance(buffer, (bytearray, mmap.mmap))
         self._image = buffer if keep else bytes(buffer)
         self._st = None
         self._load()

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
+from pyg_atompack.stream.buffers import ShardBuffer, WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.retry import (
     RETRYABLE_STATUSES,
@@ -55,7 +56,7 @@ def _open_connection(url: str, timeout: float) -> tuple[http.client.HTTPConnecti
     return kind(parts.netloc, timeout=timeout), target
 
 
-def _transfer_once(url: str, buffer: bytearray, *, headers: Mapping[str, str], name: str,
+def _transfer_once(url: str, buffer: ShardBuffer, *, headers: Mapping[str, str], name: str,
                    policy: RetryPolicy, cancel: CancelToken) -> None:
     """One attempt: append the (rest of the) body at ``url`` to ``buffer``.
 
@@ -86,26 +87,28 @@ def _transfer_once(url: str, buffer: bytearray, *, headers: Mapping[str, str], n
                     retry_after=parse_retry_after(response.getheader("Retry-After")),
                 )
             if status == 416 and buffer:
-                buffer.clear()  # our partial copy no longer matches the file: start over
+                buffer.restart(None)  # our partial copy no longer matches the file: start over
                 raise TransientError("HTTP 416 on resume; restarting the transfer")
             if status == 206 and buffer:
                 start = _parse_content_range_start(response.getheader("Content-Range"))
                 if start != len(buffer):
-                    buffer.clear()
+                    expected = len(buffer)
+                    buffer.restart(None)
                     raise TransientError(
-                        f"server resumed at byte {start}, expected {len(buffer)}; restarting"
+                        f"server resumed at byte {start}, expected {expected}; restarting"
                     )
-            elif status == 200:
-                buffer.clear()
-            else:
+            elif status != 200:
                 raise ShardFetchError(f"shard {name}: HTTP {status} {response.reason} for {url}")
             declared = response.getheader("Content-Length")
-            expected_end = len(buffer) + int(declared) if declared and declared.isdigit() else None
+            declared = int(declared) if declared and declared.isdigit() else None
+            if status == 200:  # the whole body (again): into a buffer of its announced size
+                buffer.restart(declared)
+            expected_end = len(buffer) + declared if declared is not None else None
             # read1 hands over whatever has arrived, so a connection dropped mid-body
             # loses no received bytes and the resume starts exactly where it broke
             while chunk := response.read1(_CHUNK):
                 cancel.raise_if_cancelled()
-                buffer += chunk
+                buffer.append(chunk)
             cancel.raise_if_cancelled()
             if expected_end is not None and len(buffer) < expected_end:
                 # read(n) returns b"" on a body cut short instead of raising IncompleteRead
@@ -123,7 +126,7 @@ def _transfer_once(url: str, buffer: bytearray, *, headers: Mapping[str, str], n
 
 
 def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
-              headers: Mapping[str, str] | None = None) -> bytearray:
+              headers: Mapping[str, str] | None = None) -> WritableBuffer:
     """Download ``url`` completely, retrying transient failures and resuming partial bodies.
 
     Args:
@@ -134,17 +137,18 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
         headers: Extra request headers (e.g. ``Authorization``).
 
     Returns:
-        The body.
+        The body, in an anonymous memory map of exactly its size when the server
+        announced it (see :mod:`pyg_atompack.stream.buffers`), else in a bytearray.
 
     Raises:
         ShardFetchError: A permanent error, or transient errors outlasting every retry.
     """
-    buffer = bytearray()
+    buffer = ShardBuffer(name)
     for attempt in range(policy.retries + 1):
         try:
             _transfer_once(url, buffer, headers=headers or {}, name=name, policy=policy,
                            cancel=cancel)
-            return buffer
+            return buffer.take()
         except TransientError as error:
             if attempt == policy.retries:
                 raise ShardFetchError(
@@ -176,7 +180,7 @@ class URLShardSource:
         """Return the shards, in the order they were listed at construction."""
         return self._shards
 
-    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> WritableBuffer:
         """Download one shard (see :func:`fetch_url`).
 
         Transient failures (timeouts, resets, HTTP 429/5xx) are retried with the
@@ -233,7 +237,7 @@ class HTTPSource(URLShardSource):
         body = fetch_url(url, name="manifest.json", policy=self.retry, cancel=CancelToken(),
                          headers=self.headers)
         try:
-            document = json.loads(body.decode("utf-8"))
+            document = json.loads(bytes(body).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ShardFetchError(f"{url}: manifest is not valid JSON: {error}") from error
         entries = read_manifest_records(document, url)

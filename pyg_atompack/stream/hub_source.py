@@ -88,7 +88,7 @@ class HubSource(URLShardSource):
         body = fetch_url(remote.url, name=remote.path, policy=self.retry, cancel=CancelToken(),
                          headers=self.headers)
         try:
-            document = json.loads(body.decode("utf-8"))
+            document = json.loads(bytes(body).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             return {}  # some other tool's manifest.json: the listing alone is enough
         return read_manifest_records(document, remote.describe())

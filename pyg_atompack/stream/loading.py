@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import weakref
@@ -15,6 +16,7 @@ from pyg_atompack.stream.errors import (
     StreamCancelled,
     StreamError,
 )
+from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
 from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
@@ -91,13 +93,16 @@ class ShardLoader:
         trusted: Allow arbitrary pickles in ``.pt`` shards.
         verify: Check size and sha256 against the listing (one re-download on mismatch).
         on_error: ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
+        lazy_decode: Index ``.pt`` lists of ``Data`` in place
+            (:mod:`pyg_atompack.stream.lazy_pt`) instead of unpickling them.
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
-                 verify: bool, on_error: str):
+                 verify: bool, on_error: str, lazy_decode: bool = True):
         self.source = source
         self.shards = shards
         self.trusted = trusted
+        self.lazy_decode = lazy_decode
         self.verify = verify
         self.on_error = check_on_error(on_error)
 
@@ -157,14 +162,23 @@ class ShardLoader:
             record.download_finish_s = recorder.now()
             record.bytes = len(data)
             cancel.raise_if_cancelled()
-            if isinstance(data, bytearray) and not is_atp_shard(info.name, data):
-                # one memcpy so torch reads the archive through io.BytesIO's C code
-                # instead of a Python file object (about a millisecond per shard saved);
-                # rebinding frees the bytearray before decoding builds anything. An .atp
-                # shard keeps its bytearray: the decoded shard is a reader over it.
-                data = bytes(data)
-            samples = decode_shard(data, info.name, trusted=self.trusted)
-            del data  # only a decoded .atp shard keeps its buffer (as its samples' storage)
+            samples = None
+            atp_shard = is_atp_shard(info.name, data)
+            if self.lazy_decode and not atp_shard:
+                if isinstance(data, bytes):
+                    data = bytearray(data)  # lazily built samples need writable bytes
+                # a list of plain Data: indexed in place, samples built when taken
+                with contextlib.suppress(NotLazyLayout):  # other layouts: torch.load
+                    samples = decode_pt_lazily(data)
+            if samples is None:
+                if not atp_shard and not isinstance(data, bytes):
+                    # one memcpy so torch reads the archive through io.BytesIO's C code
+                    # instead of a Python file object; rebinding frees the download
+                    # buffer before unpickling builds anything
+                    data = bytes(data)
+                samples = decode_shard(data, info.name, trusted=self.trusted, lazy=False)
+            # lazily decoded .pt and .atp shards keep the buffer as their samples' storage
+            del data
             record.deserialize_finish_s = recorder.now()
             record.structures = len(samples)
             return LoadedShard(position, shard_index, info, samples, recorder)

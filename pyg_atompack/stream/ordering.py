@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+import torch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.stream.loading import LoadedShard
@@ -43,7 +44,8 @@ def shard_sample_order(count: int, *, shuffle: bool, seed: int, epoch: int,
 
 def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
                   pending: dict[int, int], *, shuffle: bool, seed: int, epoch: int,
-                  transform: Callable[[BaseData], BaseData] | None) -> Iterator[Item]:
+                  transform: Callable[[BaseData], BaseData] | None,
+                  detach: bool = False) -> Iterator[Item]:
     """The samples of each shard in turn, skipping those ``progress`` already handed out.
 
     Args:
@@ -55,6 +57,9 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         seed: Base seed of the dataset.
         epoch: Current epoch.
         transform: Applied to each sample as it is taken.
+        detach: Copy every sample of a lazily decoded shard out of the shard's buffer
+            (when samples are held beyond their shard, e.g. in a mixing buffer); the
+            last sample of each shard is always copied.
 
     Yields:
         ``(position, index in shard, sample)``.
@@ -68,8 +73,15 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         pending[position] = len(todo)
         if not todo:
             progress.mark_complete(position)
+        last = todo[-1] if todo else None
+        views = getattr(shard.samples, "views_into_buffer", False)
         for index in todo:
             sample = shard.samples[index]
+            if views and (detach or index == last):
+                # a lazily decoded sample's tensors view its whole shard's buffer; one
+                # that may outlive the shard (held in a mixing buffer, or by the
+                # consumer while the next shard is fetched) gets its own copies
+                sample = sample.apply(torch.clone)
             if transform is not None:
                 sample = transform(sample)
             yield position, index, sample

@@ -15,6 +15,13 @@ Accepted ``.pt`` layouts:
 * an ``InMemoryDataset``-style ``(data, slices)`` tuple, or the newer
   ``(data.to_dict(), slices, data_class)`` triple written by ``InMemoryDataset.save``.
 
+A ``.pt`` list of plain ``Data`` handed over as a :class:`bytearray` is not unpickled at
+all: :mod:`pyg_atompack.stream.lazy_pt` indexes it in place and builds each sample when
+it is taken, which keeps a decoded shard at about its file size (a list of ``Data`` costs
+about three times that) and decodes three times faster. The same allow-list applies:
+the indexer knows only the few globals such a pickle names, and hands anything else to
+the restricted ``torch.load``.
+
 ``.atp`` shards are decoded by the format layer (no pickle involved) into ``Data`` with
 the attribute names of :mod:`pyg_atompack.pyg`, one sample at a time as the consumer
 takes it (:class:`AtpShardSamples`); every record is validated when the shard is decoded.
@@ -32,12 +39,18 @@ from torch_geometric.data import Batch, Data
 from torch_geometric.data.data import BaseData
 from torch_geometric.data.separate import separate
 
+from pyg_atompack import atp
+from pyg_atompack.pyg import record_to_data
+from pyg_atompack.stream.buffers import is_writable_buffer
 from pyg_atompack.stream.errors import ShardDecodeError, UnsafePayloadError
+from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
+from pyg_atompack.stream.pickle_scan import check_memo_indices
 from pyg_atompack.stream.safe_pickle import (
     PYG_SAFE_GLOBALS,
     ForbiddenGlobalError,
     restricted_torch_load,
 )
+from pyg_atompack.stream.torch_zip import TorchZipError, read_torch_archive
 
 __all__ = ["PYG_SAFE_GLOBALS", "AtpShardSamples", "decode_shard", "is_atp_shard"]
 
@@ -72,8 +85,22 @@ def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData
         ) from error
 
 
+def _check_pickle(buffer: bytes | bytearray | memoryview, name: str) -> None:
+    """Refuse a damaged pickle that would make the C unpickler allocate gigabytes."""
+    try:
+        archive = read_torch_archive(buffer)
+    except TorchZipError:
+        return  # not an archive this module can read in place; torch.load judges it
+    offset, size = archive.pickle
+    try:
+        check_memo_indices(buffer, offset, offset + size)
+    except pickle.UnpicklingError as error:
+        raise ShardDecodeError(f"shard {name}: not a readable .pt file: {error}") from None
+
+
 def _load_pt(buffer: bytes | bytearray | memoryview, name: str, trusted: bool) -> Any:
     # BytesIO shares ``bytes`` (what the streaming loader passes) and copies anything else
+    _check_pickle(buffer, name)
     stream = io.BytesIO(buffer)
     try:
         if trusted:
@@ -124,6 +151,13 @@ def _as_samples(obj: Any, name: str) -> Sequence[BaseData]:
                     f"shard {name}: element {position} is a {type(item).__name__}, "
                     f"expected torch_geometric Data"
                 )
+            try:
+                item.stores  # noqa: B018 - a Data whose storage did not survive raises here
+            except Exception as error:  # PyG raises RuntimeError / AttributeError
+                raise ShardDecodeError(
+                    f"shard {name}: element {position} is a damaged {type(item).__name__}: "
+                    f"{error}"
+                ) from None
         return list(obj)
     raise ShardDecodeError(
         f"shard {name}: expected a list of Data, a Batch or a (data, slices) tuple, "
@@ -143,6 +177,9 @@ class AtpShardSamples(Sequence):
         reader: An in-memory reader over the shard's bytes.
     """
 
+    #: Samples are views of the shard buffer: one kept alive keeps the whole buffer.
+    views_into_buffer = True
+
     def __init__(self, reader: Any) -> None:
         self._reader = reader
         self._length = len(reader)
@@ -150,9 +187,9 @@ class AtpShardSamples(Sequence):
     def __len__(self) -> int:
         return self._length
 
-    def __getitem__(self, index: int) -> Data:  # type: ignore[override]
-        from pyg_atompack.pyg import record_to_data
-
+    def __getitem__(self, index: int | slice) -> Data | list[Data]:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[position] for position in range(*index.indices(self._length))]
         return record_to_data(self._reader[index])
 
 
@@ -161,8 +198,6 @@ _VALIDATION_CHUNK = 64
 
 
 def _decode_atp(buffer: bytes | bytearray, name: str) -> AtpShardSamples:
-    from pyg_atompack import atp
-
     try:
         # the reader takes the downloaded buffer over instead of copying it
         reader = atp.Reader.from_bytes(buffer, name=name, copy=False)
@@ -189,19 +224,25 @@ def is_atp_shard(name: str, buffer: bytes | bytearray) -> bool:
     return name.endswith(".atp") or bytes(buffer[:4]) == ATP_MAGIC
 
 
-def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False
-                 ) -> Sequence[BaseData]:
+def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False,
+                 lazy: bool = True) -> Sequence[BaseData]:
     """Turn the bytes of one shard into an indexable sequence of PyG samples.
 
     The format is chosen by the name's suffix (``.atp`` or anything else as ``.pt``);
     an ``.atp`` payload is also recognised by its magic bytes.
 
     Args:
-        buffer: The complete shard bytes. A ``.pt`` result does not reference them; an
-            ``.atp`` result is a lazy view over them (see :class:`AtpShardSamples`).
+        buffer: The complete shard bytes. An ``.atp`` shard, and a ``.pt`` list of plain
+            ``Data`` passed as a :class:`bytearray` or :class:`mmap.mmap`, decode to a
+            lazy view over them (see
+            :class:`AtpShardSamples` and :class:`~pyg_atompack.stream.lazy_pt.LazyPtSamples`):
+            do not modify the buffer afterwards. Other ``.pt`` layouts are unpickled and
+            do not reference it.
         name: Shard name, used in error messages.
         trusted: Allow arbitrary pickles in ``.pt`` shards (plain ``weights_only=False``).
             (default: :obj:`False`)
+        lazy: Index a ``.pt`` list of plain ``Data`` in place when ``buffer`` is
+            writable, instead of unpickling it. (default: :obj:`True`)
 
     Returns:
         A sequence of ``Data`` (``len`` and integer indexing).
@@ -212,4 +253,9 @@ def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False
     """
     if is_atp_shard(name, buffer):
         return _decode_atp(buffer, name)
+    if lazy and is_writable_buffer(buffer):
+        try:
+            return decode_pt_lazily(buffer)
+        except NotLazyLayout:
+            pass  # another layout (or a damaged file): torch.load decides
     return _as_samples(_load_pt(buffer, name, trusted), name)

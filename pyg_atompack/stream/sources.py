@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pyg_atompack.stream.buffers import ShardBuffer, WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
 
 SHARD_SUFFIXES = (".pt", ".atp")
@@ -279,7 +280,7 @@ class LocalSource:
         """Return the shards found at construction, sorted by path."""
         return self._shards
 
-    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytearray:
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> WritableBuffer:
         """Read one shard in 1 MiB chunks, stopping early when cancelled.
 
         Args:
@@ -287,7 +288,8 @@ class LocalSource:
             cancel: Checked between chunks.
 
         Returns:
-            The file's bytes.
+            The file's bytes, in an anonymous memory map of the file's size (see
+            :mod:`pyg_atompack.stream.buffers`).
 
         Raises:
             ShardFetchError: The file cannot be read (the message names shard and path).
@@ -295,11 +297,12 @@ class LocalSource:
         """
         try:
             with open(shard.location, "rb") as handle:
-                buffer = bytearray()
+                buffer = ShardBuffer(shard.name)
+                buffer.restart(os.fstat(handle.fileno()).st_size)
                 while chunk := handle.read(1 << 20):
                     cancel.raise_if_cancelled()
-                    buffer += chunk
-                return buffer
+                    buffer.append(chunk)
+                return buffer.take()
         except OSError as error:
             raise ShardFetchError(
                 f"shard {shard.name}: cannot read {shard.location}: {error}"

@@ -1,0 +1,193 @@
+"""Where the records of a ``torch.save`` archive lie inside its bytes.
+
+``torch.save`` writes a zip archive of uncompressed ("stored") records: the pickle
+``<prefix>/data.pkl``, one ``<prefix>/data/<key>`` record per tensor storage (aligned to
+64 bytes), and a few small metadata records. Reading the zip directories is enough to
+find every record's data in the downloaded buffer, so storages can be used in place
+instead of being copied out one by one.
+
+Archives with many storages need zip64 records (a shard of a few thousand ``Data``
+objects easily has more than 65,535 entries); both directory variants are read here.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+__all__ = ["StorageTable", "TorchArchive", "TorchZipError", "read_torch_archive"]
+
+_END = struct.Struct("<IHHHHIIH")  # end of central directory
+_END_SIGNATURE = 0x06054B50
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_LOCATOR_SIGNATURE = 0x07064B50
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_END_SIGNATURE = 0x06064B50
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_CENTRAL_SIGNATURE = 0x02014B50
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIGNATURE = 0x04034B50
+_ZIP64_EXTRA_ID = 0x0001
+_STORED = 0
+_FULL32 = 0xFFFFFFFF
+_MAX_COMMENT = 0xFFFF
+
+
+class TorchZipError(ValueError):
+    """The bytes are not a zip archive whose records can be read in place."""
+
+
+class StorageTable:
+    """Data offsets and sizes of an archive's storage records, by storage key.
+
+    torch names storages ``0, 1, 2, ...``; those live in two flat arrays (16 bytes a
+    storage, where a dict of names would cost ~20 times that on a shard of small
+    molecules). Any other key goes to a dict.
+    """
+
+    def __init__(self) -> None:
+        self.offsets = array("q")
+        self.sizes = array("q")
+        self.named: dict[str, tuple[int, int]] = {}
+
+    def add(self, key: str, offset: int, size: int) -> None:
+        """Record storage ``key`` at ``offset`` with ``size`` bytes."""
+        if key.isdigit() and key == str(int(key)):
+            number = int(key)
+            if number >= len(self.offsets):
+                grow = number + 1 - len(self.offsets)
+                self.offsets.extend([-1] * grow)
+                self.sizes.extend([0] * grow)
+            self.offsets[number] = offset
+            self.sizes[number] = size
+        else:
+            self.named[key] = (offset, size)
+
+    def get(self, key: str) -> tuple[int, int] | None:
+        """``(offset, size)`` of storage ``key``, or :obj:`None` if there is none."""
+        if key.isdigit():
+            number = int(key)
+            if number < len(self.offsets) and self.offsets[number] >= 0 and key == str(number):
+                return self.offsets[number], self.sizes[number]
+        return self.named.get(key)
+
+
+class TorchArchive:
+    """Where a ``torch.save`` archive's pickle, byte order and storages lie.
+
+    Attributes:
+        prefix: The archive's top folder (``"archive"`` or the saved file's stem).
+        pickle: ``(offset, size)`` of ``<prefix>/data.pkl``.
+        byteorder: ``(offset, size)`` of ``<prefix>/byteorder``, or :obj:`None`.
+        storages: The ``<prefix>/data/<key>`` records.
+    """
+
+    def __init__(self, prefix: str, pickle: tuple[int, int],
+                 byteorder: tuple[int, int] | None, storages: StorageTable) -> None:
+        self.prefix = prefix
+        self.pickle = pickle
+        self.byteorder = byteorder
+        self.storages = storages
+
+
+def _end_of_directory(view: memoryview) -> tuple[int, int]:
+    """``(entry count, central directory offset)`` from the end records."""
+    length = len(view)
+    search_from = max(0, length - _END.size - _MAX_COMMENT)
+    tail = bytes(view[search_from:])
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _END.size > len(tail):
+        raise TorchZipError("no end-of-central-directory record (not a zip archive)")
+    end_at = search_from + at
+    _, _, _, _, count, _, directory, _ = _END.unpack_from(view, end_at)
+    if count != 0xFFFF and directory != _FULL32:
+        return count, directory
+    locator_at = end_at - _ZIP64_LOCATOR.size
+    if locator_at < 0:
+        raise TorchZipError("zip64 sizes without a zip64 locator")
+    signature, _, zip64_end_at, _ = _ZIP64_LOCATOR.unpack_from(view, locator_at)
+    if signature != _ZIP64_LOCATOR_SIGNATURE or zip64_end_at + _ZIP64_END.size > length:
+        raise TorchZipError("damaged zip64 end-of-directory locator")
+    fields = _ZIP64_END.unpack_from(view, zip64_end_at)
+    if fields[0] != _ZIP64_END_SIGNATURE:
+        raise TorchZipError("damaged zip64 end-of-directory record")
+    return fields[7], fields[9]
+
+
+def _zip64_offset(extra: bytes, sizes_present: int) -> int:
+    """The local header offset stored in a zip64 extra field."""
+    at = 0
+    while at + 4 <= len(extra):
+        header_id, size = struct.unpack_from("<HH", extra, at)
+        if header_id == _ZIP64_EXTRA_ID:
+            position = at + 4 + 8 * sizes_present
+            if position + 8 > at + 4 + size:
+                break
+            return struct.unpack_from("<Q", extra, position)[0]
+        at += 4 + size
+    raise TorchZipError("zip64 entry without its 64-bit offset")
+
+
+def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
+    """Locate the records of a ``torch.save`` zip archive inside its bytes.
+
+    Args:
+        buffer: The whole archive.
+
+    Returns:
+        Where its pickle, byte order record and storages are.
+
+    Raises:
+        TorchZipError: The bytes are not a single stored (uncompressed) ``torch.save``
+            archive, or a record lies outside the buffer.
+    """
+    view = memoryview(buffer).cast("B")
+    length = len(view)
+    count, directory = _end_of_directory(view)
+    storages = StorageTable()
+    pickles: list[tuple[str, tuple[int, int]]] = []
+    byteorders: dict[str, tuple[int, int]] = {}
+    storage_prefixes: set[str] = set()
+    at = directory
+    central_unpack, local_unpack = _CENTRAL.unpack_from, _LOCAL.unpack_from
+    for _ in range(count):
+        if at + _CENTRAL.size > length:
+            raise TorchZipError("central directory runs past the end of the archive")
+        (signature, _, _, flags, method, _, _, _, compressed, uncompressed, name_length,
+         extra_length, comment_length, _, _, _, local_at) = central_unpack(view, at)
+        if signature != _CENTRAL_SIGNATURE:
+            raise TorchZipError(f"damaged central directory entry at byte {at}")
+        name_at = at + _CENTRAL.size
+        name = str(view[name_at:name_at + name_length], "utf-8", "replace")
+        if local_at == _FULL32 or compressed == _FULL32 or uncompressed == _FULL32:
+            extra = bytes(view[name_at + name_length:name_at + name_length + extra_length])
+            sizes_present = (uncompressed == _FULL32) + (compressed == _FULL32)
+            if local_at == _FULL32:
+                local_at = _zip64_offset(extra, sizes_present)
+            if uncompressed == _FULL32:
+                raise TorchZipError(f"record {name} is larger than 4 GiB")
+        if method != _STORED or flags & 0x1 or compressed != uncompressed:
+            raise TorchZipError(f"record {name} is compressed or encrypted")
+        if local_at + _LOCAL.size > length:
+            raise TorchZipError(f"record {name} starts past the end of the archive")
+        local = local_unpack(view, local_at)
+        if local[0] != _LOCAL_SIGNATURE:
+            raise TorchZipError(f"damaged local header of record {name}")
+        data_at = local_at + _LOCAL.size + local[9] + local[10]
+        if data_at + uncompressed > length:
+            raise TorchZipError(f"record {name} runs past the end of the archive")
+        at = name_at + name_length + extra_length + comment_length
+        head, _, key = name.rpartition("/data/")
+        if head and "/" not in key:
+            storages.add(key, data_at, uncompressed)
+            storage_prefixes.add(head)
+        elif name.endswith("/data.pkl"):
+            pickles.append((name[: -len("/data.pkl")], (data_at, uncompressed)))
+        elif name.endswith("/byteorder"):
+            byteorders[name[: -len("/byteorder")]] = (data_at, uncompressed)
+    if len(pickles) != 1:
+        raise TorchZipError(f"expected one data.pkl record, found {len(pickles)}")
+    prefix, pickle = pickles[0]
+    if storage_prefixes - {prefix}:
+        raise TorchZipError("storage records of more than one archive")
+    return TorchArchive(prefix, pickle, byteorders.get(prefix), storages)
