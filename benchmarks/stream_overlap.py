@@ -199,7 +199,7 @@ def main() -> None:
         args.pairs, args.shards = 3, 8
 
     regimes = [  # (D/C, prefetch, concurrency)
-        (0.5, 2, 1),
+        (0.5, 2, 2),
         (1.0, 2, 2),
         (3.0, 4, 3),
     ]

@@ -823,10 +823,12 @@ server.stop()
   reshuffles the shard order.
 * `HubSource` streams shards from a Hugging Face dataset repository and `LocalSource`
   from a directory; any object with `list_shards()` and `fetch(shard, cancel)` works.
-* `.pt` shards are loaded by `torch.load` through a restricted unpickler that only
-  rebuilds tensors and PyG's own classes (the `weights_only=True` contract, at full
-  speed); `trusted=True` allows arbitrary pickles and must only be used for sources
-  you trust. `.atp` shards contain no code at all.
+* A `.pt` shard holding a list of `Data` is not unpickled: it is indexed in place and
+  each sample is built when taken, so a shard in memory costs about its file size.
+  Other `.pt` layouts are loaded by `torch.load` through a restricted unpickler that
+  only rebuilds tensors and PyG's own classes (the `weights_only=True` contract, at
+  full speed); `trusted=True` allows arbitrary pickles and must only be used for
+  sources you trust. `.atp` shards contain no code at all.
 '''
 
 SCHNET_MD17 = r'''

@@ -20,6 +20,7 @@ Example::
         print(dataset.stats())
 """
 
+from pyg_atompack.stream.buffers import ShardBuffer
 from pyg_atompack.stream.dataset import ShardStreamDataset
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
@@ -43,6 +44,7 @@ __all__ = [
     "HTTPSource",
     "HubSource",
     "RetryPolicy",
+    "ShardBuffer",
     "decode_shard",
     "PYG_SAFE_GLOBALS",
     "StreamError",

@@ -12,11 +12,18 @@ import json
 import logging
 import posixpath
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
-from pyg_atompack.stream.buffers import ShardBuffer, WritableBuffer
-from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.buffers import (
+    RangeIgnoredError,
+    ShardBuffer,
+    ShardPart,
+    WritableBuffer,
+    allocate,
+)
+from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
 from pyg_atompack.stream.retry import (
     RETRYABLE_STATUSES,
     RetryPolicy,
@@ -56,18 +63,20 @@ def _open_connection(url: str, timeout: float) -> tuple[http.client.HTTPConnecti
     return kind(parts.netloc, timeout=timeout), target
 
 
-def _transfer_once(url: str, buffer: ShardBuffer, *, headers: Mapping[str, str], name: str,
-                   policy: RetryPolicy, cancel: CancelToken) -> None:
+def _transfer_once(url: str, buffer: ShardBuffer | ShardPart, *, headers: Mapping[str, str],
+                   name: str, policy: RetryPolicy, cancel: CancelToken) -> None:
     """One attempt: append the (rest of the) body at ``url`` to ``buffer``.
 
-    A non-empty ``buffer`` is resumed with ``Range: bytes=len(buffer)-``; a server that
-    ignores the range answers 200 and the buffer is restarted.
+    A :class:`ShardBuffer` that holds some bytes is resumed with
+    ``Range: bytes=len(buffer)-`` (a server that ignores the range answers 200 and the
+    buffer is restarted); a :class:`ShardPart` always asks for the rest of its range.
     """
     for _ in range(_MAX_REDIRECTS + 1):
         connection, target = _open_connection(url, policy.timeout)
         request_headers = {"Accept-Encoding": "identity", **headers}
-        if buffer:
-            request_headers["Range"] = f"bytes={len(buffer)}-"
+        range_header = buffer.range_header()
+        if range_header:
+            request_headers["Range"] = range_header
         unregister = lambda: None  # noqa: E731 - replaced once a socket exists
         try:
             cancel.raise_if_cancelled()
@@ -86,13 +95,13 @@ def _transfer_once(url: str, buffer: ShardBuffer, *, headers: Mapping[str, str],
                     f"HTTP {status} {response.reason}",
                     retry_after=parse_retry_after(response.getheader("Retry-After")),
                 )
-            if status == 416 and buffer:
+            if status == 416 and range_header:
                 buffer.restart(None)  # our partial copy no longer matches the file: start over
                 raise TransientError("HTTP 416 on resume; restarting the transfer")
-            if status == 206 and buffer:
+            if status == 206 and range_header:
                 start = _parse_content_range_start(response.getheader("Content-Range"))
-                if start != len(buffer):
-                    expected = len(buffer)
+                if start != buffer.position:
+                    expected = buffer.position
                     buffer.restart(None)
                     raise TransientError(
                         f"server resumed at byte {start}, expected {expected}; restarting"
@@ -102,13 +111,16 @@ def _transfer_once(url: str, buffer: ShardBuffer, *, headers: Mapping[str, str],
             declared = response.getheader("Content-Length")
             declared = int(declared) if declared and declared.isdigit() else None
             if status == 200:  # the whole body (again): into a buffer of its announced size
-                buffer.restart(declared)
+                buffer.whole_body(declared)
             expected_end = len(buffer) + declared if declared is not None else None
             # read1 hands over whatever has arrived, so a connection dropped mid-body
             # loses no received bytes and the resume starts exactly where it broke
             while chunk := response.read1(_CHUNK):
                 cancel.raise_if_cancelled()
-                buffer.append(chunk)
+                try:
+                    buffer.append(chunk)
+                except ValueError as error:  # a part's server sent more than asked for
+                    raise ShardFetchError(f"shard {name}: {error} ({url})") from None
             cancel.raise_if_cancelled()
             if expected_end is not None and len(buffer) < expected_end:
                 # read(n) returns b"" on a body cut short instead of raising IncompleteRead
@@ -144,11 +156,22 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
         ShardFetchError: A permanent error, or transient errors outlasting every retry.
     """
     buffer = ShardBuffer(name)
+    _transfer_with_retries(url, buffer, name=name, policy=policy, cancel=cancel,
+                           headers=headers or {})
+    return buffer.take()
+
+
+def _transfer_with_retries(url: str, buffer: ShardBuffer | ShardPart, *, name: str,
+                           policy: RetryPolicy, cancel: CancelToken,
+                           headers: Mapping[str, str]) -> None:
+    """Fill ``buffer`` from ``url``, retrying transient failures under ``policy``."""
     for attempt in range(policy.retries + 1):
         try:
-            _transfer_once(url, buffer, headers=headers or {}, name=name, policy=policy,
+            _transfer_once(url, buffer, headers=headers, name=name, policy=policy,
                            cancel=cancel)
-            return buffer.take()
+            if isinstance(buffer, ShardPart) and not buffer.complete:
+                raise TransientError(f"range answered short, at byte {buffer.position}")
+            return
         except TransientError as error:
             if attempt == policy.retries:
                 raise ShardFetchError(
@@ -156,9 +179,80 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
                 ) from error
             wait = policy.delay(attempt, error.retry_after)
             logger.warning("shard %s: %s; retry %d/%d in %.2fs (resuming at byte %d)",
-                           name, error, attempt + 1, policy.retries, wait, len(buffer))
+                           name, error, attempt + 1, policy.retries, wait, buffer.position)
             cancel.sleep(wait)
     raise AssertionError("unreachable")
+
+
+#: Smallest byte range worth its own connection when a shard is fetched in parts.
+MIN_PART_BYTES = 32 << 10
+
+
+def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: RetryPolicy,
+                       cancel: CancelToken,
+                       headers: Mapping[str, str] | None = None) -> WritableBuffer:
+    """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
+
+    Servers (and CDNs) often cap the bandwidth of each connection; a shard fetched over
+    several connections at once then arrives several times faster. Each part retries
+    and resumes on its own. A server that ignores range requests gets one plain
+    download instead.
+
+    Args:
+        url: The address to fetch.
+        size: The body's length in bytes (from the listing).
+        parts: Concurrent connections; fewer when parts would be smaller than
+            :data:`MIN_PART_BYTES`.
+        name: Shard name for messages.
+        policy: Retry and timeout settings, for each part.
+        cancel: Stops every part (and any backoff wait) when cancelled.
+        headers: Extra request headers.
+
+    Returns:
+        The body, in an anonymous memory map.
+
+    Raises:
+        ShardFetchError: A part failed permanently or outlasted every retry.
+        StreamCancelled: ``cancel`` was cancelled meanwhile.
+    """
+    parts = max(1, min(parts, size // MIN_PART_BYTES))
+    if parts == 1:
+        return fetch_url(url, name=name, policy=policy, cancel=cancel, headers=headers)
+    buffer = allocate(size)
+    bounds = [size * number // parts for number in range(parts + 1)]
+    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1]) for n in range(parts)]
+    errors: list[BaseException] = []
+    # one failed part stops its siblings; closing the iteration stops them all
+    siblings = CancelToken()
+    unregister = cancel.on_cancel(siblings.cancel)
+
+    def run(piece: ShardPart) -> None:
+        try:
+            _transfer_with_retries(url, piece, name=name, policy=policy, cancel=siblings,
+                                   headers=headers or {})
+        except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller
+            errors.append(error)
+            siblings.cancel()
+
+    helpers = [threading.Thread(target=run, args=(piece,), daemon=True,
+                                name=f"pyg_atompack-part-{number}")
+               for number, piece in enumerate(pieces[1:], start=1)]
+    try:
+        for helper in helpers:
+            helper.start()
+        run(pieces[0])
+    finally:
+        for helper in helpers:
+            helper.join()
+        unregister()
+    cancel.raise_if_cancelled()
+    failures = [error for error in errors if not isinstance(error, StreamCancelled)]
+    if any(isinstance(error, RangeIgnoredError) for error in failures):
+        logger.info("shard %s: the server ignores byte ranges; one download instead", name)
+        return fetch_url(url, name=name, policy=policy, cancel=cancel, headers=headers)
+    if failures:
+        raise failures[0]
+    return buffer
 
 
 def _name_from_url(url: str) -> str:
@@ -201,6 +295,27 @@ class URLShardSource:
         """
         return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
                          headers=self.headers)
+
+    def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
+                       parts: int) -> WritableBuffer:
+        """Download one shard over ``parts`` concurrent range requests.
+
+        Used for the first shard of an iteration, which nothing else can overlap (see
+        :func:`fetch_url_in_parts`). Without a known size it is one plain download.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Stops every part, and any backoff wait, when cancelled.
+            parts: Concurrent connections.
+
+        Returns:
+            The shard's bytes.
+        """
+        if shard.size is None:
+            return self.fetch(shard, cancel)
+        return fetch_url_in_parts(shard.location, size=shard.size, parts=parts,
+                                  name=shard.name, policy=self.retry, cancel=cancel,
+                                  headers=self.headers)
 
 
 class HTTPSource(URLShardSource):

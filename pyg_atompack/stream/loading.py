@@ -106,12 +106,14 @@ class ShardLoader:
         self.verify = verify
         self.on_error = check_on_error(on_error)
 
-    def fetch_verified(self, info: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
+    def fetch_verified(self, info: ShardInfo, cancel: CancelToken,
+                       parts: int = 1) -> bytes | bytearray:
         """Fetch one shard, downloading it once more if it fails verification.
 
         Args:
             info: The shard.
             cancel: Cancellation of the iteration.
+            parts: Concurrent range requests, for sources that offer ``fetch_in_parts``.
 
         Returns:
             The shard's bytes.
@@ -122,8 +124,12 @@ class ShardLoader:
         """
         problem = None
         for attempt in range(2):
+            in_parts = getattr(self.source, "fetch_in_parts", None)
             try:
-                data = self.source.fetch(info, cancel)
+                if parts > 1 and in_parts is not None:
+                    data = in_parts(info, cancel, parts)
+                else:
+                    data = self.source.fetch(info, cancel)
             except OSError as error:  # custom sources may raise plain I/O errors
                 raise ShardFetchError(f"shard {info.name}: {error}") from error
             problem = integrity_problem(info, data) if self.verify else None
@@ -138,7 +144,7 @@ class ShardLoader:
         )
 
     def load(self, position: int, shard_index: int, cancel: CancelToken,
-             recorder: TraceRecorder) -> LoadedShard:
+             recorder: TraceRecorder, parts: int = 1) -> LoadedShard:
         """Fetch and decode one shard; the pipeline drops its bytes once it is decoded.
 
         Args:
@@ -146,6 +152,8 @@ class ShardLoader:
             shard_index: Index of the shard in the listing.
             cancel: Cancellation of the iteration.
             recorder: Receives the download / deserialise times and the outcome.
+            parts: Concurrent range requests for the download (see
+                :meth:`fetch_verified`).
 
         Returns:
             The decoded shard (no samples when it failed and ``on_error="skip"``).
@@ -158,7 +166,7 @@ class ShardLoader:
         record = recorder.record(position, shard_index, info.name)
         record.download_start_s = recorder.now()
         try:
-            data = self.fetch_verified(info, cancel)
+            data = self.fetch_verified(info, cancel, parts)
             record.download_finish_s = recorder.now()
             record.bytes = len(data)
             cancel.raise_if_cancelled()

@@ -8,6 +8,11 @@ process ~150 MiB above its baseline although at most three shards were alive, an
 ``malloc_trim(0)`` brought it back to the baseline. Trimming once per consumed shard
 keeps the resident set near what is really alive, at a cost of a few milliseconds per
 shard.
+
+Shard buffers themselves no longer go through malloc when their size is known (they are
+anonymous memory maps, see :mod:`pyg_atompack.stream.buffers`), and lazily decoded
+shards allocate little else, so what trimming still returns is mostly the heap of
+unpickled shards (layouts decoded by ``torch.load``) and of the samples built from them.
 """
 
 from __future__ import annotations

@@ -36,10 +36,12 @@ class Prefetcher(Generic[JobT, ResultT]):
         load: ``load(job, cancel) -> result``; runs on a background thread.
         depth: Prefetch depth ``k``.
         concurrency: Maximum jobs running at once.
+        first_alone: Start no other job until the first has finished (it uses all
+            ``concurrency`` connections itself, see ``ShardStreamDataset(split_first=)``).
     """
 
     def __init__(self, jobs: Sequence[JobT], load: Callable[[JobT, CancelToken], ResultT], *,
-                 depth: int, concurrency: int = 1):
+                 depth: int, concurrency: int = 1, first_alone: bool = False):
         if depth < 0 or concurrency < 1:
             raise ValueError(f"need depth >= 0 and concurrency >= 1, got {depth}, {concurrency}")
         self.jobs = list(jobs)
@@ -53,6 +55,7 @@ class Prefetcher(Generic[JobT, ResultT]):
         self._results: dict[int, tuple[bool, object]] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._first_pending = first_alone  # later jobs wait while the first one runs
         if depth > 0:
             for number in range(min(concurrency, depth, len(self.jobs))):
                 thread = threading.Thread(target=self._work, daemon=True,
@@ -62,7 +65,8 @@ class Prefetcher(Generic[JobT, ResultT]):
 
     def _claim(self) -> int | None:
         with self._condition:
-            while not self._closed and self._free_slots == 0 and self._next_job < len(self.jobs):
+            while not self._closed and self._next_job < len(self.jobs) and (
+                    self._free_slots == 0 or (self._first_pending and self._next_job > 0)):
                 self._condition.wait()
             if self._closed or self._next_job >= len(self.jobs):
                 return None
@@ -80,6 +84,8 @@ class Prefetcher(Generic[JobT, ResultT]):
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 outcome = (False, error)
             with self._condition:
+                if index == 0:
+                    self._first_pending = False
                 if self._closed:
                     return
                 self._results[index] = outcome

@@ -8,7 +8,7 @@ implements the small :class:`Source` protocol can feed a
 Writing your own source, e.g. for S3 through `fsspec <https://filesystem-spec.readthedocs.io>`_::
 
     import fsspec
-    from pyg_atompack.stream import ShardInfo
+    from pyg_atompack.stream import ShardBuffer, ShardInfo
 
     class FsspecSource:
         def __init__(self, url_glob: str):
@@ -20,12 +20,18 @@ Writing your own source, e.g. for S3 through `fsspec <https://filesystem-spec.re
             return self._shards
 
         def fetch(self, shard, cancel):
+            buffer = ShardBuffer(shard.name)
+            buffer.restart(shard.size)  # an anonymous memory map of exactly that size
             with self.fs.open(shard.location, "rb") as handle:
-                chunks = []
                 while chunk := handle.read(1 << 20):
                     cancel.raise_if_cancelled()   # lets closing the iterator stop the download
-                    chunks.append(chunk)
-            return b"".join(chunks)
+                    buffer.append(chunk)
+            return buffer.take()
+
+Returning the bytes in a :class:`~pyg_atompack.stream.ShardBuffer` (a memory map, or a
+:class:`bytearray`) lets the dataset decode ``.pt`` lists of ``Data`` and ``.atp`` shards
+in place, and the memory goes back to the operating system as soon as the shard is
+dropped; plain ``bytes`` work too, at the cost of one copy.
 
 ``list_shards`` is called once, in the process that builds the dataset; its result is
 pickled into DataLoader workers, so remote listings are never repeated per worker or rank.
@@ -162,7 +168,7 @@ class Source(Protocol):
         """Return every shard once, in canonical order."""
         ...
 
-    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytes | bytearray:
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> bytes | WritableBuffer:
         """Return the complete bytes of ``shard``.
 
         Args:
@@ -171,7 +177,10 @@ class Source(Protocol):
                 between chunks, or register an interrupt with :meth:`CancelToken.on_cancel`.
 
         Returns:
-            The shard's bytes (a :class:`bytearray` avoids one copy for large shards).
+            The shard's bytes. A writable buffer (what :meth:`ShardBuffer.take
+            <pyg_atompack.stream.ShardBuffer.take>` returns: an anonymous memory map or a
+            :class:`bytearray`) is decoded in place and handed over: do not modify it
+            afterwards. Plain ``bytes`` cost one copy.
 
         Raises:
             ShardFetchError: The shard cannot be retrieved (after any retries).

@@ -52,6 +52,7 @@ class LoggedRequest:
         fault: Fault injected into this response, or ``None``.
         body_bytes: Body bytes actually sent.
         started: ``time.monotonic()`` when the request arrived.
+        finished: ``time.monotonic()`` when the response was complete (or cut).
     """
 
     path: str
@@ -60,6 +61,7 @@ class LoggedRequest:
     fault: str | None = None
     body_bytes: int = 0
     started: float = 0.0
+    finished: float = 0.0
 
 
 @dataclass
@@ -79,15 +81,18 @@ class ShardServer(ThreadingHTTPServer):
         ttfb_s: Seconds before every response starts. (default: ``0``)
         bandwidth: Body bytes per second per connection; ``None`` is unlimited.
             (default: ``None``)
+        ignore_ranges: Answer every request with the whole file (``200``), as servers
+            without range support do. (default: ``False``)
     """
 
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, root: str | Path, *, ttfb_s: float = 0.0,
-                 bandwidth: float | None = None) -> None:
+                 bandwidth: float | None = None, ignore_ranges: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root = Path(root)
+        self.ignore_ranges = ignore_ranges
         self.ttfb_s = ttfb_s
         self.bandwidth = bandwidth
         self.requests: list[LoggedRequest] = []
@@ -215,6 +220,12 @@ class _Handler(BaseHTTPRequestHandler):
         entry = LoggedRequest(unquote(urlsplit(self.path).path), self.headers.get("Range"),
                               started=time.monotonic())
         self.server.log(entry)
+        try:
+            self._answer(entry)
+        finally:
+            entry.finished = time.monotonic()
+
+    def _answer(self, entry: LoggedRequest) -> None:
         if self.server.ttfb_s:
             time.sleep(self.server.ttfb_s)
         name = entry.path.lstrip("/")
@@ -234,7 +245,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         data = target.read_bytes()
-        span = _parse_range(self.headers.get("Range"), len(data))
+        span = None if self.server.ignore_ranges else _parse_range(self.headers.get("Range"),
+                                                                   len(data))
         if span == "bad":
             entry.status = 416
             self.send_response(416)
