@@ -272,14 +272,17 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         training.set_energy_normalisation(model, *training.energy_statistics(first))
         trainer = Trainer(model.to(device), device, args.lr)
         trainer.warm_up(Batch.from_data_list(list(first[: args.batch_size])))
-        options = dict(concurrency=args.concurrency, batch_size=args.batch_size, seed=args.seed)
+        options = dict(batch_size=args.batch_size, seed=args.seed)
         pairs = []
         for pair in range(args.pairs):
             order = ["sequential", "prefetch"] if pair % 2 == 0 else ["prefetch", "sequential"]
             record = {"pair": pair, "first": order[0]}
             for arm in order:
-                prefetch = 0 if arm == "sequential" else args.prefetch
-                record[arm] = stream_pass(trainer, train, prefetch=prefetch, **options)
+                # the sequential baseline downloads one shard at a time over one connection
+                prefetch, concurrency = ((0, 1) if arm == "sequential"
+                                         else (args.prefetch, args.concurrency))
+                record[arm] = stream_pass(trainer, train, prefetch=prefetch,
+                                          concurrency=concurrency, **options)
             if args.foldpipe:
                 record["foldpipe"] = foldpipe_pass(trainer, train, batch_size=args.batch_size,
                                                    seed=args.seed)

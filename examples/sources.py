@@ -50,6 +50,14 @@ class ShardSubset:
         """Delegate to the full source."""
         return self.source.fetch(shard, cancel)
 
+    def fetch_in_parts(self, shard: stream.ShardInfo, cancel: stream.CancelToken,
+                       parts: int):
+        """Delegate to the full source (one plain download if it has no ranged fetch)."""
+        in_parts = getattr(self.source, "fetch_in_parts", None)
+        if in_parts is None:
+            return self.source.fetch(shard, cancel)
+        return in_parts(shard, cancel, parts)
+
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self._shards)
         return f"{type(self).__name__}({self.source!r}, [{names}])"

@@ -22,8 +22,11 @@ sys.path.insert(0, str(EXAMPLES))
 import aspirin  # noqa: E402
 import schnet_md17  # noqa: E402
 import shards  # noqa: E402
+import sources  # noqa: E402
 import training  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
+
+from pyg_atompack import stream  # noqa: E402
 
 SMALL_MODEL = training.ModelConfig(hidden_channels=32, num_filters=32, num_interactions=3)
 TRAJECTORY = aspirin.TrajectoryConfig(frames=1024, shard_size=128)
@@ -238,3 +241,20 @@ def test_paired_benchmark_end_to_end(data_dir, tmp_path):
     report = (out / "schnet.md").read_text()
     assert "geometric-mean speed-up" in report and "FoldPipe arm" in report
     assert figure.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shard_subset_keeps_the_ranged_first_download(tmp_path):
+    """The example's train/eval split of a source still fetches in parts (split_first)."""
+    from servers.http_server import serve_directory, write_pt_shards
+
+    from pyg_atompack.stream.http import MIN_PART_BYTES
+
+    names = write_pt_shards(tmp_path, [400, 400], atoms=8)
+    assert (tmp_path / names[0]).stat().st_size > 2 * MIN_PART_BYTES
+    for server in serve_directory(tmp_path):
+        source = stream.HTTPSource(server.url("manifest.json"))
+        listing = source.list_shards()
+        subset = sources.ShardSubset(source, listing, [0])
+        body = subset.fetch_in_parts(listing[0], stream.CancelToken(), 2)
+        assert body[:] == (tmp_path / names[0]).read_bytes()
+        assert len(server.requests_for(names[0])) == 2
