@@ -44,7 +44,7 @@ from pyg_atompack.pyg import record_to_data
 from pyg_atompack.stream.buffers import is_writable_buffer
 from pyg_atompack.stream.errors import ShardDecodeError, UnsafePayloadError
 from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
-from pyg_atompack.stream.pickle_scan import check_memo_indices
+from pyg_atompack.stream.pickle_scan import check_pickle_bounds
 from pyg_atompack.stream.safe_pickle import (
     PYG_SAFE_GLOBALS,
     ForbiddenGlobalError,
@@ -86,14 +86,14 @@ def _separate_collated(data: BaseData, slices: dict, name: str) -> list[BaseData
 
 
 def _check_pickle(buffer: bytes | bytearray | memoryview, name: str) -> None:
-    """Refuse a damaged pickle that would make the C unpickler allocate gigabytes."""
+    """Refuse damaged sizes that the C unpickler would act on before failing."""
     try:
         archive = read_torch_archive(buffer)
     except TorchZipError:
         return  # not an archive this module can read in place; torch.load judges it
     offset, size = archive.pickle
     try:
-        check_memo_indices(buffer, offset, offset + size)
+        check_pickle_bounds(buffer, offset, offset + size)
     except pickle.UnpicklingError as error:
         raise ShardDecodeError(f"shard {name}: not a readable .pt file: {error}") from None
 

@@ -1,12 +1,21 @@
-"""A pass over a pickle's opcodes that rejects memo indices no real pickler writes.
+"""A pass over a pickle's opcodes that rejects sizes no real pickler writes.
 
-CPython's C unpickler stores its memo in an array indexed by the ``PUT`` argument and
-grows it to twice that index. One flipped byte in a ``LONG_BINPUT`` of a ``.pt`` shard
-(found by ``tests/test_fuzz_pt.py``) asks for index ~10⁹: the unpickler then allocates
-gigabytes and spends ~15 s clearing them, on a 3 KB input. A pickler numbers its memo
-entries from 0 in order, so an index beyond the pickle's length in bytes is always
-damage; this scan refuses such a pickle before ``torch.load`` sees it. It reads every
-opcode once without building anything (a few hundred nanoseconds an opcode).
+Two kinds of damage found by ``tests/test_fuzz_pt.py`` make CPython's C unpickler
+misbehave before it notices anything is wrong, and both are refused here, before
+``torch.load`` sees the pickle:
+
+* **memo indices**: the unpickler stores its memo in an array indexed by the ``PUT``
+  argument and grows it to twice that index. One flipped byte in a ``LONG_BINPUT``
+  asked for index ~10⁹: gigabytes allocated and ~15 s spent clearing them, on a 3 KB
+  shard. A pickler numbers its memo entries from 0 in order, so an index beyond the
+  pickle's length in bytes is always damage.
+* **counted lengths** past the end of the pickle (strings, bytes, bytearrays): a
+  damaged ``BYTEARRAY8`` asked for 7·10¹⁸ bytes and left a bytearray freed while its
+  buffer was still exported (CPython reports ``SystemError: deallocated bytearray
+  object has exported buffers``).
+
+The scan reads every opcode once without building anything (a few hundred nanoseconds
+an opcode).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import pickle
 import pickletools
 import struct
 
-__all__ = ["check_memo_indices"]
+__all__ = ["check_pickle_bounds"]
 
 _NEWLINE, _LENGTH1, _LENGTH4, _LENGTH4U, _LENGTH8U = (
     pickletools.UP_TO_NEWLINE, pickletools.TAKEN_FROM_ARGUMENT1,
@@ -29,9 +38,9 @@ _ARGUMENTS = {ord(op.code): (op.arg.n if op.arg is not None else 0, op.name)
               for op in pickletools.opcodes}
 
 
-def check_memo_indices(data: bytes | bytearray | memoryview, start: int = 0,
+def check_pickle_bounds(data: bytes | bytearray | memoryview, start: int = 0,
                        end: int | None = None) -> None:
-    """Raise if a memo ``PUT`` in ``data[start:end]`` has an index past the pickle's size.
+    """Raise if a memo index or a counted length in ``data[start:end]`` exceeds the pickle.
 
     Opcodes this scan does not know end it quietly: the unpickler rejects them itself.
 
@@ -41,7 +50,8 @@ def check_memo_indices(data: bytes | bytearray | memoryview, start: int = 0,
         end: Offset just past it. (default: the end of ``data``)
 
     Raises:
-        pickle.UnpicklingError: A memo index larger than the pickle could ever need.
+        pickle.UnpicklingError: A memo index larger than the pickle could ever need, or
+            a counted string or buffer longer than what is left of it.
     """
     end = len(data) if end is None else end
     if isinstance(data, memoryview):
@@ -54,6 +64,7 @@ def check_memo_indices(data: bytes | bytearray | memoryview, start: int = 0,
         if entry is None:
             return
         size, name = entry
+        opcode_at = at
         at += 1
         if name in _PUTS:
             if name == "PUT":
@@ -92,3 +103,11 @@ def check_memo_indices(data: bytes | bytearray | memoryview, start: int = 0,
             at += 8 + struct.unpack_from("<Q", data, at)[0]
         else:
             return
+        if at > end:
+            # a counted string, bytes or bytearray longer than what is left: CPython's
+            # unpickler would try to allocate it (a damaged BYTEARRAY8 asked for 7e18
+            # bytes and left a bytearray freed while its buffer was still exported)
+            raise pickle.UnpicklingError(
+                f"{name} at byte {opcode_at - start} runs {at - end} bytes past the end of "
+                f"the pickle (a damaged pickle)"
+            )
