@@ -29,14 +29,13 @@ import math
 import struct
 import warnings
 from array import array
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch_geometric.data import Data
 
-from pyg_atompack.stream.buffers import WritableBuffer, is_writable_buffer
+from pyg_atompack.stream.buffers import BufferViewSamples, WritableBuffer, is_writable_buffer
 from pyg_atompack.stream.torch_zip import TorchArchive, TorchZipError, read_torch_archive
 
 __all__ = ["LazyPtSamples", "NotLazyLayout", "decode_pt_lazily"]
@@ -470,7 +469,7 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
         return None
 
 
-class LazyPtSamples(Sequence):
+class LazyPtSamples(BufferViewSamples):
     """The samples of a ``.pt`` shard, built from its buffer one at a time when taken.
 
     Each tensor of a sample views its own bytes of the shard buffer and has a storage of
@@ -485,21 +484,15 @@ class LazyPtSamples(Sequence):
         length: Number of samples.
     """
 
-    #: Samples are views of the shard buffer: one kept alive keeps the whole buffer.
-    views_into_buffer = True
-
     def __init__(self, buffer: WritableBuffer, tensor_columns: dict[str, tuple],
                  object_columns: dict[str, list], length: int) -> None:
+        super().__init__(length)
         self._buffer = buffer
         self._bytes = np.frombuffer(buffer, dtype=np.uint8) if len(buffer) else None
         self._tensors = [(key, dtype, _numpy_dtype(dtype), dtype.itemsize, offsets, shapes,
                           ndim) for key, (dtype, offsets, shapes, ndim)
                          in tensor_columns.items()]
         self._objects = object_columns
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
 
     def _tensor(self, dtype: torch.dtype, numpy_dtype: np.dtype | None, offset: int,
                 shape: tuple[int, ...], itemsize: int) -> torch.Tensor:
@@ -512,13 +505,7 @@ class LazyPtSamples(Sequence):
         return torch.frombuffer(self._buffer, dtype=dtype, count=count,
                                 offset=offset).view(shape)
 
-    def __getitem__(self, index: int | slice) -> Data | list[Data]:  # type: ignore[override]
-        if isinstance(index, slice):
-            return [self[position] for position in range(*index.indices(self._length))]
-        if index < 0:
-            index += self._length
-        if not 0 <= index < self._length:
-            raise IndexError(f"sample {index} out of range for {self._length} samples")
+    def _build(self, index: int) -> Data:
         mapping = {}
         for key, dtype, numpy_dtype, itemsize, offsets, shapes, ndim in self._tensors:
             offset = offsets[index]

@@ -123,10 +123,10 @@ class ShardLoader:
             ShardIntegrityError: Both downloads disagree with the listing.
         """
         problem = None
+        in_parts = getattr(self.source, "fetch_in_parts", None) if parts > 1 else None
         for attempt in range(2):
-            in_parts = getattr(self.source, "fetch_in_parts", None)
             try:
-                if parts > 1 and in_parts is not None:
+                if in_parts is not None:
                     data = in_parts(info, cancel, parts)
                 else:
                     data = self.source.fetch(info, cancel)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-import torch
 from torch_geometric.data.data import BaseData
 
+from pyg_atompack.stream.buffers import BufferViewSamples
 from pyg_atompack.stream.loading import LoadedShard
 from pyg_atompack.stream.progress import StreamProgress
 
@@ -74,14 +74,15 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         if not todo:
             progress.mark_complete(position)
         last = todo[-1] if todo else None
-        views = getattr(shard.samples, "views_into_buffer", False)
+        views = isinstance(shard.samples, BufferViewSamples)
         for index in todo:
-            sample = shard.samples[index]
             if views and (detach or index == last):
                 # a lazily decoded sample's tensors view its whole shard's buffer; one
                 # that may outlive the shard (held in a mixing buffer, or by the
                 # consumer while the next shard is fetched) gets its own copies
-                sample = sample.apply(torch.clone)
+                sample = shard.samples.detached(index)
+            else:
+                sample = shard.samples[index]
             if transform is not None:
                 sample = transform(sample)
             yield position, index, sample

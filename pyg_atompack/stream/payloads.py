@@ -41,7 +41,7 @@ from torch_geometric.data.separate import separate
 
 from pyg_atompack import atp
 from pyg_atompack.pyg import record_to_data
-from pyg_atompack.stream.buffers import is_writable_buffer
+from pyg_atompack.stream.buffers import BufferViewSamples, is_writable_buffer
 from pyg_atompack.stream.errors import ShardDecodeError, UnsafePayloadError
 from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
 from pyg_atompack.stream.pickle_scan import check_pickle_bounds
@@ -165,7 +165,7 @@ def _as_samples(obj: Any, name: str) -> Sequence[BaseData]:
     )
 
 
-class AtpShardSamples(Sequence):
+class AtpShardSamples(BufferViewSamples):
     """The samples of an ``.atp`` shard, built from its bytes one at a time when taken.
 
     An ``.atp`` image is already a compact, indexed layout, so the decoded shard is the
@@ -177,19 +177,11 @@ class AtpShardSamples(Sequence):
         reader: An in-memory reader over the shard's bytes.
     """
 
-    #: Samples are views of the shard buffer: one kept alive keeps the whole buffer.
-    views_into_buffer = True
-
     def __init__(self, reader: Any) -> None:
+        super().__init__(len(reader))
         self._reader = reader
-        self._length = len(reader)
 
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: int | slice) -> Data | list[Data]:  # type: ignore[override]
-        if isinstance(index, slice):
-            return [self[position] for position in range(*index.indices(self._length))]
+    def _build(self, index: int) -> Data:
         return record_to_data(self._reader[index])
 
 
