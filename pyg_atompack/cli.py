@@ -1,4 +1,4 @@
-"""The ``pyg-atompack`` command line: convert, info, verify, shard, head.
+"""The ``pyg-atompack`` command line: convert, info, verify, shard, head, push, pull.
 
 Exit codes: 0 success, 1 ``verify`` found problems, 2 bad input (a one-line
 error naming the file and the problem; no partial output is left behind).
@@ -166,6 +166,49 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from pyg_atompack.hub import HubError, push
+
+    def byte_bar(total: int) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="B", unit_scale=True, desc="upload", file=sys.stderr,
+                    disable=args.quiet or not sys.stderr.isatty(), dynamic_ncols=True)
+
+    try:
+        result = push(args.source, args.repo_id, path_in_repo=args.path_in_repo or "",
+                      revision=args.revision, private=args.private or None, create=args.create,
+                      message=args.message, card_extra=args.card_extra,
+                      overwrite_card=args.overwrite_card, license=args.license,
+                      shard_size=args.shard_size, compression=args.compression,
+                      level=args.level, read_options=_read_options(args),
+                      src_format=args.src_format, progress=byte_bar,
+                      convert_progress=_progress_factory(args.quiet))
+    except HubError as exc:
+        raise _Fail(str(exc)) from exc
+    if not args.quiet:
+        print(f"uploaded {len(result.uploaded)} file(s), {len(result.unchanged)} already "
+              f"on the Hub, {len(result.deleted)} stale shard(s) deleted; card {result.card}")
+    print(f"commit {result.commit}")
+    print(result.uri)
+    return EXIT_OK
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from pyg_atompack.hub import HubError, pull
+    from pyg_atompack.hub.pull import parse_pull_spec
+
+    try:
+        repo_id, path, revision = parse_pull_spec(args.spec)
+        result = pull(repo_id, args.dest, path, revision=revision, pattern=args.pattern)
+    except HubError as exc:
+        raise _Fail(str(exc)) from exc
+    if not args.quiet:
+        print(f"{len(result.files)} file(s) verified at commit {result.commit}")
+    print(result.root)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``pyg-atompack`` (exposed for documentation and tests)."""
     from pyg_atompack import __version__
@@ -230,6 +273,52 @@ def build_parser() -> argparse.ArgumentParser:
                       help="number of structures (default: 5)")
     _add_key_options(head)
     head.set_defaults(run=_cmd_head)
+
+    push = commands.add_parser(
+        "push", help="publish a dataset to the Hugging Face Hub (shards, manifest, card)",
+        description="Verify SOURCE (an .atp file, a directory of .atp or .pt shards, or "
+                    "anything convert reads, converted to .atp shards first), write its "
+                    "manifest.json and a dataset card, and upload them to the dataset "
+                    "repository REPO_ID in one commit. Re-running an interrupted push "
+                    "uploads only what is missing. Prints the commit and the hf:// URI "
+                    "to pin.")
+    push.add_argument("source", help="file or directory to publish")
+    push.add_argument("repo_id", help="dataset repository, owner/name")
+    push.add_argument("--path-in-repo", metavar="P", default="",
+                      help="directory of the shards in the repository (default: the root)")
+    push.add_argument("--revision", metavar="BRANCH", default="main",
+                      help="branch to commit to (default: main)")
+    push.add_argument("--private", action="store_true",
+                      help="make a repository created by --create private")
+    push.add_argument("--create", action="store_true",
+                      help="create the dataset repository if it does not exist")
+    push.add_argument("--message", "-m", metavar="M", help="commit message")
+    push.add_argument("--card-extra", metavar="FILE",
+                      help="text (source, citation) added to the dataset card")
+    push.add_argument("--overwrite-card", action="store_true",
+                      help="replace a README.md written by hand with the generated card")
+    push.add_argument("--license", metavar="ID",
+                      help="license id for the card (default: keep the card's, or 'other')")
+    push.add_argument("--shard-size", type=int, metavar="N",
+                      help="structures per shard when converting (default: 1000)")
+    push.add_argument("--compression", choices=("none", "lz4", "zstd"), default="zstd",
+                      help="codec of converted shards (default: zstd)")
+    push.add_argument("--level", type=int, default=3, help="zstd level (default: 3)")
+    push.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
+    _add_key_options(push)
+    push.set_defaults(run=_cmd_push)
+
+    pull = commands.add_parser(
+        "pull", help="download a published dataset (verified) into a directory",
+        description="Download REPO_ID[/PATH][@REV] (or an hf:// URI) with "
+                    "huggingface_hub's snapshot_download into DEST and check every file "
+                    "against the listing's size and sha256.")
+    pull.add_argument("spec", metavar="REPO_ID[/PATH][@REV]", help="what to download")
+    pull.add_argument("dest", help="local directory")
+    pull.add_argument("--pattern", default="*",
+                      help="fnmatch pattern relative to PATH (default: every file)")
+    pull.add_argument("-q", "--quiet", action="store_true", help="no summary line")
+    pull.set_defaults(run=_cmd_pull)
     return parser
 
 

@@ -35,11 +35,18 @@ pinned, already-downloaded dataset opens offline. ``n_atoms``/``fields`` of a
 ``HubAtpReader`` read only the index / schema blocks of shards not yet
 downloaded.
 
+Publishing (:mod:`.publish`, :mod:`.card`, :mod:`.pull`)::
+
+    result = hub.push("train.xyz", "me/md17", path_in_repo="aspirin", create=True)
+    result.commit, result.uri     # "hf://datasets/me/md17@<sha>/aspirin"
+    hub.pull("me/md17", "local_copy", "aspirin", revision=result.commit)
+
 Every remote failure raises a :class:`HubError` subclass whose message names the
 repository, revision and path: :class:`HubRepositoryNotFoundError`,
 :class:`HubRevisionNotFoundError`, :class:`HubPathNotFoundError`,
 :class:`HubNoShardsError`, :class:`HubIntegrityError` (size/checksum mismatch),
-:class:`HubTransferError` (network/HTTP), :class:`HubURIError` (bad ``hf://``).
+:class:`HubTransferError` (network/HTTP), :class:`HubURIError` (bad ``hf://``),
+:class:`HubPublishError` (``push``/``pull`` refused their input before any transfer).
 
 Endpoint selection. huggingface_hub reads ``HF_ENDPOINT`` once, when it is first
 imported, into ``huggingface_hub.constants.ENDPOINT``. Setting the environment
@@ -71,6 +78,8 @@ from pyg_atompack.hub.errors import (
     HubTransferError,
     HubURIError,
 )
+from pyg_atompack.hub.publish import HubPublishError, PushResult, push
+from pyg_atompack.hub.pull import PullResult, pull
 from pyg_atompack.hub.remote import (
     RemoteFile,
     is_commit_sha,
@@ -94,10 +103,13 @@ __all__ = [
     "HubLocation",
     "HubNoShardsError",
     "HubPathNotFoundError",
+    "HubPublishError",
     "HubRepositoryNotFoundError",
     "HubRevisionNotFoundError",
     "HubTransferError",
     "HubURIError",
+    "PullResult",
+    "PushResult",
     "RemoteFile",
     "cached_path",
     "check_bytes",
@@ -109,5 +121,7 @@ __all__ = [
     "list_remote_files",
     "open_hub_atp",
     "parse_hf_uri",
+    "pull",
+    "push",
     "resolve_revision",
 ]

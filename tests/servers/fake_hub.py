@@ -47,7 +47,8 @@ from pathlib import Path
 import pytest
 
 from servers.hub_repos import LFS_PATTERNS, RepoStore, git_blob_id
-from servers.hub_routes import HubRequestHandler, RecordedRequest
+from servers.hub_routes import RecordedRequest
+from servers.hub_upload_routes import UploadingHubHandler  # write routes (push)
 
 __all__ = ["FakeHub", "RecordedRequest", "git_blob_id", "LFS_PATTERNS", "serve_fake_hub",
            "fake_hub", "fake_hub_server"]
@@ -66,7 +67,7 @@ class FakeHub(ThreadingHTTPServer):
 
     def __init__(self, *, delay_s: float = 0.0, page_size: int = 1000,
                  redirect_lfs: bool = False) -> None:
-        super().__init__(("127.0.0.1", 0), HubRequestHandler)
+        super().__init__(("127.0.0.1", 0), UploadingHubHandler)
         self.delay_s = delay_s
         self.page_size = page_size
         self.redirect_lfs = redirect_lfs
