@@ -167,7 +167,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
+    from huggingface_hub.utils import disable_progress_bars
+
     from pyg_atompack.hub import HubError, push
+
+    disable_progress_bars()  # one bar for the whole upload instead of the client's per file
 
     def byte_bar(total: int) -> Any:
         from tqdm import tqdm
@@ -300,9 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--license", metavar="ID",
                       help="license id for the card (default: keep the card's, or 'other')")
     push.add_argument("--shard-size", type=int, metavar="N",
-                      help="structures per shard when converting (default: 1000)")
-    push.add_argument("--compression", choices=("none", "lz4", "zstd"), default="zstd",
-                      help="codec of converted shards (default: zstd)")
+                      help="structures per shard when converting (default: 1000); given for "
+                           "an .atp/.pt source, it is re-sharded instead of published as is")
+    push.add_argument("--compression", choices=("none", "lz4", "zstd"),
+                      help="codec of converted shards (default: zstd); given for an .atp/.pt "
+                           "source, it is re-written instead of published as is")
     push.add_argument("--level", type=int, default=3, help="zstd level (default: 3)")
     push.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
     _add_key_options(push)

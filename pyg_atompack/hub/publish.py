@@ -175,17 +175,18 @@ def _remote_head(repo_id: str, branch: str, *, create: bool, token: str,
 
 
 # ---------------------------------------------------------------------- phase 2: local
-def _stage(source: Path, work: Path, *, shard_size: int | None, compression: str, level: int,
-           read_options: Any, src_format: str | None, progress: Any) -> _Staged:
+def _stage(source: Path, work: Path, *, shard_size: int | None, compression: str | None,
+           level: int, read_options: Any, src_format: str | None, progress: Any) -> _Staged:
     """The shards to publish: the source's own, or its conversion into `.atp` shards."""
-    from pyg_atompack.convert import ConvertError, read_manifest
+    from pyg_atompack.convert import read_manifest
 
     if not source.exists():
         raise _fail(f"{source}: no such file or directory")
-    if source.is_file() and source.suffix == ".atp" and src_format in (None, "atp"):
+    as_is = shard_size is None and compression is None  # else: re-shard through the converter
+    if as_is and source.is_file() and source.suffix == ".atp" and src_format in (None, "atp"):
         return _Staged(source.parent, [source.name], "atp", None,
                        {"name": source.name, "format": "atp"})
-    if source.is_dir() and src_format in (None, "atp", "pt"):
+    if as_is and source.is_dir() and src_format in (None, "atp", "pt"):
         manifest = read_manifest(source)
         if manifest is not None:
             names = [str(s["name"]) for s in manifest["shards"]]
@@ -214,15 +215,12 @@ def _stage(source: Path, work: Path, *, shard_size: int | None, compression: str
     fmt = src_format or detect_source_format(source)
     out = work / "shards"
     try:
-        options = WriteOptions(compression=compression, level=level,
-                               shard_size=shard_size or DEFAULT_SHARD_SIZE)
+        options = WriteOptions(compression=compression or "zstd", level=level,
+                               shard_size=DEFAULT_SHARD_SIZE if shard_size is None else shard_size)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
-    try:
-        convert(source, out, src_format=fmt, dst_format="atp-shards", read_options=read_options,
-                write_options=options, progress=progress)
-    except ConvertError:
-        raise
+        raise _fail(f"{source}: {exc}; nothing was uploaded") from exc
+    convert(source, out, src_format=fmt, dst_format="atp-shards", read_options=read_options,
+            write_options=options, progress=progress)
     manifest = read_manifest(out)
     info: dict[str, Any] = {"name": source.name, "format": fmt}
     units = getattr(read_options, "units", None)
@@ -313,7 +311,7 @@ def push(
     overwrite_card: bool = False,
     license: str | None = None,
     shard_size: int | None = None,
-    compression: str = "zstd",
+    compression: str | None = None,
     level: int = 3,
     read_options: Any = None,
     src_format: str | None = None,
@@ -337,8 +335,11 @@ def push(
         card_extra: A text file (source, citation, license notes) added to the card.
         overwrite_card: Replace a ``README.md`` written by hand. (default: :obj:`False`)
         license: License id for the card's front matter. (default: keep, or ``"other"``)
-        shard_size: Structures per shard when converting. (default: ``1000``)
-        compression: Codec of converted shards. (default: ``"zstd"``)
+        shard_size: Structures per shard. `.atp` and ``.pt`` sources are published
+            as they are unless ``shard_size`` or ``compression`` is given, which
+            re-shards them; other sources are always converted. (default: ``1000``
+            when converting)
+        compression: Codec of converted shards. (default: ``"zstd"`` when converting)
         level: zstd level of converted shards. (default: ``3``)
         read_options: :class:`pyg_atompack.convert.ReadOptions` for converting.
         src_format: Source format name when the path does not tell.
