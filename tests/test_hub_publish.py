@@ -215,6 +215,18 @@ def test_stale_shards_are_removed_and_unchanged_ones_not_resent(fake_hub, local_
                                         cache_dir=tmp_path / "c", endpoint=fake_hub.endpoint,
                                         token=WRITE_TOKEN)) == 20
 
+    # a shard no push of ours listed is someone else's: refuse, do not delete it
+    fake_hub.commit(REPO, {"data/theirs.atp": files["data/shard_00000.atp"]}, replace=False)
+    fake_hub.clear_requests()
+    with pytest.raises(hub.HubPublishError, match=r"data/theirs\.atp.*nothing was uploaded"):
+        _push(fake_hub, smaller, path_in_repo="data")
+    assert _writes(fake_hub) == []
+
+
+def test_size_categories():
+    assert [card.size_category(n) for n in (0, 999, 1000, 25_000, 10**6, 3 * 10**10)] == [
+        "n<1K", "n<1K", "1K<n<10K", "10K<n<100K", "1M<n<10M", "10B<n<100B"]
+
 
 def test_shard_size_reshards_an_atp_source(fake_hub, local_shards, tmp_path):
     result = _push(fake_hub, local_shards / "shard_00000.atp", create=True, shard_size=4,
@@ -265,7 +277,9 @@ def test_pt_shard_directory_is_published_as_is(fake_hub, tmp_path):
     root.mkdir()
     write_pt_shards(root, [3, 4])
     (root / "manifest.json").unlink()  # no manifest: push writes one
-    result = _push(fake_hub, root, create=True)
+    result = _push(fake_hub, root, create=True, private=True)
+    with pytest.raises(hub.HubRepositoryNotFoundError):  # private: invisible without the token
+        hub.resolve_revision(REPO, token=False, endpoint=fake_hub.endpoint)
     manifest = result.manifest
     assert manifest["shard_format"] == "pt" and manifest["total_records"] == 7
     assert [s["name"] for s in manifest["shards"]] == ["shard-0000.pt", "shard-0001.pt"]

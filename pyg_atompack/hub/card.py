@@ -37,12 +37,13 @@ def is_generated(text: str) -> bool:
 def size_category(structures: int) -> str:
     """The Hub's ``size_categories`` bucket for a number of structures."""
     bounds = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
-              (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
-              (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B")]
+              (10**6, "100K<n<1M"), (10**7, "1M<n<10M"), (10**8, "10M<n<100M"),
+              (10**9, "100M<n<1B"), (10**10, "1B<n<10B"), (10**11, "10B<n<100B"),
+              (10**12, "100B<n<1T")]
     for bound, label in bounds:
         if structures < bound:
             return label
-    return "n>1T" if structures >= 1_000_000_000_000 else "1B<n<10B"
+    return "n>1T"
 
 
 def _human_bytes(n: int) -> str:

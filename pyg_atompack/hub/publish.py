@@ -24,9 +24,10 @@ first two have passed:
 
 The layout is :mod:`atompack.hub`'s: shards under ``path_in_repo`` with their
 relative paths kept (POSIX path order is the global order) and ``manifest.json``
-beside them. Shard files (``*.atp``, ``*.pt``) left under that path by an earlier
-push and absent from this one are deleted in the same commit, otherwise readers
-would count them into the dataset.
+beside them. Shard files (``*.atp``, ``*.pt``) that an earlier push listed in
+the path's ``manifest.json`` and that this one does not publish are deleted in
+the same commit, otherwise readers would count them into the dataset; other
+shard files under the path (not ours) make ``push`` refuse instead.
 """
 
 from __future__ import annotations
@@ -172,6 +173,19 @@ def _remote_head(repo_id: str, branch: str, *, create: bool, token: str,
     raise _fail(f"{repo_id!r} exists as a model repository, not a dataset: push publishes "
                 f"dataset repositories (hf://datasets/{repo_id}); choose another name or "
                 "create the dataset with create=True / --create; nothing was uploaded")
+
+
+def _published_shards(manifest_bytes: bytes, path_in_repo: str) -> set[str]:
+    """Shard paths a remote ``pyg_atompack-shards/1`` manifest lists (empty if foreign)."""
+    from pyg_atompack.convert.shards import MANIFEST_FORMAT
+
+    try:
+        manifest = json.loads(manifest_bytes)
+        if manifest.get("format") != MANIFEST_FORMAT:
+            return set()
+        return {_join(path_in_repo, str(s["name"])) for s in manifest["shards"]}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return set()  # unreadable: nothing counts as published by us
 
 
 # ---------------------------------------------------------------------- phase 2: local
@@ -379,6 +393,7 @@ def push(
     head = _remote_head(repo_id, revision, create=create, token=token, endpoint=endpoint)
     remote: dict[str, RemoteFile] = {}
     remote_card: bytes | None = None
+    published: set[str] = set()  # shard paths the remote manifest lists (an earlier push)
     if head is not None:
         from pyg_atompack.hub.errors import HubPathNotFoundError
         from pyg_atompack.hub.transfer import fetch_bytes
@@ -393,6 +408,10 @@ def push(
                            if root == path_in_repo or f.path == CARD_NAME})
         if CARD_NAME in remote:
             remote_card = fetch_bytes(remote[CARD_NAME], token=token)
+        remote_manifest = remote.get(_join(path_in_repo, MANIFEST_NAME))
+        if remote_manifest is not None:
+            published = _published_shards(fetch_bytes(remote_manifest, token=token),
+                                          path_in_repo)
 
     # phase 2: local
     with tempfile.TemporaryDirectory(prefix="pyg_atompack-push-",
@@ -435,6 +454,13 @@ def push(
             card_state = "unchanged"
         wanted = {op.path_in_repo for op in operations.values()}
         stale = sorted(p for p in remote if p.endswith(_SHARD_SUFFIXES) and p not in wanted)
+        foreign = [p for p in stale if p not in published]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise _fail(f"{describe_remote(repo_id, revision, path_in_repo or '/')}: holds "
+                        f"shard files that this push does not publish and no manifest.json "
+                        f"lists ({shown}); readers would count them into the dataset: delete "
+                        "them or push to another path; nothing was uploaded")
         deletes = [CommitOperationDelete(p) for p in stale]
 
         def result(commit: str, uploaded: list[str]) -> PushResult:
