@@ -417,3 +417,15 @@ def test_cli_push_then_reference_reader_and_pull(fake_hub, xyz, local_shards, tm
     assert pulled.stdout.strip().splitlines()[-1] == str(tmp_path / "copy" / "train")
     assert (tmp_path / "copy" / "train" / "shard_00002.atp").read_bytes() == \
         (local_shards / "shard_00002.atp").read_bytes()
+
+
+def test_a_branch_that_moves_during_the_push_is_not_overwritten(fake_hub, local_shards):
+    fake_hub.commit(REPO, {"README.md": b"# water\n"})
+
+    def someone_else_commits(total):  # called between the checks and the commit
+        fake_hub.commit(REPO, {"other.txt": b"meanwhile"}, replace=False)
+        return types.SimpleNamespace(update=lambda n: None, close=lambda: None)
+
+    with pytest.raises(hub.HubTransferError, match="branch moved"):
+        _push(fake_hub, local_shards, path_in_repo="train", progress=someone_else_commits)
+    assert sorted(_files(fake_hub, "main")) == ["README.md", "other.txt"]

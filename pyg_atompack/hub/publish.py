@@ -175,6 +175,31 @@ def _remote_head(repo_id: str, branch: str, *, create: bool, token: str,
                 "create the dataset with create=True / --create; nothing was uploaded")
 
 
+def _remote_state(repo_id: str, path_in_repo: str, head: str | None, *, token: str,
+                  endpoint: str | None) -> tuple[dict[str, RemoteFile], bytes | None, set[str]]:
+    """Files under the path (and the card) at ``head``, the card's bytes, and the shard
+    paths the path's remote manifest lists (what an earlier push published)."""
+    from pyg_atompack.hub.errors import HubPathNotFoundError
+    from pyg_atompack.hub.transfer import fetch_bytes
+
+    remote: dict[str, RemoteFile] = {}
+    if head is None:
+        return remote, None, set()
+    for root in [path_in_repo] + ([CARD_NAME] if path_in_repo else []):
+        try:
+            listed = list_remote_files(repo_id, root, revision=head, token=token,
+                                       endpoint=endpoint, allow_empty=True)
+        except HubPathNotFoundError:
+            listed = []
+        remote.update({f.path: f for f in listed if root == path_in_repo or f.path == CARD_NAME})
+    remote_card = fetch_bytes(remote[CARD_NAME], token=token) if CARD_NAME in remote else None
+    published: set[str] = set()
+    manifest = remote.get(_join(path_in_repo, MANIFEST_NAME))
+    if manifest is not None:
+        published = _published_shards(fetch_bytes(manifest, token=token), path_in_repo)
+    return remote, remote_card, published
+
+
 def _published_shards(manifest_bytes: bytes, path_in_repo: str) -> set[str]:
     """Shard paths a remote ``pyg_atompack-shards/1`` manifest lists (empty if foreign)."""
     from pyg_atompack.convert.shards import MANIFEST_FORMAT
@@ -311,6 +336,82 @@ def _card(manifest: dict, remote_card: bytes | None, *, repo_id: str, path_in_re
     return text.encode("utf-8"), state
 
 
+def _plan(operations: dict[str, Any], digests: dict[str, str], remote: dict[str, RemoteFile],
+          published: set[str], *, extra_files: dict[str, bytes | None],
+          where: str) -> tuple[list[Any], list[str], list[str]]:
+    """What the commit adds (differs from the remote listing), leaves alone, and deletes."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.utils.sha import git_hash
+
+    adds, unchanged = [], []
+    for name, op in operations.items():
+        known = remote.get(op.path_in_repo)
+        if known is not None and known.sha256 == digests[name]:
+            unchanged.append(op.path_in_repo)
+        else:
+            adds.append(op)
+    for path, data in extra_files.items():
+        if data is None:
+            continue
+        known = remote.get(path)
+        if known is not None and known.blob_id == git_hash(data):
+            unchanged.append(path)
+        else:
+            adds.append(CommitOperationAdd(path, data))
+    wanted = {op.path_in_repo for op in operations.values()}
+    stale = sorted(p for p in remote if p.endswith(_SHARD_SUFFIXES) and p not in wanted)
+    foreign = [p for p in stale if p not in published]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise _fail(f"{where}: holds shard files that this push does not publish and no "
+                    f"manifest.json lists ({shown}); readers would count them into the "
+                    "dataset: delete them or push to another path; nothing was uploaded")
+    return adds, unchanged, stale
+
+
+def _upload_and_commit(repo_id: str, path_in_repo: str, branch: str, head: str | None,
+                       adds: list[Any], deletes: list[Any], *, summary: str, description: str,
+                       private: bool | None, token: str, endpoint: str | None,
+                       progress: ProgressFactory | None) -> str:
+    """Create the repository if needed, upload the shards one by one, commit; the commit id."""
+    api = make_api(endpoint)
+    where = describe_remote(repo_id, branch, path_in_repo or None)
+    if head is None:
+        with translate_errors(repo_id, None, None):
+            api.create_repo(repo_id, repo_type="dataset", private=private, token=token)
+        head = resolve_revision(repo_id, branch, token=token, endpoint=endpoint)
+    shard_adds = [op for op in adds if op.path_in_repo.endswith(_SHARD_SUFFIXES)]
+    bar = progress(sum(op.upload_info.size for op in shard_adds)) if progress else None
+    try:
+        for op in shard_adds:  # one at a time: an interruption leaves whole shards behind
+            try:
+                api.preupload_lfs_files(repo_id, [op], repo_type="dataset", revision=branch,
+                                        token=token, num_threads=1)
+            except Exception as exc:  # the client wraps transfer errors in RuntimeError
+                cause = exc.__cause__ or exc
+                raise HubTransferError(
+                    f"{where}: upload of {op.path_in_repo} failed ({type(cause).__name__}: "
+                    f"{cause}); nothing was committed: run the same push again to resume "
+                    "(shards already uploaded are not sent again)") from exc
+            if bar is not None:
+                bar.update(op.upload_info.size)
+    finally:
+        if bar is not None:
+            bar.close()
+    with translate_errors(repo_id, branch, path_in_repo or None):
+        try:
+            info = api.create_commit(repo_id, adds + deletes, commit_message=summary,
+                                     commit_description=description, repo_type="dataset",
+                                     revision=branch, parent_commit=head, token=token)
+        except Exception as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            if status == 412:
+                raise HubTransferError(f"{where}: the branch moved while pushing (someone "
+                                       "else committed); run the push again") from exc
+            raise
+    return info.oid
+
+
 # ---------------------------------------------------------------------- the entry point
 def push(
     source: str | os.PathLike,
@@ -391,27 +492,8 @@ def push(
     # phase 1: remote, read-only
     token = _require_token(token, endpoint)
     head = _remote_head(repo_id, revision, create=create, token=token, endpoint=endpoint)
-    remote: dict[str, RemoteFile] = {}
-    remote_card: bytes | None = None
-    published: set[str] = set()  # shard paths the remote manifest lists (an earlier push)
-    if head is not None:
-        from pyg_atompack.hub.errors import HubPathNotFoundError
-        from pyg_atompack.hub.transfer import fetch_bytes
-
-        for root in [path_in_repo] + ([CARD_NAME] if path_in_repo else []):
-            try:
-                listed = list_remote_files(repo_id, root, revision=head, token=token,
-                                           endpoint=endpoint, allow_empty=True)
-            except HubPathNotFoundError:
-                listed = []
-            remote.update({f.path: f for f in listed
-                           if root == path_in_repo or f.path == CARD_NAME})
-        if CARD_NAME in remote:
-            remote_card = fetch_bytes(remote[CARD_NAME], token=token)
-        remote_manifest = remote.get(_join(path_in_repo, MANIFEST_NAME))
-        if remote_manifest is not None:
-            published = _published_shards(fetch_bytes(remote_manifest, token=token),
-                                          path_in_repo)
+    remote, remote_card, published = _remote_state(repo_id, path_in_repo, head, token=token,
+                                                   endpoint=endpoint)
 
     # phase 2: local
     with tempfile.TemporaryDirectory(prefix="pyg_atompack-push-",
@@ -431,36 +513,13 @@ def push(
                                        license=license, extra=extra,
                                        overwrite_card=overwrite_card)
 
-        # plan: what differs from the remote listing
-        from huggingface_hub.utils.sha import git_hash
-
-        adds, unchanged = [], []
-        for name, op in operations.items():
-            known = remote.get(op.path_in_repo)
-            if known is not None and known.sha256 == digests[name]:
-                unchanged.append(op.path_in_repo)
-            else:
-                adds.append(op)
-        for path, data in ((_join(path_in_repo, MANIFEST_NAME), manifest_bytes),
-                           (CARD_NAME, card_bytes)):
-            if data is None:
-                continue
-            known = remote.get(path)
-            if known is not None and known.blob_id == git_hash(data):
-                unchanged.append(path)
-            else:
-                adds.append(CommitOperationAdd(path, data))
+        adds, unchanged, stale = _plan(operations, digests, remote, published,
+                                       extra_files={_join(path_in_repo, MANIFEST_NAME):
+                                                    manifest_bytes, CARD_NAME: card_bytes},
+                                       where=describe_remote(repo_id, revision,
+                                                             path_in_repo or "/"))
         if card_state != "kept" and CARD_NAME in unchanged:
             card_state = "unchanged"
-        wanted = {op.path_in_repo for op in operations.values()}
-        stale = sorted(p for p in remote if p.endswith(_SHARD_SUFFIXES) and p not in wanted)
-        foreign = [p for p in stale if p not in published]
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise _fail(f"{describe_remote(repo_id, revision, path_in_repo or '/')}: holds "
-                        f"shard files that this push does not publish and no manifest.json "
-                        f"lists ({shown}); readers would count them into the dataset: delete "
-                        "them or push to another path; nothing was uploaded")
         deletes = [CommitOperationDelete(p) for p in stale]
 
         def result(commit: str, uploaded: list[str]) -> PushResult:
@@ -473,30 +532,6 @@ def push(
             return result(head, [])
 
         # phase 3: upload and commit
-        api = make_api(endpoint)
-        where = describe_remote(repo_id, revision, path_in_repo or None)
-        if head is None:
-            with translate_errors(repo_id, None, None):
-                api.create_repo(repo_id, repo_type="dataset", private=private, token=token)
-            head = resolve_revision(repo_id, revision, token=token, endpoint=endpoint)
-        shard_adds = [op for op in adds if op.path_in_repo.endswith(_SHARD_SUFFIXES)]
-        bar = progress(sum(op.upload_info.size for op in shard_adds)) if progress else None
-        try:
-            for op in shard_adds:  # one at a time: an interruption leaves whole shards behind
-                try:
-                    api.preupload_lfs_files(repo_id, [op], repo_type="dataset",
-                                            revision=revision, token=token, num_threads=1)
-                except Exception as exc:  # the client wraps transfer errors in RuntimeError
-                    cause = exc.__cause__ or exc
-                    raise HubTransferError(
-                        f"{where}: upload of {op.path_in_repo} failed ({type(cause).__name__}: "
-                        f"{cause}); nothing was committed: run the same push again to resume "
-                        "(shards already uploaded are not sent again)") from exc
-                if bar is not None:
-                    bar.update(op.upload_info.size)
-        finally:
-            if bar is not None:
-                bar.close()
         total = manifest["total_records"]
         summary = message or (f"Publish {len(staged.shards)} {staged.shard_format} shards "
                               f"({total} structures) at /{path_in_repo} with pyg_atompack")
@@ -504,16 +539,7 @@ def push(
             [f"Uploaded: {', '.join(op.path_in_repo for op in adds)}"]
             + ([f"Unchanged: {', '.join(unchanged)}"] if unchanged else [])
             + ([f"Deleted stale shards: {', '.join(stale)}"] if stale else []))
-        with translate_errors(repo_id, revision, path_in_repo or None):
-            try:
-                info = api.create_commit(repo_id, adds + deletes, commit_message=summary,
-                                         commit_description=description, repo_type="dataset",
-                                         revision=revision, parent_commit=head, token=token)
-            except Exception as exc:
-                status = getattr(getattr(exc, "response", None), "status_code", None)
-                if status == 412:
-                    raise HubTransferError(
-                        f"{where}: the branch moved while pushing (someone else committed); "
-                        "run the push again") from exc
-                raise
-        return result(info.oid, [op.path_in_repo for op in adds])
+        commit = _upload_and_commit(repo_id, path_in_repo, revision, head, adds, deletes,
+                                    summary=summary, description=description, private=private,
+                                    token=token, endpoint=endpoint, progress=progress)
+        return result(commit, [op.path_in_repo for op in adds])
