@@ -1,0 +1,143 @@
+"""Shards from an object store: ``s3://bucket/prefix/`` (and ``gs://`` / ``az://``).
+
+The bytes travel through :class:`pyg_atompack.transport.objectstore.ObjectStore`, which
+makes its client lazily in each process (fork-safe), pickles without secrets, resumes
+interrupted transfers by range and raises the transport error family.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pyg_atompack.stream.buffers import WritableBuffer, allocate
+from pyg_atompack.stream.errors import StreamCancelled
+from pyg_atompack.stream.sources import CancelToken, ShardInfo
+from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
+
+#: Smallest byte range worth its own request when a shard is fetched in parts.
+MIN_PART_BYTES = 256 << 10
+
+
+class ObjectStoreSource:
+    """``.pt`` / ``.atp`` shards below an object-store prefix, or named by a manifest.
+
+    Args:
+        url: ``s3://bucket/prefix/`` (every ``.pt`` / ``.atp`` object below it, in POSIX
+            path order), ``s3://bucket/prefix/manifest.json`` (the shards it names) or
+            one object's URL. A ``manifest.json`` below the prefix supplies sha256
+            digests and record counts.
+        **storage_options: Options of :class:`~pyg_atompack.transport.objectstore.ObjectStore`
+            (``anon``, ``profile``, ``endpoint_url``, ``retries``, timeouts, and fsspec
+            options such as ``key`` / ``secret``, which are never pickled).
+
+    The listing happens once, here; DataLoader workers get it pickled (or inherited
+    across ``fork``) and each makes its own client on its first fetch.
+
+    Example::
+
+        from pyg_atompack.stream import ObjectStoreSource, ShardStreamDataset
+
+        source = ObjectStoreSource("s3://my-bucket/qm9/train/")  # AWS_* environment
+        dataset = ShardStreamDataset(source, shuffle=True, seed=0)
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        self.store = ObjectStore(url, **storage_options)
+        self._objects = tuple(self.store.list())
+        self._shards = tuple(
+            ShardInfo(name=o.name, size=o.size, sha256=o.sha256, records=o.records,
+                      location=o.url, extra={"etag": o.etag})
+            for o in self._objects
+        )
+
+    @property
+    def url(self) -> str:
+        """The listed URL."""
+        return self.store.url
+
+    def list_shards(self) -> Sequence[ShardInfo]:
+        """Return the shards found at construction, sorted by POSIX path."""
+        return self._shards
+
+    def _object(self, shard: ShardInfo) -> ObjectInfo:
+        return ObjectInfo(name=shard.name, url=shard.location, size=shard.size or 0,
+                          etag=shard.extra.get("etag"), sha256=shard.sha256,
+                          records=shard.records)
+
+    def fetch(self, shard: ShardInfo, cancel: CancelToken) -> WritableBuffer:
+        """Download one shard into an anonymous memory map of its listed size.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Aborts the request in flight, and any backoff wait, when cancelled.
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            pyg_atompack.transport.TransportError: The shard cannot be retrieved (the
+                message names its URL and the cause).
+            StreamCancelled: ``cancel`` was cancelled during the transfer.
+        """
+        obj = self._object(shard)
+        buffer = allocate(obj.size)
+        self.store.read_into(obj, buffer, cancel=cancel)
+        return buffer
+
+    def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
+                       parts: int) -> WritableBuffer:
+        """Download one shard as ``parts`` concurrent ranged requests into one buffer.
+
+        Used for the first shard of an iteration, which nothing else can overlap: stores
+        cap the bandwidth of each connection, so parallel ranges arrive sooner. Each
+        part resumes on its own; one failed part cancels the others.
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+            cancel: Aborts every part when cancelled.
+            parts: Concurrent requests; fewer when parts would be smaller than
+                :data:`MIN_PART_BYTES`.
+
+        Returns:
+            The shard's bytes.
+        """
+        obj = self._object(shard)
+        parts = max(1, min(parts, obj.size // MIN_PART_BYTES))
+        if parts == 1:
+            return self.fetch(shard, cancel)
+        buffer = allocate(obj.size)
+        bounds = [obj.size * n // parts for n in range(parts + 1)]
+        siblings = CancelToken()
+        unregister = cancel.on_cancel(siblings.cancel)
+        errors: list[BaseException] = []
+
+        def run(number: int) -> None:
+            try:
+                self.store.read_into(obj, buffer, start=bounds[number],
+                                     end=bounds[number + 1], offset=bounds[number],
+                                     cancel=siblings)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the caller
+                errors.append(error)
+                siblings.cancel()
+
+        helpers = [threading.Thread(target=run, args=(n,), daemon=True,
+                                    name=f"pyg_atompack-s3-part-{n}")
+                   for n in range(1, parts)]
+        try:
+            for helper in helpers:
+                helper.start()
+            run(0)
+        finally:
+            for helper in helpers:
+                helper.join()
+            unregister()
+        cancel.raise_if_cancelled()
+        failures = [e for e in errors if not isinstance(e, StreamCancelled)]
+        if failures:
+            raise failures[0]
+        return buffer
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, shards={len(self._shards)})"

@@ -1,0 +1,816 @@
+"""Object stores (``s3://``, and ``gs://`` / ``az://`` where gcsfs / adlfs are installed).
+
+Built on `fsspec <https://filesystem-spec.readthedocs.io>`_ with s3fs: obstore was 2-3x
+faster against moto (``benchmarks/objectstore_clients.py``) but a child process hangs on
+its first request once the parent has used it, which every DataLoader worker started by
+``fork`` would do; s3fs works in a forked child given a client of its own (see
+``docs/architecture.md``, "Object stores").
+
+:class:`ObjectStore` is one bucket prefix (or one object, or a ``manifest.json``):
+
+* :meth:`ObjectStore.list` lists the objects below the prefix with sizes and ETags, and
+  takes sha256 digests and record counts from a ``manifest.json`` found there;
+* :meth:`ObjectStore.read_range` reads a byte range; :meth:`ObjectStore.read_into`
+  streams a range into a writable buffer, resuming from the last byte received after
+  a transient failure (``Range`` + ``If-Match`` on the listed ETag, so an object that
+  changed meanwhile is an error, never a splice of two versions);
+* :meth:`ObjectStore.download` puts a verified copy (size, and sha256 when known) into
+  a cache directory and returns its path; nothing unverified ever lands there.
+
+Clients are made lazily, in the process that uses them: a handle created before a
+``fork`` makes a new client in the child instead of touching the parent's event loop
+(s3fs's ``RuntimeError: This class is not fork-safe``). Pickling keeps the URL and the
+non-secret options only; credentials passed explicitly stay in the process that got
+them, and an unpickled handle uses the standard credential chain (environment
+variables, ``AWS_PROFILE`` / ``profile=``, config files, instance roles).
+
+Every failure raises one :class:`~pyg_atompack.transport.TransportError` subclass whose
+message names the object URL and the cause. Connection failures, timeouts, throttling
+and 5xx answers are retried with exponential backoff and jitter (``retries`` times);
+nothing else is.
+
+This module is torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from pyg_atompack.transport.errors import (
+    RemoteAuthError,
+    RemoteIntegrityError,
+    RemoteNotFoundError,
+    RemoteUnavailableError,
+    TransportError,
+    UnsupportedURLError,
+)
+
+__all__ = [
+    "OBJECT_STORE_SCHEMES",
+    "ObjectInfo",
+    "ObjectStore",
+    "default_cache_dir",
+    "download",
+    "is_object_store_url",
+    "list_objects",
+]
+
+logger = logging.getLogger(__name__)
+
+#: URL schemes this module serves, and the package each needs.
+OBJECT_STORE_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+                        "abfs": "adlfs"}
+SHARD_SUFFIXES = (".pt", ".atp")
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+_HASH_CHUNK = 8 << 20
+_CACHE_ENV = "PYG_ATOMPACK_CACHE"
+# storage options that hold a credential: kept in memory, never pickled, never printed
+_SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "password",
+                             "account_key", "sas_token", "connection_string",
+                             "client_secret", "credentials", "aws_access_key_id",
+                             "aws_secret_access_key", "aws_session_token"})
+_TRANSIENT_STATUSES = frozenset({408, 429, *range(500, 600)})
+_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
+                              "ServiceUnavailable", "Throttling", "ThrottlingException",
+                              "RequestTimeTooSkewed"})
+
+
+class CancelLike(Protocol):
+    """What :meth:`ObjectStore.read_into` needs of a cancellation token.
+
+    :class:`pyg_atompack.stream.CancelToken` is one.
+    """
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+    def raise_if_cancelled(self) -> None: ...
+
+
+def is_object_store_url(url: object) -> bool:
+    """Whether ``url`` is a string with one of :data:`OBJECT_STORE_SCHEMES`."""
+    return isinstance(url, str) and urlsplit(url).scheme in OBJECT_STORE_SCHEMES
+
+
+def default_cache_dir() -> Path:
+    """Where :func:`download` keeps verified objects when no cache is given.
+
+    Returns:
+        ``$PYG_ATOMPACK_CACHE/objectstore`` if set, else
+        ``~/.cache/pyg_atompack/objectstore``.
+    """
+    root = os.environ.get(_CACHE_ENV)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "pyg_atompack"
+    return base / "objectstore"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: small, immutable and picklable.
+
+    Attributes:
+        name: POSIX path relative to the listed prefix (the shard name).
+        url: Full object URL, e.g. ``s3://bucket/prefix/shard_00000.atp``.
+        size: Size in bytes, from the listing.
+        etag: The store's entity tag (quotes removed), or ``None``.
+        sha256: Hex sha256 from the manifest, or ``None``.
+        records: Record count from the manifest, or ``None``.
+    """
+
+    name: str
+    url: str
+    size: int
+    etag: str | None = None
+    sha256: str | None = None
+    records: int | None = None
+
+    @property
+    def path(self) -> str:
+        """``bucket/key`` as fsspec names it."""
+        return self.url.split("://", 1)[1]
+
+
+def _split_url(url: str) -> tuple[str, str, str]:
+    """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``; refuses anything else."""
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if scheme not in OBJECT_STORE_SCHEMES:
+        supported = ", ".join(f"{s}://" for s in OBJECT_STORE_SCHEMES)
+        raise UnsupportedURLError(f"{url}: not an object-store URL (supported: {supported})",
+                                  url=url)
+    if parts.username or parts.password or parts.query:
+        raise UnsupportedURLError(
+            f"{scheme}://{parts.hostname or ''}{parts.path}: object-store URLs carry no user "
+            f"info or query; pass credentials as options or through the environment",
+            url=f"{scheme}://{parts.hostname or ''}{parts.path}")
+    bucket = parts.netloc
+    if not bucket:
+        raise UnsupportedURLError(f"{url}: no bucket in the URL", url=url)
+    return scheme, bucket, parts.path.strip("/")
+
+
+def _causes(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
+    """(error code, HTTP status) of the botocore ``ClientError`` behind ``error``, if any."""
+    for cause in _causes(error):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return response["Error"].get("Code"), status
+    return None, None
+
+
+def _is_transient(error: BaseException) -> bool:
+    code, status = _client_error_info(error)
+    if code is not None or status is not None:
+        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES
+    names = {type(cause).__name__ for cause in _causes(error)}
+    transient_names = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                       "ConnectionClosedError", "ClientPayloadError",
+                       "ServerDisconnectedError", "ClientConnectorError", "ClientOSError",
+                       "IncompleteRead", "ResponseStreamingError", "FSTimeoutError",
+                       "TimeoutError", "ConnectionResetError", "ConnectionRefusedError",
+                       "BrokenPipeError", "ProxyConnectionError", "_Truncated"}
+    return bool(names & transient_names)
+
+
+class _Truncated(Exception):
+    """The body ended before the requested range did."""
+
+
+class ObjectStore:
+    """A fork-safe, picklable handle on one object-store prefix, object or manifest.
+
+    Args:
+        url: ``s3://bucket/prefix/`` (every object below it), ``s3://bucket/key``
+            (one object) or ``s3://bucket/prefix/manifest.json`` (the shards it names);
+            ``gs://`` and ``az://`` likewise when gcsfs / adlfs are installed.
+        anon: Unsigned requests, for public buckets. (default: :obj:`False`)
+        profile: A named profile of the AWS config files. (default: ``AWS_PROFILE``)
+        endpoint_url: An S3-compatible endpoint (MinIO, Ceph, R2, ...).
+            (default: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS)
+        retries: Retries of a transient failure (connection, timeout, throttling, 5xx)
+            of each request; a retried download resumes where it stopped. (default: 4)
+        backoff: First retry wait in seconds, doubled each retry, with up to 50%
+            random jitter. (default: 0.5)
+        connect_timeout: Seconds to establish a connection. (default: 10.0)
+        read_timeout: Seconds without a byte before a transfer counts as stalled.
+            (default: 60.0)
+        **storage_options: Further options of the fsspec filesystem (e.g. ``key``,
+            ``secret``, ``token``, ``client_kwargs``); credentials among them are
+            never pickled.
+    """
+
+    def __init__(self, url: str, *, anon: bool = False, profile: str | None = None,
+                 endpoint_url: str | None = None, retries: int = 4, backoff: float = 0.5,
+                 connect_timeout: float = 10.0, read_timeout: float = 60.0,
+                 **storage_options: Any) -> None:
+        self.scheme, self.bucket, self.key = _split_url(url)
+        if retries < 0 or backoff < 0 or connect_timeout <= 0 or read_timeout <= 0:
+            raise ValueError("retries and backoff must be >= 0, timeouts > 0")
+        self.url = f"{self.scheme}://{self.bucket}/{self.key}"
+        self.anon = anon
+        self.profile = profile
+        self.endpoint_url = endpoint_url
+        self.retries = retries
+        self.backoff = backoff
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._secrets = {k: v for k, v in storage_options.items() if k in _SECRET_OPTIONS}
+        self.storage_options = {k: v for k, v in storage_options.items()
+                                if k not in _SECRET_OPTIONS}
+        self._secrets_dropped = False
+        self._fs: Any = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ client
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_secrets_dropped"] = bool(self._secrets) or self._secrets_dropped
+        state["_secrets"] = {}
+        state["_fs"] = None
+        state["_pid"] = None
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _make_filesystem(self) -> Any:
+        package = OBJECT_STORE_SCHEMES[self.scheme]
+        try:
+            import fsspec
+
+            filesystem = fsspec.get_filesystem_class(self.scheme)
+        except (ImportError, ValueError) as error:
+            raise UnsupportedURLError(
+                f"{self.url}: {self.scheme}:// needs the optional package {package!r} "
+                f"(pip install {package}, or pyg_atompack[s3] for s3://)", url=self.url,
+            ) from error
+        options = {**self.storage_options, **self._secrets, "skip_instance_cache": True}
+        if self.scheme == "s3":
+            # one retry policy, ours: botocore and s3fs each make a single attempt
+            config = dict(options.pop("config_kwargs", {}))
+            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", self.connect_timeout)
+            config.setdefault("read_timeout", self.read_timeout)
+            options.update(config_kwargs=config, anon=self.anon)
+            endpoint = (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                        or os.environ.get("AWS_ENDPOINT_URL"))
+            if endpoint:
+                options["endpoint_url"] = endpoint
+            if "session" not in options:
+                options["session"] = _new_session(self.profile)
+        fs = filesystem(**options)
+        if self.scheme == "s3":
+            fs.retries = 1  # s3fs's own retry loop: one attempt
+        return fs
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem of this process (made on first use, again after fork)."""
+        pid = os.getpid()
+        if self._fs is None or self._pid != pid:
+            with self._lock:
+                if self._fs is None or self._pid != pid:
+                    self._fs = self._make_filesystem()
+                    self._pid = pid
+        return self._fs
+
+    def object_url(self, key: str) -> str:
+        """The URL of ``key`` in this bucket."""
+        return f"{self.scheme}://{self.bucket}/{key}"
+
+    # ------------------------------------------------------------------ errors
+    def _translate(self, error: BaseException, url: str, attempts: int = 1) -> TransportError:
+        """One :class:`TransportError` subclass for ``error`` met while reading ``url``."""
+        if isinstance(error, TransportError):
+            return error
+        code, status = _client_error_info(error)
+        names = {type(cause).__name__ for cause in _causes(error)}
+        tried = f" after {attempts} attempts" if attempts > 1 else ""
+        if "NoCredentialsError" in names or "PartialCredentialsError" in names:
+            hint = (" (credentials given as options are not pickled: in spawned workers "
+                    "use the environment or a profile)" if self._secrets_dropped else "")
+            return RemoteAuthError(
+                f"{url}: no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                f"or AWS_PROFILE, or pass anon=True for a public bucket{hint}", url=url)
+        if code == "NoSuchBucket":
+            return RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist",
+                                       url=url, status=status)
+        if code in ("NoSuchKey", "404", "NotFound") or (
+                code is None and isinstance(error, FileNotFoundError)):
+            return RemoteNotFoundError(f"{url}: no such object", url=url, status=status)
+        if code in ("PreconditionFailed", "412"):
+            return RemoteIntegrityError(
+                f"{url}: the object changed since it was listed (ETag differs)",
+                url=url, status=status)
+        if status in (401, 403) or isinstance(error, PermissionError) or code in (
+                "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                "ExpiredToken", "InvalidToken"):
+            return RemoteAuthError(
+                f"{url}: access denied ({code or status or 'forbidden'}): check the "
+                f"credentials and the bucket policy", url=url, status=status)
+        if _is_transient(error):
+            where = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+                os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+            return RemoteUnavailableError(
+                f"{url}: {code or type(error).__name__} from {where}{tried}: "
+                f"{_first_line(error)}", url=url, status=status)
+        return TransportError(f"{url}: {code or type(error).__name__}: {_first_line(error)}",
+                              url=url, status=status)
+
+    def _retrying(self, url: str, operation: Callable[[], Any],
+                  cancel: CancelLike | None = None,
+                  before_retry: Callable[[], None] | None = None) -> Any:
+        """Run ``operation``, retrying transient failures with backoff and jitter."""
+        for attempt in range(self.retries + 1):
+            try:
+                return operation()
+            except asyncio.CancelledError:
+                if cancel is not None:
+                    cancel.raise_if_cancelled()
+                raise
+            except Exception as error:  # noqa: BLE001 - translated or re-raised below
+                if cancel is not None:
+                    cancel.raise_if_cancelled()
+                if isinstance(error, TransportError) or not _is_transient(error) \
+                        or attempt == self.retries:
+                    raise self._translate(error, url, attempt + 1) from error
+                wait = self.backoff * 2 ** attempt * (1 + 0.5 * random.random())
+                logger.warning("%s: %s; retry %d/%d in %.2fs", url, _first_line(error),
+                               attempt + 1, self.retries, wait)
+                if cancel is not None and hasattr(cancel, "sleep"):
+                    cancel.sleep(wait)
+                else:
+                    time.sleep(wait)
+                if before_retry is not None:
+                    before_retry()
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ listing
+    def _info(self, key: str) -> ObjectInfo:
+        url = self.object_url(key)
+        entry = self._retrying(url, lambda: self.fs.info(f"{self.bucket}/{key}"))
+        if entry.get("type") == "directory":
+            raise RemoteNotFoundError(f"{url}: no such object", url=url)
+        return _object_info(self, entry, posixpath.basename(key))
+
+    def _read_manifest(self, key: str) -> dict[str, dict]:
+        url = self.object_url(key)
+        raw = self.read_range(self._info(key), 0, None)
+        try:
+            document = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise TransportError(f"{url}: manifest is not valid JSON: {error}",
+                                 url=url) from error
+        return parse_manifest(document, url)
+
+    def list(self, suffixes: Sequence[str] | None = SHARD_SUFFIXES) -> list[ObjectInfo]:
+        """List the objects this handle names, sorted by POSIX path.
+
+        A prefix is listed recursively; names are relative to it. A ``manifest.json``
+        directly below the prefix (or the manifest the URL names) contributes each
+        shard's sha256 and record count, and its ``bytes`` must agree with the listed
+        size. With a manifest URL, exactly the shards it names are returned.
+
+        Args:
+            suffixes: Keep names ending with one of these; :obj:`None` keeps every
+                object. (default: ``(".pt", ".atp")``)
+
+        Returns:
+            The objects.
+
+        Raises:
+            RemoteNotFoundError: The bucket, the object, or a shard the manifest names
+                does not exist; or nothing matches below the prefix.
+            RemoteIntegrityError: A listed size disagrees with the manifest.
+            RemoteAuthError: Missing or refused credentials.
+            RemoteUnavailableError: The endpoint stayed unreachable through every retry.
+        """
+        if self.key.endswith(".json"):
+            directory = posixpath.dirname(self.key)
+            manifest = self._read_manifest(self.key)
+            if not manifest:
+                raise TransportError(f"{self.url}: manifest lists no shards "
+                                     f"(expected a 'shards' list)", url=self.url)
+            listed = {o.name: o for o in self._list_prefix(directory)}
+            objects = []
+            for name, entry in manifest.items():
+                if name not in listed:
+                    url = self.object_url(f"{directory}/{name}" if directory else name)
+                    raise RemoteNotFoundError(
+                        f"{url}: named by the manifest {self.url} but not in the bucket",
+                        url=url)
+                objects.append(_with_manifest(listed[name], entry, self.url))
+            return sorted(objects, key=lambda o: o.name)
+        single = bool(self.key) and posixpath.splitext(self.key)[1] in SHARD_SUFFIXES
+        if single:
+            with contextlib.suppress(RemoteNotFoundError):
+                return [self._info(self.key)]
+        everything = self._list_prefix(self.key)
+        if single and not everything:
+            raise RemoteNotFoundError(f"{self.url}: no such object", url=self.url)
+        if not everything:
+            raise RemoteNotFoundError(f"{self.url}: no objects below this prefix",
+                                      url=self.url)
+        manifest: dict[str, dict] = {}
+        manifest_url = self.object_url(f"{self.key}/{MANIFEST_NAME}" if self.key
+                                       else MANIFEST_NAME)
+        if any(o.name == MANIFEST_NAME for o in everything):
+            manifest = self._read_manifest(manifest_url.split("/", 3)[3])
+        objects = [_with_manifest(o, manifest.get(o.name), manifest_url) for o in everything
+                   if suffixes is None or o.name.endswith(tuple(suffixes))]
+        if not objects:
+            raise RemoteNotFoundError(
+                f"{self.url}: no {' or '.join(suffixes or ())} objects below this prefix",
+                url=self.url)
+        missing = sorted(set(manifest) - {o.name for o in objects})
+        if missing:
+            url = self.object_url(f"{self.key}/{missing[0]}" if self.key else missing[0])
+            raise RemoteNotFoundError(
+                f"{url}: named by the manifest {manifest_url} but not in the bucket", url=url)
+        return objects
+
+    def _list_prefix(self, prefix: str) -> list[ObjectInfo]:
+        root = f"{self.bucket}/{prefix}".rstrip("/")
+        url = self.object_url(prefix)
+
+        def find() -> dict:
+            # the bucket itself is checked first: listing a missing bucket is not an error
+            # in every fsspec backend, only an empty answer
+            found = self.fs.find(root + "/", detail=True)
+            if not found and not self.fs.exists(self.bucket):
+                raise FileNotFoundError(f"bucket {self.bucket}")
+            return found
+
+        try:
+            found = self._retrying(url, find)
+        except RemoteNotFoundError as error:
+            if not self._retrying(url, lambda: self.fs.exists(self.bucket)):
+                raise RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist",
+                                          url=url) from error
+            raise
+        objects = []
+        for path, entry in found.items():
+            if entry.get("type") == "directory":
+                continue
+            name = path[len(root) + 1:] if path.startswith(root + "/") else path
+            objects.append(_object_info(self, entry, name))
+        objects.sort(key=lambda o: o.name)
+        return objects
+
+    # ------------------------------------------------------------------ bytes
+    def read_range(self, obj: ObjectInfo, start: int, length: int | None) -> bytes:
+        """Read ``length`` bytes of ``obj`` from byte ``start`` (:obj:`None`: to the end).
+
+        Args:
+            obj: A listed object.
+            start: First byte.
+            length: Number of bytes, or :obj:`None` for the rest of the object.
+
+        Returns:
+            Exactly the bytes asked for.
+
+        Raises:
+            ValueError: The range lies outside the object.
+            TransportError: The read failed (see :meth:`read_into`).
+        """
+        end = obj.size if length is None else start + length
+        if start < 0 or end < start or end > obj.size:
+            raise ValueError(f"{obj.url}: range [{start}, {end}) outside its {obj.size} bytes")
+        buffer = bytearray(end - start)
+        self.read_into(obj, buffer, start=start, end=end)
+        return bytes(buffer)
+
+    def read_into(self, obj: ObjectInfo, buffer: Any, *, start: int = 0,
+                  end: int | None = None, offset: int | None = None,
+                  cancel: CancelLike | None = None,
+                  progress: Callable[[int], None] | None = None) -> None:
+        """Stream bytes ``[start, end)`` of ``obj`` into ``buffer[offset:]``.
+
+        One ranged ``GET`` conditioned on the listed ETag; after a transient failure the
+        next attempt asks for the rest only. Cancelling ``cancel`` aborts the transfer
+        in flight at once (the request task is cancelled, not waited for).
+
+        Args:
+            obj: A listed object.
+            buffer: A writable buffer (``bytearray``, ``mmap``, ``memoryview``) holding
+                at least ``offset + end - start`` bytes.
+            start: First byte of the object. (default: 0)
+            end: One past the last byte. (default: the object's size)
+            offset: Where byte ``start`` goes in ``buffer``. (default: ``start``
+                when the buffer holds the whole object, else 0)
+            cancel: Stops the transfer and any backoff wait. (default: :obj:`None`)
+            progress: Called with the byte count of every chunk received.
+
+        Raises:
+            RemoteIntegrityError: The object changed since it was listed.
+            RemoteNotFoundError, RemoteAuthError: Permanent failures.
+            RemoteUnavailableError: Transient failures outlasted every retry.
+        """
+        end = obj.size if end is None else end
+        if offset is None:
+            offset = start if len(buffer) >= obj.size else 0
+        view = memoryview(buffer).cast("B")
+        position = [start]
+
+        def sink(chunk: bytes) -> None:
+            at = offset + position[0] - start
+            view[at:at + len(chunk)] = chunk
+            position[0] += len(chunk)
+            if progress is not None:
+                progress(len(chunk))
+
+        def attempt() -> None:
+            if position[0] < end:
+                self._stream(obj, position[0], end, sink, cancel)
+
+        try:
+            self._retrying(obj.url, attempt, cancel)
+        finally:
+            view.release()
+
+    def _stream(self, obj: ObjectInfo, start: int, end: int, sink: Callable[[bytes], None],
+                cancel: CancelLike | None) -> None:
+        fs = self.fs
+        if cancel is not None:
+            cancel.raise_if_cancelled()
+        if not hasattr(fs, "_call_s3"):
+            # other fsspec backends: chunked range reads (no conditional request)
+            position = start
+            while position < end:
+                if cancel is not None:
+                    cancel.raise_if_cancelled()
+                stop = min(end, position + 8 * _CHUNK)
+                chunk = fs.cat_file(obj.path, start=position, end=stop)
+                if len(chunk) != stop - position:
+                    raise _Truncated(f"range answered {len(chunk)} of {stop - position} bytes")
+                sink(chunk)
+                position = stop
+            return
+        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+        received = [0]
+
+        async def run() -> None:
+            response = await fs._call_s3("get_object", Bucket=self.bucket,
+                                         Key=obj.path.split("/", 1)[1],
+                                         Range=f"bytes={start}-{end - 1}", **extra)
+            body = response["Body"]
+            try:
+                while received[0] < end - start:
+                    chunk = await body.read(_CHUNK)
+                    if not chunk:
+                        break
+                    chunk = chunk[:end - start - received[0]]
+                    sink(chunk)
+                    received[0] += len(chunk)
+            finally:
+                body.close()
+
+        future = asyncio.run_coroutine_threadsafe(run(), fs.loop)
+        unregister = cancel.on_cancel(future.cancel) if cancel is not None else None
+        try:
+            future.result()
+        finally:
+            if unregister is not None:
+                unregister()
+        if received[0] != end - start:
+            raise _Truncated(f"connection closed after {start + received[0]} of {end} bytes")
+
+    # ------------------------------------------------------------------ downloads
+    def cached_path(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None) -> Path:
+        """Where :meth:`download` keeps ``obj`` (content-addressed when sha256 is known).
+
+        Args:
+            obj: A listed object.
+            cache_dir: Cache root. (default: :func:`default_cache_dir`)
+
+        Returns:
+            ``{cache}/{scheme}--{bucket}/blobs/sha256-{digest}``, or
+            ``{cache}/{scheme}--{bucket}/etag/{etag}/{name}`` without a digest.
+        """
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        folder = root / f"{self.scheme}--{self.bucket}"
+        if obj.sha256:
+            return folder / "blobs" / f"sha256-{obj.sha256.lower()}"
+        tag = (obj.etag or f"size-{obj.size}").replace("/", "_")
+        return folder / "etag" / tag / obj.name
+
+    def download(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None,
+                 *, cancel: CancelLike | None = None) -> Path:
+        """A verified local copy of ``obj`` in the cache, downloading it if needed.
+
+        The bytes go to a temporary file next to the destination (resumed by range
+        after transient failures), are checked against the listed size and the
+        manifest's sha256, and only then renamed into place; a failed or unverified
+        download leaves nothing in the cache. A file lock makes concurrent processes
+        download once.
+
+        Args:
+            obj: A listed object.
+            cache_dir: Cache root. (default: :func:`default_cache_dir`)
+            cancel: Stops the transfer. (default: :obj:`None`)
+
+        Returns:
+            The local path (read-only by convention: it may be shared).
+
+        Raises:
+            RemoteIntegrityError: Size or sha256 differs from the listing.
+            TransportError: The transfer failed (see :meth:`read_into`).
+        """
+        from filelock import FileLock
+
+        final = self.cached_path(obj, cache_dir)
+        if _is_complete(final, obj.size):
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(final) + ".lock"):
+            if _is_complete(final, obj.size):
+                return final
+            temp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+                                   f".incomplete")
+            try:
+                with open(temp, "wb") as handle:
+                    handle.truncate(obj.size)
+                with open(temp, "r+b") as handle:
+                    import mmap
+
+                    if obj.size:
+                        with mmap.mmap(handle.fileno(), obj.size) as mapped:
+                            self.read_into(obj, mapped, cancel=cancel)
+                            mapped.flush()
+                verify_file(obj, temp)
+                os.replace(temp, final)
+            finally:
+                temp.unlink(missing_ok=True)
+        return final
+
+
+_LOADER: list[Any] = []
+
+
+def _new_session(profile: str | None) -> Any:
+    """A fresh aiobotocore session (own credentials) sharing the parsed service models.
+
+    Parsing botocore's JSON models is most of the cost of a new client (0.3 s of 0.6 s
+    measured); the loader is a plain cache, safe to share between sessions and across
+    ``fork``, while credentials stay per session.
+    """
+    import botocore.loaders
+    from aiobotocore.session import AioSession
+
+    if not _LOADER:
+        _LOADER.append(botocore.loaders.create_loader())
+    session = AioSession(profile=profile) if profile else AioSession()
+    session.register_component("data_loader", _LOADER[0])
+    return session
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
+
+
+def _is_complete(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
+
+
+def _object_info(store: ObjectStore, entry: dict, name: str) -> ObjectInfo:
+    etag = entry.get("ETag") or entry.get("etag") or entry.get("md5Hash")
+    return ObjectInfo(name=name, url=f"{store.scheme}://{entry['name']}",
+                      size=int(entry["size"]),
+                      etag=str(etag).strip('"') if etag else None)
+
+
+def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> ObjectInfo:
+    if not entry:
+        return obj
+    announced = entry.get("bytes")
+    if announced is not None and announced != obj.size:
+        raise RemoteIntegrityError(
+            f"{obj.url}: the bucket lists {obj.size} bytes, the manifest {manifest_url} "
+            f"says {announced}", url=obj.url)
+    return replace(obj, sha256=entry.get("sha256"), records=entry.get("records"))
+
+
+def parse_manifest(document: Any, url: str) -> dict[str, dict]:
+    """``{name: entry}`` from a shard manifest (``docs/architecture.md``, "Shard manifests").
+
+    Args:
+        document: The parsed JSON.
+        url: Where it came from, for messages.
+
+    Returns:
+        Every listed shard's entry (``name``, optional ``records``, ``bytes``,
+        ``sha256``); empty for documents without a ``"shards"`` list.
+
+    Raises:
+        TransportError: An entry is malformed (the message names the entry and field).
+    """
+    shards = document.get("shards") if isinstance(document, dict) else None
+    if shards is None:
+        return {}
+    if not isinstance(shards, list):
+        raise TransportError(f"{url}: 'shards' must be a list", url=url)
+    entries: dict[str, dict] = {}
+    for position, entry in enumerate(shards):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise TransportError(f"{url}: shards[{position}] needs a string 'name'", url=url)
+        for field, kind in (("records", int), ("bytes", int), ("sha256", str)):
+            value = entry.get(field)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise TransportError(
+                    f"{url}: shards[{position}] ({entry['name']}): '{field}' must be "
+                    f"{kind.__name__}, got {value!r}", url=url)
+        entries[entry["name"]] = entry
+    return entries
+
+
+def verify_file(obj: ObjectInfo, path: str | os.PathLike) -> None:
+    """Raise unless the file at ``path`` has ``obj``'s size (and sha256 when known).
+
+    Args:
+        obj: The listed object.
+        path: The local copy.
+
+    Raises:
+        RemoteIntegrityError: The size or digest differs (the message names the URL).
+    """
+    size = os.path.getsize(path)
+    if size != obj.size:
+        raise RemoteIntegrityError(f"{obj.url}: received {size} bytes, the listing says "
+                                   f"{obj.size}", url=obj.url)
+    if obj.sha256:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() != obj.sha256.lower():
+            raise RemoteIntegrityError(
+                f"{obj.url}: sha256 {digest.hexdigest()}, the manifest says {obj.sha256}",
+                url=obj.url)
+
+
+def list_objects(url: str, *, suffixes: Sequence[str] | None = SHARD_SUFFIXES,
+                 **options: Any) -> tuple[ObjectStore, list[ObjectInfo]]:
+    """List ``url`` (see :meth:`ObjectStore.list`) and return the handle with the listing.
+
+    Args:
+        url: A prefix, object or manifest URL.
+        suffixes: Names to keep. (default: ``(".pt", ".atp")``)
+        **options: :class:`ObjectStore` options.
+
+    Returns:
+        ``(store, objects)``.
+    """
+    store = ObjectStore(url, **options)
+    return store, store.list(suffixes)
+
+
+def download(store: ObjectStore, obj: ObjectInfo,
+             cache_dir: str | os.PathLike | None = None) -> Path:
+    """Verified local copy of ``obj`` (see :meth:`ObjectStore.download`).
+
+    Args:
+        store: The handle that listed ``obj``.
+        obj: A listed object.
+        cache_dir: Cache root. (default: :func:`default_cache_dir`)
+
+    Returns:
+        The local path.
+    """
+    return store.download(obj, cache_dir)
