@@ -12,7 +12,11 @@ sleep, modelling a GPU step). Each pair runs, in rotating order:
 * ``eager``: the same with ``lazy_decode=False``: every shard unpickled on the prefetch
   thread by the restricted C unpickler of ``pyg_atompack.stream.safe_pickle``, which
   isolates what lazy decoding changes;
-* ``foldpipe``: FoldPipe's ``AsyncFoldPipeLoader`` over a source reading the same server.
+* ``foldpipe``: FoldPipe's ``AsyncFoldPipeLoader`` over a source reading the same server;
+* ``s3``: the ``prefetch`` arm over ``ObjectStoreSource("s3://...")``: the same shards
+  uploaded to a moto S3 server (``tests/servers/moto_s3.py``, its own process) behind a
+  TCP relay with the same per-connection bandwidth limit (``tests/servers/tcp_proxy.py``,
+  its own process).
 
 Speed-ups are ``sequential / candidate`` per pair, summarised by their geometric mean and a
 deterministic percentile-bootstrap 95% interval (``benchmarks/paired_stats.py``). Peak
@@ -45,10 +49,13 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from paired_stats import summarize_pairs, trace_overlap  # noqa: E402
 from servers.http_server import ShardServer, write_pt_shards  # noqa: E402
+from servers.moto_s3 import MotoS3Server, s3_environment  # noqa: E402
+from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
 
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import HTTPSource, ObjectStoreSource, ShardStreamDataset  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+S3_BUCKET = "stream-bench"
 
 
 # ------------------------------------------------------------------ server process
@@ -58,13 +65,20 @@ def _serve(root: str, bandwidth: float, port_queue) -> None:
     server.serve_forever(poll_interval=0.05)
 
 
+def _relay(upstream_port: int, bandwidth: float, port_queue) -> None:
+    proxy = ThrottlingProxy(upstream_port, bandwidth=bandwidth).start()
+    port_queue.put(proxy.port)
+    threading.Event().wait()
+
+
 class ServerProcess:
     """The shard server in a child process, so its pacing never competes for our GIL."""
 
-    def __init__(self, root: Path, bandwidth: float):
+    def __init__(self, root: Path | int, bandwidth: float, target=_serve):
         context = multiprocessing.get_context("fork")
         queue = context.Queue()
-        self.process = context.Process(target=_serve, args=(str(root), bandwidth, queue),
+        self.process = context.Process(target=target, args=(root if isinstance(root, int)
+                                                            else str(root), bandwidth, queue),
                                        daemon=True)
         self.process.start()
         self.base_url = f"http://127.0.0.1:{queue.get(timeout=30)}"
@@ -115,9 +129,13 @@ def consume(samples, compute_per_sample: float) -> int:
 
 
 def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
-               lazy_decode: bool = True):
-    dataset = ShardStreamDataset(HTTPSource(f"{base_url}/manifest.json"), prefetch=prefetch,
-                                 concurrency=concurrency, lazy_decode=lazy_decode)
+               lazy_decode: bool = True, s3_endpoint: str | None = None):
+    if s3_endpoint is None:
+        source = HTTPSource(f"{base_url}/manifest.json")
+    else:  # listed (and its client made) before the clock starts, as for HTTP
+        source = ObjectStoreSource(f"s3://{S3_BUCKET}/shards/", endpoint_url=s3_endpoint)
+    dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
+                                 lazy_decode=lazy_decode)
     with RssSampler() as rss:
         started = time.perf_counter()
         consume(dataset, compute)
@@ -207,16 +225,21 @@ def main() -> None:
     names = write_pt_shards(root, [args.samples] * args.shards, atoms=args.atoms)
     shard_bytes = max((root / n).stat().st_size for n in names)
     compute_per_sample = args.compute / args.samples
-    rows, loader_rows, details, panels = [], [], {}, []
+    moto = MotoS3Server().start()
+    os.environ.update(s3_environment(moto.endpoint_url))
+    moto.upload_directory(root, S3_BUCKET, "shards")
+    rows, loader_rows, s3_rows, details, panels = [], [], [], {}, []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(root, bandwidth)
-        times = {"sequential": [], "prefetch": [], "eager": [], "foldpipe": []}
+        relay = ServerProcess(moto.port, bandwidth, target=_relay)
+        times = {"sequential": [], "prefetch": [], "eager": [], "foldpipe": [], "s3": []}
         rss = {variant: [] for variant in times}
         traces = {}
         variants = list(times)
         try:
             run_stream(server.base_url, 1, 1, 0.0)  # warm-up: imports, page cache
+            run_stream(server.base_url, 1, 1, 0.0, s3_endpoint=relay.base_url)
             for pair in range(args.pairs):
                 turn = pair % len(variants)
                 order = variants[turn:] + variants[:turn]  # rotate who goes first
@@ -224,6 +247,11 @@ def main() -> None:
                     if variant == "foldpipe":
                         elapsed, growth = run_foldpipe(server.base_url, names,
                                                        compute_per_sample)
+                    elif variant == "s3":
+                        elapsed, growth, trace, stats = run_stream(
+                            server.base_url, prefetch, concurrency, compute_per_sample,
+                            s3_endpoint=relay.base_url)
+                        traces[variant] = (trace, stats)
                     else:
                         depth, conc = (0, 1) if variant == "sequential" else (prefetch,
                                                                             concurrency)
@@ -235,7 +263,11 @@ def main() -> None:
                     rss[variant].append(growth)
         finally:
             server.stop()
+            relay.stop()
         ours = summarize_pairs(times["sequential"], times["prefetch"])
+        s3_vs_seq = summarize_pairs(times["sequential"], times["s3"])
+        s3_vs_http = summarize_pairs(times["prefetch"], times["s3"])
+        s3_rows.append((ratio, s3_vs_seq, s3_vs_http))
         theirs = summarize_pairs(times["sequential"], times["foldpipe"])
         versus = summarize_pairs(times["foldpipe"], times["prefetch"])
         eager_versus = summarize_pairs(times["foldpipe"], times["eager"])
@@ -253,13 +285,16 @@ def main() -> None:
             "prefetch_vs_eager": lazy_gain.to_dict(),
             "prefetch_trace_overlap": overlap, "prefetch_stats": traces["prefetch"][1],
             "eager_stats": traces["eager"][1],
+            "s3_vs_sequential": s3_vs_seq.to_dict(), "s3_vs_http_prefetch": s3_vs_http.to_dict(),
+            "s3_stats": traces["s3"][1],
         }
         panels.append((f"D/C={ratio}: sequential (prefetch=0)", traces["sequential"][0]))
         panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
                        traces["prefetch"][0]))
         print(f"D/C={ratio}: prefetch {fmt_ci(ours)}, foldpipe {fmt_ci(theirs)}, "
-              f"prefetch/foldpipe {fmt_ci(versus)}, eager/foldpipe {fmt_ci(eager_versus)}",
-              flush=True)
+              f"prefetch/foldpipe {fmt_ci(versus)}, eager/foldpipe {fmt_ci(eager_versus)}, "
+              f"s3 {fmt_ci(s3_vs_seq)}, s3/http {fmt_ci(s3_vs_http)}", flush=True)
+    moto.stop()
 
     figure = HERE / "figures" / "stream_timeline.png"
     draw_timelines([p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]], figure)
@@ -306,6 +341,21 @@ def main() -> None:
         eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
         lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
                      f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
+    lines += [
+        "",
+        "## Object-store arm (`s3`)",
+        "",
+        "The `prefetch` configuration over `ObjectStoreSource(\"s3://...\")`: the same "
+        "shards in a moto S3 server (its own process) behind a TCP relay (its own process) "
+        "with the same per-connection bandwidth cap, so the arms differ only in the "
+        "transport (s3fs/aiobotocore and moto's request handling instead of `http.client` "
+        "and the file server). `s3 vs HTTP` > 1 would mean the S3 arm is faster.",
+        "",
+        "| D/C | s3 vs sequential (HTTP) | s3 vs HTTP prefetch |",
+        "|---|---|---|",
+    ]
+    for ratio, s3_vs_seq, s3_vs_http in s3_rows:
+        lines.append(f"| {ratio} | {fmt_ci(s3_vs_seq)} | {fmt_ci(s3_vs_http)} |")
     lines += [
         "",
         "Work on the prefetch thread holds the GIL and delays the consumer each time it "

@@ -7,6 +7,7 @@ stalled connections) come from a TCP relay in front of it (``servers/tcp_proxy.p
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -167,7 +168,10 @@ def test_first_shard_in_parts_equals_the_object(server, tmp_path):
 def test_pickled_source_carries_no_secret_and_still_fetches(pt_prefix, monkeypatch):
     explicit = ObjectStoreSource(f"s3://{BUCKET}/pt/", key=ACCESS_KEY, secret=SECRET_KEY,
                                  token=SESSION_TOKEN)
-    for source in (explicit, ObjectStoreSource(f"s3://{BUCKET}/pt/")):
+    nested = ObjectStoreSource(f"s3://{BUCKET}/pt/", client_kwargs={
+        "aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY,
+        "aws_session_token": SESSION_TOKEN, "region_name": "us-east-1"})
+    for source in (explicit, nested, ObjectStoreSource(f"s3://{BUCKET}/pt/")):
         shard = source.list_shards()[0]
         source.fetch(shard, CancelToken())  # a live client exists before pickling
         raw = pickle.dumps(source)
@@ -286,6 +290,16 @@ def test_unsupported_urls():
     with pytest.raises(UnsupportedURLError, match=r"carry no user info") as info:
         ObjectStore(f"s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/pt/")
     assert SECRET_KEY not in str(info.value)
+
+
+def test_scheme_without_its_package_names_the_package():
+    store = ObjectStore("gs://some-bucket/shards/")
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(UnsupportedURLError, match=r"gs://some-bucket/shards: gs:// needs "
+                                                      r"the optional package 'gcsfs'"):
+            store.list()
+    else:
+        assert store.fs.protocol[0] in ("gs", "gcs")
 
 
 # ------------------------------------------------------------------ faults on the wire

@@ -17,7 +17,7 @@ from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
 
 #: Smallest byte range worth its own request when a shard is fetched in parts.
-MIN_PART_BYTES = 256 << 10
+MIN_PART_BYTES = 32 << 10  # as for HTTP (stream.http.MIN_PART_BYTES)
 
 
 class ObjectStoreSource:

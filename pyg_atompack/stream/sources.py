@@ -3,18 +3,21 @@
 A *source* lists its shards once and fetches one shard's bytes on demand. Anything that
 implements the small :class:`Source` protocol can feed a
 :class:`~pyg_atompack.stream.ShardStreamDataset`; the library ships :class:`LocalSource`,
-:class:`~pyg_atompack.stream.HTTPSource` and :class:`~pyg_atompack.stream.HubSource`.
+:class:`~pyg_atompack.stream.HTTPSource`, :class:`~pyg_atompack.stream.HubSource` and
+:class:`~pyg_atompack.stream.ObjectStoreSource` (``s3://``).
 
-Writing your own source, e.g. for S3 through `fsspec <https://filesystem-spec.readthedocs.io>`_::
+Writing your own source, e.g. for shards stored inside one zip archive::
 
-    import fsspec
+    import zipfile
     from pyg_atompack.stream import ShardBuffer, ShardInfo
 
-    class FsspecSource:
-        def __init__(self, url_glob: str):
-            self.fs, _, paths = fsspec.get_fs_token_paths(url_glob)  # e.g. "s3://bucket/*.pt"
-            self._shards = [ShardInfo(name=p.rsplit("/", 1)[-1], size=self.fs.size(p),
-                                      location=p) for p in sorted(paths)]
+    class ZipSource:
+        def __init__(self, archive: str):
+            self.archive = archive  # only the path: workers open the archive themselves
+            with zipfile.ZipFile(archive) as zf:
+                self._shards = [ShardInfo(name=i.filename, size=i.file_size)
+                                for i in sorted(zf.infolist(), key=lambda i: i.filename)
+                                if i.filename.endswith((".pt", ".atp"))]
 
         def list_shards(self):
             return self._shards
@@ -22,11 +25,15 @@ Writing your own source, e.g. for S3 through `fsspec <https://filesystem-spec.re
         def fetch(self, shard, cancel):
             buffer = ShardBuffer(shard.name)
             buffer.restart(shard.size)  # an anonymous memory map of exactly that size
-            with self.fs.open(shard.location, "rb") as handle:
+            with zipfile.ZipFile(self.archive) as zf, zf.open(shard.name) as handle:
                 while chunk := handle.read(1 << 20):
-                    cancel.raise_if_cancelled()   # lets closing the iterator stop the download
+                    cancel.raise_if_cancelled()   # lets closing the iterator stop the read
                     buffer.append(chunk)
             return buffer.take()
+
+Keep no open client, socket or file in a source across ``fork``: DataLoader workers
+inherit it (:class:`~pyg_atompack.stream.ObjectStoreSource` makes its client lazily
+in each process for that reason).
 
 Returning the bytes in a :class:`~pyg_atompack.stream.ShardBuffer` (a memory map, or a
 :class:`bytearray`) lets the dataset decode ``.pt`` lists of ``Data`` and ``.atp`` shards

@@ -241,9 +241,7 @@ class ObjectStore:
         self.backoff = backoff
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        self._secrets = {k: v for k, v in storage_options.items() if k in _SECRET_OPTIONS}
-        self.storage_options = {k: v for k, v in storage_options.items()
-                                if k not in _SECRET_OPTIONS}
+        self.storage_options, self._secrets = _split_secrets(storage_options)
         self._secrets_dropped = False
         self._fs: Any = None
         self._pid: int | None = None
@@ -277,7 +275,8 @@ class ObjectStore:
                 f"{self.url}: {self.scheme}:// needs the optional package {package!r} "
                 f"(pip install {package}, or pyg_atompack[s3] for s3://)", url=self.url,
             ) from error
-        options = {**self.storage_options, **self._secrets, "skip_instance_cache": True}
+        options = _merge(self.storage_options, self._secrets)
+        options["skip_instance_cache"] = True
         if self.scheme == "s3":
             # one retry policy, ours: botocore and s3fs each make a single attempt
             config = dict(options.pop("config_kwargs", {}))
@@ -342,8 +341,9 @@ class ObjectStore:
                 f"{url}: access denied ({code or status or 'forbidden'}): check the "
                 f"credentials and the bucket policy", url=url, status=status)
         if _is_transient(error):
-            where = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-                os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+            endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+                os.environ.get("AWS_ENDPOINT_URL")
+            where = _redact_endpoint(endpoint) if endpoint else "the default endpoint"
             return RemoteUnavailableError(
                 f"{url}: {code or type(error).__name__} from {where}{tried}: "
                 f"{_first_line(error)}", url=url, status=status)
@@ -351,8 +351,7 @@ class ObjectStore:
                               url=url, status=status)
 
     def _retrying(self, url: str, operation: Callable[[], Any],
-                  cancel: CancelLike | None = None,
-                  before_retry: Callable[[], None] | None = None) -> Any:
+                  cancel: CancelLike | None = None) -> Any:
         """Run ``operation``, retrying transient failures with backoff and jitter."""
         for attempt in range(self.retries + 1):
             try:
@@ -374,8 +373,6 @@ class ObjectStore:
                     cancel.sleep(wait)
                 else:
                     time.sleep(wait)
-                if before_retry is not None:
-                    before_retry()
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ listing
@@ -466,21 +463,14 @@ class ObjectStore:
         root = f"{self.bucket}/{prefix}".rstrip("/")
         url = self.object_url(prefix)
 
-        def find() -> dict:
-            # the bucket itself is checked first: listing a missing bucket is not an error
-            # in every fsspec backend, only an empty answer
+        def find() -> tuple[dict, bool]:
             found = self.fs.find(root + "/", detail=True)
-            if not found and not self.fs.exists(self.bucket):
-                raise FileNotFoundError(f"bucket {self.bucket}")
-            return found
+            # an empty answer may mean a missing bucket in some backends: ask once
+            return found, bool(found) or self.fs.exists(self.bucket)
 
-        try:
-            found = self._retrying(url, find)
-        except RemoteNotFoundError as error:
-            if not self._retrying(url, lambda: self.fs.exists(self.bucket)):
-                raise RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist",
-                                          url=url) from error
-            raise
+        found, bucket_exists = self._retrying(url, find)
+        if not bucket_exists:
+            raise RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist", url=url)
         objects = []
         for path, entry in found.items():
             if entry.get("type") == "directory":
@@ -675,6 +665,35 @@ class ObjectStore:
             finally:
                 temp.unlink(missing_ok=True)
         return final
+
+
+def _split_secrets(options: dict) -> tuple[dict, dict]:
+    """(public, secret) halves of ``options``; nested dicts such as ``client_kwargs`` too."""
+    public, secret = {}, {}
+    for name, value in options.items():
+        if name.lower() in _SECRET_OPTIONS:
+            secret[name] = value
+        elif isinstance(value, dict):
+            public[name], inner = _split_secrets(value)
+            if inner:
+                secret[name] = inner
+        else:
+            public[name] = value
+    return public, secret
+
+
+def _merge(public: dict, secret: dict) -> dict:
+    merged = dict(public)
+    for name, value in secret.items():
+        merged[name] = _merge(merged.get(name, {}), value) if isinstance(value, dict) else value
+    return merged
+
+
+def _redact_endpoint(endpoint: str) -> str:
+    parts = urlsplit(endpoint)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else endpoint
 
 
 _LOADER: list[Any] = []
