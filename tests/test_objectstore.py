@@ -55,6 +55,7 @@ PT_SIZES = [5, 3, 4, 6]
 @pytest.fixture(scope="module")
 def server():
     with MotoS3Server() as moto:
+        moto.create_bucket(BUCKET)
         yield moto
 
 
@@ -335,6 +336,23 @@ def test_download_truncated_every_time_fails_and_caches_nothing(server, proxy, t
         store.download(obj, tmp_path / "cache")
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()
             and p.suffix != ".lock"] == []
+
+
+def test_permanent_errors_are_not_retried(server, proxy):
+    server.client().put_object(Bucket=BUCKET, Key="deleted/a.pt", Body=b"soon gone")
+    (obj,) = ObjectStore(f"s3://{BUCKET}/deleted/").list()
+    server.client().delete_object(Bucket=BUCKET, Key="deleted/a.pt")
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retries=3, backoff=0.01)
+    with pytest.raises(RemoteNotFoundError, match=r"s3://atompack-test/deleted/a\.pt: no such "
+                                                  r"object"):
+        store.read_into(obj, bytearray(obj.size))
+    assert len(proxy.ranges) == 1
+
+
+def test_endpoint_for_s3_wins_over_the_generic_one(pt_prefix, server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    assert len(ObjectStoreSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
 
 
 def test_cancel_interrupts_a_stalled_transfer(server, proxy):

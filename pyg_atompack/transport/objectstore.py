@@ -607,13 +607,14 @@ class ObjectStore:
             cache_dir: Cache root. (default: :func:`default_cache_dir`)
 
         Returns:
-            ``{cache}/{scheme}--{bucket}/blobs/sha256-{digest}``, or
+            ``{cache}/{scheme}--{bucket}/blobs/sha256-{digest}/{file name}``, or
             ``{cache}/{scheme}--{bucket}/etag/{etag}/{name}`` without a digest.
         """
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         folder = root / f"{self.scheme}--{self.bucket}"
-        if obj.sha256:
-            return folder / "blobs" / f"sha256-{obj.sha256.lower()}"
+        if obj.sha256:  # the file keeps its name, so messages about it name the shard
+            return folder / "blobs" / f"sha256-{obj.sha256.lower()}" / posixpath.basename(
+                obj.name)
         tag = (obj.etag or f"size-{obj.size}").replace("/", "_")
         return folder / "etag" / tag / obj.name
 
