@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import os
 import posixpath
 import random
@@ -300,6 +301,9 @@ class ObjectStore:
         """The fsspec filesystem of this process (made on first use, again after fork)."""
         pid = os.getpid()
         if self._fs is None or self._pid != pid:
+            if self._pid is not None and self._pid != pid:
+                # a lock some parent thread held at fork time stays held in the child
+                self._lock = threading.Lock()
             with self._lock:
                 if self._fs is None or self._pid != pid:
                     self._fs = self._make_filesystem()
@@ -655,8 +659,6 @@ class ObjectStore:
                 with open(temp, "wb") as handle:
                     handle.truncate(obj.size)
                 with open(temp, "r+b") as handle:
-                    import mmap
-
                     if obj.size:
                         with mmap.mmap(handle.fileno(), obj.size) as mapped:
                             self.read_into(obj, mapped, cancel=cancel)
