@@ -392,3 +392,14 @@ def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, 
     assert SECRET_KEY.encode() not in pickle.dumps(source)
     monkeypatch.setenv("AWS_PROFILE", "shards")  # the same through the environment
     assert len(ObjectStoreSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
+
+
+def test_transport_module_is_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, pyg_atompack.transport.objectstore as m; "
+            "m.ObjectStore('s3://b/p/'); print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"

@@ -45,11 +45,10 @@ class ObjectStoreSource:
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.store = ObjectStore(url, **storage_options)
-        self._objects = tuple(self.store.list())
         self._shards = tuple(
             ShardInfo(name=o.name, size=o.size, sha256=o.sha256, records=o.records,
                       location=o.url, extra={"etag": o.etag})
-            for o in self._objects
+            for o in self.store.list()
         )
 
     @property
