@@ -7,8 +7,10 @@ error naming the file and the problem; no partial output is left behind).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,12 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--key-map", metavar="SRC=DST", action="append", default=[],
                        help="rename a source key; DST may be a builtin (charges, velocities, "
                             "...); repeat or comma-separate")
+    group.add_argument("--virial-key", metavar="K",
+                       help="source key of the virial (Voigt-6 or 3x3, energy units), stored "
+                            "as stress = -virial / volume (ASE sign); periodic structures only")
+    group.add_argument("--skip-target", metavar="NAME", action="append", default=[],
+                       help="a DiskDataset target or memmap file stem not to read (e.g. a "
+                            "multi-block spherical target); elsewhere like --drop-key; repeat")
     group.add_argument("--energy-unit", default="eV",
                        help="energy unit of the source: eV, meV, kcal/mol, kJ/mol, Hartree, Ry "
                             "(converted to eV; default: eV)")
@@ -55,14 +63,27 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
                        help="source format when the path does not tell")
 
 
+def _add_type_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("types of custom keys (one type per key in the output)")
+    group.add_argument("--drop-key", metavar="KEY", action="append", default=[],
+                       help="leave a custom key out of the output; repeat")
+    group.add_argument("--cast", metavar="KEY=DTYPE", action="append", default=[],
+                       help="store a custom key as float64, float32, int64 or int32; repeat or "
+                            "comma-separate (keys that widen, e.g. int then float, are "
+                            "promoted without it)")
+
+
 def _read_options(args: argparse.Namespace):
-    from pyg_atompack.convert import ReadOptions, UnitConversion, parse_key_map
+    from pyg_atompack.convert import ReadOptions, UnitConversion, parse_casts, parse_key_map
 
     try:
         return ReadOptions(
             energy_key=args.energy_key, forces_key=args.forces_key,
             stress_key=args.stress_key, key_map=parse_key_map(args.key_map),
             units=UnitConversion(args.energy_unit, args.length_unit),
+            virial_key=args.virial_key, skip_targets=tuple(args.skip_target),
+            drop_keys=tuple(getattr(args, "drop_key", ())),
+            casts=parse_casts(getattr(args, "cast", None)),
         )
     except ValueError as exc:
         raise _Fail(str(exc)) from exc
@@ -241,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     _add_key_options(convert)
+    _add_type_options(convert)
     convert.set_defaults(run=_cmd_convert)
 
     info = commands.add_parser("info", help="counts, fields, codec, size, shard list",
@@ -328,6 +350,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _notes_on_stderr() -> Iterator[None]:
+    """Print each :class:`~pyg_atompack.convert.ConversionNote` once, as one line."""
+    from pyg_atompack.convert import ConversionNote
+
+    shown: set[str] = set()
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, ConversionNote):
+            return original(message, category, filename, lineno, file, line)
+        if str(message) not in shown:
+            shown.add(str(message))
+            print(f"pyg-atompack: note: {message}", file=sys.stderr)
+        return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ConversionNote)
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
@@ -348,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        return args.run(args)
+        with _notes_on_stderr():
+            return args.run(args)
     except expected as exc:
         print(f"pyg-atompack: error: {exc}", file=sys.stderr)
         return getattr(exc, "code", EXIT_BAD_INPUT)

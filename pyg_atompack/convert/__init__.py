@@ -14,8 +14,8 @@ Formats: ``atp``, ``atp-shards``, ``pt``, ``pt-shards``, ``memmap``,
 """
 
 from .base import StructureReader, StructureWriter
-from .errors import ConvertError
-from .options import ReadOptions, WriteOptions, parse_key_map
+from .errors import ConversionNote, ConvertError
+from .options import ReadOptions, WriteOptions, parse_casts, parse_key_map
 from .pipeline import convert, shard
 from .registry import (
     FORMATS,
@@ -31,6 +31,7 @@ from .structure import Structure, as_stress_matrix, voigt_to_matrix
 from .units import ENERGY_UNITS_EV, LENGTH_UNITS_ANGSTROM, UnitConversion
 
 __all__ = [
+    "ConversionNote",
     "ConvertError",
     "ENERGY_UNITS_EV",
     "FORMATS",
@@ -50,6 +51,7 @@ __all__ = [
     "detect_source_format",
     "open_reader",
     "open_writer",
+    "parse_casts",
     "parse_key_map",
     "read_manifest",
     "register",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,18 @@ def _positions(structure: Structure) -> np.ndarray:
     return positions.reshape(structure.n_atoms, 3)
 
 
+_WRITER_PREFIX = re.compile(r"^.*?\.partial-\d+(/[^:]*)?: (molecule \d+: )?")
+
+
+def writer_problem(exc: BaseException) -> str:
+    """The format layer's message without the temporary file name and record number.
+
+    The caller's :class:`ConvertError` names the user's destination and the
+    structure; the hidden ``.NAME.partial-PID`` file means nothing to the user.
+    """
+    return _WRITER_PREFIX.sub("", str(exc))
+
+
 def add_structure(writer: Any, structure: Structure) -> None:
     """Append one structure to an open :class:`pyg_atompack.atp.Writer`."""
     writer.add(
@@ -152,7 +165,7 @@ class AtpWriter(StructureWriter):
         try:
             add_structure(self._writer, structure)
         except (atp.AtpError, ValueError, TypeError) as exc:
-            raise ConvertError(self.path, str(exc), self.count) from exc
+            raise ConvertError(self.path, writer_problem(exc), self.count) from exc
 
     def _finish(self) -> None:
         self._writer.flush()
@@ -187,7 +200,7 @@ class AtpShardWriter(ShardedWriter):
         try:
             add_structure(self._writer, structure)
         except (atp.AtpError, ValueError, TypeError) as exc:
-            raise ConvertError(self.path, str(exc), self.count) from exc
+            raise ConvertError(self.path, writer_problem(exc), self.count) from exc
 
     def _close_shard(self) -> None:
         self._writer.flush()

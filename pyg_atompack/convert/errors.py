@@ -23,3 +23,23 @@ class ConvertError(ValueError):
         self.index = index
         where = self.path if index is None else f"{self.path} (structure {index})"
         super().__init__(f"{where}: {problem}")
+
+
+class ConversionNote(UserWarning):
+    """Something a conversion did on the user's behalf that they should know about.
+
+    Type promotions, a target taken as the energy, ``force`` renamed ``forces``:
+    the data is kept, but not exactly as named or typed in the source. The
+    command line prints each note once on stderr.
+    """
+
+
+def note(message: str) -> None:
+    """Tell the user about a :class:`ConversionNote` (once per message).
+
+    Args:
+        message: The note, naming the file and the key it is about.
+    """
+    import warnings
+
+    warnings.warn(message, ConversionNote, stacklevel=2)

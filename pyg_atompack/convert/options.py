@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from .units import UnitConversion
 
+#: dtypes a custom key can be cast to (``--cast KEY=DTYPE``).
+CAST_DTYPES = ("float64", "float32", "int64", "int32")
+
 # Builtin fields a source key can be mapped onto.
 MAPPABLE_BUILTINS = ("energy", "forces", "stress", "charges", "velocities", "name")
 
@@ -25,6 +28,17 @@ class ReadOptions:
             destination that is a builtin name (``charges``, ``velocities``,
             ...) fills that builtin; anything else renames a custom property.
         units: Units of the source (default: eV and Å, nothing converted).
+        virial_key: Source key holding the virial (Voigt-6 or 3×3, energy
+            units); it becomes ``stress = -virial / volume`` (ASE's sign).
+            Periodic structures only. (default: :obj:`None`)
+        drop_keys: Custom keys left out of the output on purpose, after reading
+            (default: ``()``).
+        casts: ``key -> dtype`` (``float64``, ``float32``, ``int64``,
+            ``int32``) applied to custom keys before type promotion
+            (default: ``{}``).
+        skip_targets: Targets of a DiskDataset zip, or file stems of a memmap
+            directory, that are not read at all (e.g. a multi-block spherical
+            target); elsewhere the same as ``drop_keys`` (default: ``()``).
     """
 
     energy_key: str | None = None
@@ -32,6 +46,29 @@ class ReadOptions:
     stress_key: str | None = None
     key_map: Mapping[str, str] = field(default_factory=dict)
     units: UnitConversion = field(default_factory=UnitConversion)
+    virial_key: str | None = None
+    drop_keys: tuple[str, ...] = ()
+    casts: Mapping[str, str] = field(default_factory=dict)
+    skip_targets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drop_keys", tuple(self.drop_keys))
+        object.__setattr__(self, "skip_targets", tuple(self.skip_targets))
+        for key, dtype in self.casts.items():
+            if dtype not in CAST_DTYPES:
+                raise ValueError(
+                    f"cast {key}={dtype}: the dtype must be one of {', '.join(CAST_DTYPES)}"
+                )
+        if self.virial_key is not None and self.stress_key is not None:
+            raise ValueError("give either a stress key or a virial key, not both")
+
+    def has_key_options(self) -> bool:
+        """Whether the user named any source key (formats with fixed names then read only those)."""
+        return bool(self.explicit_builtin_keys() or self.custom_renames() or self.virial_key)
+
+    def left_out(self) -> frozenset[str]:
+        """Keys and targets the user chose to leave out (``drop_keys`` and ``skip_targets``)."""
+        return frozenset(self.drop_keys) | frozenset(self.skip_targets)
 
     def explicit_builtin_keys(self) -> dict[str, str]:
         """``builtin -> source key`` for every builtin the user pinned to a key."""
@@ -103,3 +140,23 @@ def parse_key_map(pairs: list[str] | str | None) -> dict[str, str]:
                 raise ValueError(f"key map entry {pair!r} is not of the form SRC=DST")
             mapping[src.strip()] = dst.strip()
     return mapping
+
+
+def parse_casts(pairs: list[str] | str | None) -> dict[str, str]:
+    """Parse ``KEY=DTYPE`` pairs (comma-separated or repeated) of ``--cast``.
+
+    Args:
+        pairs: Strings such as ``"mu=float64,alpha=float32"``.
+
+    Returns:
+        The ``key -> dtype`` mapping.
+
+    Raises:
+        ValueError: On a malformed pair or an unknown dtype.
+    """
+    casts = parse_key_map(pairs)
+    for key, dtype in casts.items():
+        if dtype not in CAST_DTYPES:
+            known = ", ".join(CAST_DTYPES)
+            raise ValueError(f"cast {key}={dtype}: the dtype must be one of {known}")
+    return casts

@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .coercion import Coercer, Widened
+from .errors import note
 from .options import ReadOptions, WriteOptions
 from .registry import open_reader, open_writer
 
@@ -26,7 +28,11 @@ def convert(
     """Convert a dataset from one format into another.
 
     Structures are streamed one at a time; the destination appears only when
-    the conversion succeeded (nothing is left behind on failure).
+    the conversion succeeded (nothing is left behind on failure). Every custom
+    key gets one type for the whole output (:mod:`.coercion`): a key that later
+    structures widen (integer -> float, ...) is promoted, with one
+    :class:`~pyg_atompack.convert.ConversionNote` warning per key, after
+    reading the source again when structures were already written narrower.
 
     Args:
         src: Source file or directory.
@@ -49,12 +55,28 @@ def convert(
         >>> convert("md17.xyz", "md17.atp",  # doctest: +SKIP
         ...         read_options=ReadOptions(units=UnitConversion("kcal/mol")))
     """
+    read_options = read_options if read_options is not None else ReadOptions()
+    coercer = Coercer(read_options, src, dst)
+    while True:
+        try:
+            count = _convert_once(src, dst, src_format, dst_format, read_options,
+                                  write_options, progress, coercer)
+        except Widened:
+            coercer.restart()  # the writer was aborted: nothing of the last pass remains
+            continue
+        for line in coercer.notes():
+            note(line)
+        return count
+
+
+def _convert_once(src, dst, src_format, dst_format, read_options, write_options,
+                  progress, coercer: Coercer) -> int:
     with open_reader(src, src_format, read_options) as reader:
         bar = progress(reader.length) if progress is not None else None
         try:
             with open_writer(dst, dst_format, write_options) as writer:
-                for structure in reader:
-                    writer.add(structure)
+                for index, structure in enumerate(reader):
+                    writer.add(coercer(structure, index))
                     if bar is not None:
                         bar.update(1)
                 return writer.count
