@@ -17,13 +17,15 @@ from pathlib import Path
 from .errors import ConvertError
 from .options import ReadOptions, WriteOptions
 from .structure import Structure
+from .virial import virial_to_stress
 
 
 class StructureReader(ABC):
     """Streams :class:`Structure` objects out of one source.
 
     Subclasses implement :meth:`_iter_raw` (values in the source's units, keys
-    already mapped); iteration applies the unit conversion of the options.
+    already mapped); iteration turns a ``virial_key`` into the stress and
+    applies the unit conversion of the options.
 
     Args:
         path: The source file or directory.
@@ -48,7 +50,11 @@ class StructureReader(ABC):
 
     def __iter__(self) -> Iterator[Structure]:
         units = self.options.units
-        for structure in self._iter_raw():
+        virial_key = self.options.virial_key
+        for index, structure in enumerate(self._iter_raw()):
+            if virial_key is not None:
+                # in source units: the stress is then scaled like any other stress
+                structure = virial_to_stress(structure, virial_key, index, str(self.path))
             yield units.apply(structure)
 
     def close(self) -> None:

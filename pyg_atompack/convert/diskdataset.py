@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .base import StructureReader
+from .errors import note
 from .options import ReadOptions
 from .structure import Structure
 
@@ -44,9 +45,13 @@ class DiskDatasetReader(StructureReader):
     """Streams structures out of a metatrain ``DiskDataset`` zip.
 
     ``energy_key`` names the energy target (default ``energy``, used when
-    present); its gradients give forces and stress. ``forces_key`` and
-    ``stress_key`` may name separate per-atom / per-structure targets instead.
-    Every other target becomes a custom property (renamed by ``key_map``).
+    present; without it, the one target whose values carry position gradients,
+    with a :class:`~pyg_atompack.convert.ConversionNote`); its gradients give
+    forces and stress. ``forces_key`` and ``stress_key`` may name separate
+    per-atom / per-structure targets instead. Every other target becomes a
+    custom property (renamed by ``key_map``); a target listed in
+    ``skip_targets`` or ``drop_keys`` is not read at all. A custom target with
+    gradients is an error (they would be lost), as is a multi-block target.
 
     Args:
         path: The ``.zip`` file.
@@ -92,16 +97,62 @@ class DiskDatasetReader(StructureReader):
         self._plan_keys()
 
     def _plan_keys(self) -> None:
+        skipped = set(self.options.skip_targets)
+        unknown = sorted(skipped - set(self.targets))
+        if unknown:
+            known = ", ".join(self.targets) or "none"
+            raise self.error(f"--skip-target {', '.join(unknown)}: no such target "
+                             f"(targets: {known})")
+        available = [t for t in self.targets if t not in self.options.left_out()]
         pinned = self.options.explicit_builtin_keys()
-        for builtin, key in pinned.items():
-            if key not in self.targets:
-                known = ", ".join(self.targets) or "none"
+        wanted = dict(pinned)
+        if self.options.virial_key is not None:
+            wanted["virial"] = self.options.virial_key
+        for builtin, key in wanted.items():
+            if key not in available:
+                known = ", ".join(available) or "none"
                 raise self.error(f"key {key!r} (for {builtin}) is not present (targets: {known})")
-        self.energy_target = pinned.get("energy", "energy" if "energy" in self.targets else None)
+        gradients = {target: self._gradients_of(target) for target in available}
+        self.energy_target = pinned.get("energy", "energy" if "energy" in available else None)
+        if self.energy_target is None:
+            self.energy_target = self._energy_like_target(gradients, set(pinned.values()))
         self.pinned = {b: k for b, k in pinned.items() if b != "energy"}
         renames = self.options.custom_renames()
         used = {self.energy_target, *self.pinned.values()}
-        self.custom_targets = {t: renames.get(t, t) for t in self.targets if t not in used}
+        self.custom_targets = {t: renames.get(t, t) for t in available if t not in used}
+        lost = {t: g for t, g in gradients.items() if g and t in self.custom_targets}
+        if lost:
+            shown = "; ".join(f"target {t!r} has {' and '.join(g)} gradients"
+                              for t, g in sorted(lost.items()))
+            raise self.error(
+                f"{shown}, which only the energy target keeps (as forces and stress); "
+                f"choose the energy with --energy-key NAME, or leave a target out with "
+                f"--skip-target NAME"
+            )
+
+    def _gradients_of(self, target: str) -> list[str]:
+        """The gradients (``positions``, ``strain``) the first structure's target carries."""
+        arrays = self._tensor_map(0, target)
+        prefix = "blocks/0/gradients/"
+        return [g for g in ("positions", "strain") if f"{prefix}{g}/values" in arrays]
+
+    def _energy_like_target(self, gradients: dict[str, list[str]],
+                            pinned: set[str]) -> str | None:
+        """No ``energy`` target: the one target with position gradients is the energy."""
+        candidates = sorted(t for t, g in gradients.items() if "positions" in g and t not in pinned)
+        if len(candidates) > 1:
+            raise self.error(
+                f"targets {', '.join(map(repr, candidates))} all carry position gradients "
+                "(forces); say which is the energy with --energy-key NAME (and leave the "
+                "others out with --skip-target NAME)"
+            )
+        if not candidates:
+            return None
+        target = candidates[0]
+        note(f"{self.path}: no 'energy' target; target {target!r} carries "
+             f"{' and '.join(gradients[target])} gradients, so it is read as the energy "
+             f"(forces and stress from its gradients; pass --energy-key to choose otherwise)")
+        return target
 
     @property
     def length(self) -> int:
@@ -128,7 +179,7 @@ class DiskDatasetReader(StructureReader):
         if n_blocks != 1 or "blocks/0/values" not in arrays:
             raise self.error(
                 f"{member}: target {target!r} has {n_blocks} blocks; only single-block "
-                "targets can be converted",
+                f"targets can be converted (leave it out with --skip-target {target})",
                 index,
             )
         return arrays

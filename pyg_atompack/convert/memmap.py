@@ -25,7 +25,7 @@ from pyg_atompack.data.memmap import (
 )
 
 from .base import StructureReader, StructureWriter
-from .errors import ConvertError
+from .errors import ConvertError, note
 from .options import ReadOptions, WriteOptions
 from .structure import Structure
 
@@ -39,9 +39,14 @@ class MemmapReader(StructureReader):
 
     Without key options the directory's ``pyg_atompack_memmap.json`` (or
     metatrain's writer names ``energy.bin``, ``energy_forces.bin``,
-    ``energy_stress.bin``) decides; with any key option only the named files
-    are read: ``energy_key``/``forces_key``/``stress_key`` and ``key_map``
-    entries name file stems (``e`` for ``e.bin``).
+    ``energy_stress.bin``) decides; without those, a single target ``T.bin``
+    with metatrain's gradient files ``T_forces.bin`` / ``T_stress.bin`` is read
+    as the energy (with a :class:`~pyg_atompack.convert.ConversionNote`). With
+    any key option only the named files are read: ``energy_key``/
+    ``forces_key``/``stress_key``/``virial_key`` and ``key_map`` entries name
+    file stems (``e`` for ``e.bin``). A ``.bin`` file that would be left
+    unread is an error unless ``skip_targets`` names its stem: nothing is
+    dropped silently.
 
     Args:
         path: The memmap directory.
@@ -52,16 +57,56 @@ class MemmapReader(StructureReader):
 
     def __init__(self, path: str | os.PathLike, options: ReadOptions | None = None) -> None:
         super().__init__(path, options)
-        pinned = self.options.explicit_builtin_keys()
-        renames = self.options.custom_renames()
+        skipped = set(self.options.skip_targets)
+        on_disk = {file.stem for file in self.path.glob("*.bin")} - _RESERVED_STEMS
+        unknown = sorted(skipped - on_disk)
+        if unknown and self.path.is_dir():
+            raise self.error(f"--skip-target {', '.join(unknown)}: no such file stem "
+                             f"(the directory holds {', '.join(sorted(on_disk)) or 'none'})")
         keys = None
-        if pinned or renames:
-            keys = dict(pinned)
-            keys.update({name: stem for stem, name in renames.items()})
+        if self.options.has_key_options():
+            keys = dict(self.options.explicit_builtin_keys())
+            keys.update({name: stem for stem, name in self.options.custom_renames().items()})
+            if self.options.virial_key is not None:
+                keys[self.options.virial_key] = self.options.virial_key
         try:
             self.layout = MemmapLayout(self.path, keys)
+            if keys is None and self.layout.sidecar is None and not self.layout.keys:
+                energy_like = self._energy_like_target(on_disk - skipped)
+                if energy_like is not None:
+                    self.layout = MemmapLayout(self.path, energy_like)
         except MemmapLayoutError as exc:
             raise ConvertError(exc.path, exc.problem) from exc
+        self.layout.keys = [key for key in self.layout.keys if key.stem not in skipped]
+        self._refuse_unread(on_disk - skipped - {key.stem for key in self.layout.keys})
+
+    def _energy_like_target(self, stems: set[str]) -> dict[str, str] | None:
+        """``energy/forces/stress -> stem`` of the one target metatrain's writer gave
+        gradients (``T.bin`` with ``T_forces.bin`` / ``T_stress.bin``), if there is one."""
+        targets = sorted(stem for stem in stems
+                         if {f"{stem}_forces", f"{stem}_stress"} & stems)
+        if len(targets) != 1:
+            return None  # none, or several: _refuse_unread names them
+        target = targets[0]
+        keys = {"energy": target}
+        for builtin in ("forces", "stress"):
+            if f"{target}_{builtin}" in stems:
+                keys[builtin] = f"{target}_{builtin}"
+        note(f"{self.path}: no energy.bin; target {target!r} has gradient files "
+             f"({', '.join(f'{s}.bin' for s in keys.values() if s != target)}), so it is read "
+             f"as the energy with its forces/stress (pass --energy-key to choose otherwise)")
+        return keys
+
+    def _refuse_unread(self, unread: set[str]) -> None:
+        """Never convert a directory while leaving target files behind unnoticed."""
+        if not unread:
+            return
+        shown = ", ".join(f"{stem}.bin" for stem in sorted(unread))
+        raise self.error(
+            f"holds {shown}, which the chosen options would not read; keep them with "
+            "--energy-key / --forces-key / --stress-key / --virial-key STEM or "
+            "--key-map STEM=NAME, or leave them out with --skip-target STEM"
+        )
 
     @property
     def length(self) -> int:
