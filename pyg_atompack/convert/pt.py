@@ -29,7 +29,7 @@ from pyg_atompack.pyg import BUILTIN_FIELDS, record_to_data
 from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS
 
 from .base import StructureReader
-from .errors import ConvertError
+from .errors import ConvertError, note
 from .options import ReadOptions, WriteOptions
 from .shards import ShardedWriter, read_manifest
 from .structure import Structure, normalise_property
@@ -123,7 +123,8 @@ def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int =
                       options: ReadOptions | None = None) -> Structure:
     """Turn one ``Data`` back into a :class:`Structure`.
 
-    Builtin attributes (``z``, ``pos``, ``energy``, ...) fill the builtins;
+    Builtin attributes (``z``, ``pos``, ``energy``, ...) fill the builtins
+    (PyG's MD17 ``force`` too, see :func:`uses_pyg_force_name`);
     ``prop_<key>``/``atom_<key>`` collisions are undone; node-level tensors
     become atom properties, anything else a per-structure property (a leading
     graph dimension of 1 is dropped).
@@ -139,6 +140,8 @@ def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int =
     """
     options = options if options is not None else ReadOptions()
     attributes = dict(data.items())
+    if uses_pyg_force_name(attributes, options):
+        attributes["forces"] = attributes.pop("force")
     for builtin, key in options.explicit_builtin_keys().items():
         if key not in attributes:
             raise ConvertError(path, f"key {key!r} (for {builtin}) is not present", index)
@@ -188,6 +191,18 @@ def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int =
     return structure
 
 
+def uses_pyg_force_name(attributes: Any, options: ReadOptions) -> bool:
+    """Whether a graph names its forces ``force`` as PyG's ``MD17`` does.
+
+    Such a ``force`` is stored as the ``forces`` builtin of the project's
+    table (the read side can name it back with ``names="pyg-md17"``), unless
+    the user mapped keys onto the forces or renamed ``force`` themselves.
+    """
+    return ("force" in attributes and "forces" not in attributes
+            and "forces" not in options.explicit_builtin_keys()
+            and "force" not in options.key_map)
+
+
 def _numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy().copy()
@@ -234,6 +249,10 @@ class PtReader(StructureReader):
             items = self._first if self._first is not None and file == self.path else None
             if items is None:
                 items = _as_sequence(load_pt(file), file)
+            if len(items) and index == 0 and uses_pyg_force_name(items[0], self.options):
+                note(f"{file}: graphs name their forces 'force' (PyG's MD17 convention); "
+                     "they are stored as 'forces' (read them back as 'force' with "
+                     "names=\"pyg-md17\")")
             for position in range(len(items)):
                 yield data_to_structure(items[position], path=file, index=index,
                                         options=self.options)

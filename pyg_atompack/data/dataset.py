@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 from torch_geometric.data import Data, Dataset
 
 from pyg_atompack import atp
-from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields
+from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields, resolve_names
 
 __all__ = ["AtompackDataset"]
 
@@ -133,6 +133,13 @@ class AtompackDataset(Dataset):
             ``"pread"`` (owned copies via positional reads). (default: ``"mmap"``)
         log (bool, optional): Show a progress bar while ``pre_filter`` scans a
             large source. (default: :obj:`True`)
+        rename (Mapping[str, str], optional): Give attributes other names in every
+            ``Data``, e.g. ``{"forces": "force"}``; ``fields=`` may use the new
+            names. (default: :obj:`None`)
+        names (str, optional): A naming preset: ``"pyg-md17"`` gives ``force``
+            and a float32 ``energy``, as :class:`torch_geometric.datasets.MD17`
+            does, so a script written for it runs unchanged. ``rename`` entries
+            apply on top. (default: :obj:`None`)
 
     Raises:
         pyg_atompack.pyg.FieldSelectionError: If a requested field exists in no
@@ -149,7 +156,13 @@ class AtompackDataset(Dataset):
         dtype: torch.dtype | None = None,
         access: str = "mmap",
         log: bool = True,
+        rename: Mapping[str, str] | None = None,
+        names: str | None = None,
     ) -> None:
+        self.names = resolve_names(rename, names)
+        if fields is not None and self.names is not None:
+            fields = [fields] if isinstance(fields, str) else fields
+            fields = [self.names.stored_name(name) for name in fields]
         self._source_repr = _describe(source)
         self._reader = _open_source(source, access)
         self._reader_pid = _current_pid
@@ -274,7 +287,8 @@ class AtompackDataset(Dataset):
         """
         if self._kept is not None:
             idx = int(self._kept[idx])
-        return record_to_data(self.reader[idx], self.fields, self.dtype)
+        data = record_to_data(self.reader[idx], self.fields, self.dtype)
+        return data if self.names is None else self.names.apply(data)
 
     def record_indices(self, positions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Maps dataset positions to record indices in the underlying reader.
@@ -328,6 +342,8 @@ class AtompackDataset(Dataset):
             indices = np.arange(start, min(start + _FILTER_CHUNK, total))
             flat = reader.read_batch(indices, fields=self.fields)
             for index, data in zip(indices, flat_to_data_list(flat, self.dtype)):
+                if self.names is not None:
+                    data = self.names.apply(data)
                 if pre_filter(data):
                     kept.append(int(index))
         return np.asarray(kept, dtype=np.int64)
@@ -338,6 +354,8 @@ class AtompackDataset(Dataset):
             parts.append(f"fields={list(self.fields)}")
         if self.dtype is not None:
             parts.append(f"dtype={self.dtype}")
+        if self.names is not None:
+            parts.append(f"rename={dict(self.names.rename)}")
         if self.pre_filter is not None:
             parts.append(f"kept={len(self._kept)}/{len(self.reader)}")
         return f"{self.__class__.__name__}({', '.join(parts)})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch_geometric.data import Batch
 
 from pyg_atompack.data.dataset import AtompackDataset
-from pyg_atompack.pyg import attribute_name, flat_to_batch
+from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
 
 __all__ = ["AtompackLoader"]
 
@@ -31,14 +31,25 @@ class _BatchFetcher(torch.utils.data.Dataset):
         dataset: AtompackDataset,
         follow_batch: Sequence[str],
         exclude_keys: Sequence[str],
+        names: AttributeNames | None = None,
     ) -> None:
         self.dataset = dataset
+        # follow_batch / exclude_keys use the names batches are yielded with; the
+        # fast path assembles with the project's names and renames afterwards
+        self.names = names
+        self.all_names = names if dataset.names is None else dataset.names.then(names)
         self.follow_batch = list(follow_batch)
         self.exclude_keys = list(exclude_keys)
+        self.stored_follow_batch = self._stored(self.all_names, self.follow_batch)
+        self.stored_exclude_keys = self._stored(self.all_names, self.exclude_keys)
         self.read_fields = self._fields_to_read()
         # Positions -> record indices (view, pre_filter), computed once here
         # instead of once per batch.
         self.records = dataset.record_indices()
+
+    @staticmethod
+    def _stored(names: AttributeNames | None, attributes: list[str]) -> list[str]:
+        return attributes if names is None else [names.stored_name(a) for a in attributes]
 
     def _fields_to_read(self) -> tuple[str, ...] | None:
         """The dataset's fields minus excluded attributes, so they are never decoded."""
@@ -47,7 +58,7 @@ class _BatchFetcher(torch.utils.data.Dataset):
         fields = self.dataset.fields
         if fields is None:
             fields = ("positions", "atomic_numbers", *self.dataset.reader.fields)
-        excluded = set(self.exclude_keys)
+        excluded = set(self.stored_exclude_keys)
         return tuple(f for f in dict.fromkeys(fields) if attribute_name(f) not in excluded)
 
     def __len__(self) -> int:
@@ -60,17 +71,20 @@ class _BatchFetcher(torch.utils.data.Dataset):
         dataset = self.dataset
         if dataset.transform is not None:
             # A transform works on single Data objects, so build them (each
-            # dataset[i] applies it) and collate the PyG way.
-            return Batch.from_data_list(
+            # dataset[i] applies it and the dataset's names) and collate the PyG way.
+            batch = Batch.from_data_list(
                 [dataset[int(p)] for p in positions],
-                follow_batch=self.follow_batch, exclude_keys=self.exclude_keys,
+                follow_batch=self._stored(self.names, self.follow_batch),
+                exclude_keys=self._stored(self.names, self.exclude_keys),
             )
+            return batch if self.names is None else self.names.apply(batch)
         records = self.records[np.asarray(positions, dtype=np.int64)]
         flat = dataset.reader.read_batch(records, fields=self.read_fields)
-        return flat_to_batch(
-            flat, dtype=dataset.dtype, follow_batch=self.follow_batch,
-            exclude_keys=self.exclude_keys, record_ids=records,
+        batch = flat_to_batch(
+            flat, dtype=dataset.dtype, follow_batch=self.stored_follow_batch,
+            exclude_keys=self.stored_exclude_keys, record_ids=records,
         )
+        return batch if self.all_names is None else self.all_names.apply(batch)
 
 
 class AtompackLoader(torch.utils.data.DataLoader):
@@ -117,6 +131,12 @@ class AtompackLoader(torch.utils.data.DataLoader):
             ``<attr>_batch``/``<attr>_ptr`` assignment vectors. (default: :obj:`None`)
         exclude_keys (list[str], optional): Attributes to leave out of the
             batch; their fields are not even decoded. (default: :obj:`None`)
+        rename (Mapping[str, str], optional): Further renames of batch attributes,
+            applied after the dataset's own ``rename``/``names`` (which batches
+            always follow). ``follow_batch`` and ``exclude_keys`` use the final
+            names. (default: :obj:`None`)
+        names (str, optional): A naming preset such as ``"pyg-md17"`` (see
+            :class:`AtompackDataset`). (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...).
@@ -132,6 +152,8 @@ class AtompackLoader(torch.utils.data.DataLoader):
         num_workers: int = 0,
         follow_batch: Sequence[str] | None = None,
         exclude_keys: Sequence[str] | None = None,
+        rename: Mapping[str, str] | None = None,
+        names: str | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, AtompackDataset):
@@ -153,7 +175,8 @@ class AtompackLoader(torch.utils.data.DataLoader):
         self.follow_batch = list(follow_batch or [])
         self.exclude_keys = list(exclude_keys or [])
         self.atompack_dataset = dataset
-        fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys)
+        fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                resolve_names(rename, names))
         super().__init__(
             fetcher,
             batch_sampler=BatchSampler(sampler, batch_size, drop_last),

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from torch_geometric.data import Data, Dataset
 
-from pyg_atompack.pyg import record_to_data
+from pyg_atompack.pyg import record_to_data, resolve_names
 
 __all__ = ["MemmapDataset", "MemmapLayout", "MemmapLayoutError", "MemmapKey", "SIDECAR_NAME"]
 
@@ -317,6 +317,11 @@ class MemmapDataset(Dataset):
             (default: :obj:`None`)
         transform (callable, optional): Applied to each ``Data`` on access.
             (default: :obj:`None`)
+        rename (Mapping[str, str], optional): Give attributes other names, e.g.
+            ``{"forces": "force"}`` (see :class:`~pyg_atompack.AtompackDataset`).
+            (default: :obj:`None`)
+        names (str, optional): A naming preset such as ``"pyg-md17"``.
+            (default: :obj:`None`)
     """
 
     def __init__(
@@ -324,7 +329,10 @@ class MemmapDataset(Dataset):
         path: str | os.PathLike,
         keys: Mapping[str, str] | Sequence[str] | None = None,
         transform: Callable[[Data], Data] | None = None,
+        rename: Mapping[str, str] | None = None,
+        names: str | None = None,
     ) -> None:
+        self.names = resolve_names(rename, names)
         self.layout = MemmapLayout(path, keys)
         super().__init__(root=None, transform=transform)
 
@@ -350,7 +358,8 @@ class MemmapDataset(Dataset):
             properties={k.attribute: values[k.attribute] for k in self.layout.keys
                         if not k.per_atom and k.attribute in values},
         )
-        return record_to_data(record)
+        data = record_to_data(record)
+        return data if self.names is None else self.names.apply(data)
 
     def __repr__(self) -> str:
         keys = ", ".join(k.attribute for k in self.layout.keys)

@@ -33,7 +33,12 @@ reproduces :meth:`torch_geometric.data.Batch.from_data_list` exactly (values,
 dtypes, ``batch``, ``ptr``, ``_slice_dict``, ``_inc_dict``), so
 ``get_example``/``to_data_list`` work on the result.
 
-Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.data`
+Every dataset also accepts ``rename=`` and ``names=`` (e.g. ``"pyg-md17"``:
+``force`` and a float32 ``energy``, PyG's ``MD17`` convention), applied to each
+produced ``Data``/``Batch`` by :mod:`.names`.
+
+Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.names`
+(read-side renames and presets), :mod:`.data`
 (one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.errors`.
 """
 
@@ -41,9 +46,12 @@ from .batch import flat_to_batch
 from .data import flat_to_data_list, record_to_data
 from .errors import BatchAssemblyError, FieldSelectionError, PygConversionError
 from .fields import BUILTIN_FIELDS, attribute_name, resolve_fields
+from .names import NAME_PRESETS, AttributeNames, names_transform, resolve_names
 
 __all__ = [
+    "AttributeNames",
     "BUILTIN_FIELDS",
+    "NAME_PRESETS",
     "FieldSelectionError",
     "BatchAssemblyError",
     "PygConversionError",
@@ -51,5 +59,7 @@ __all__ = [
     "record_to_data",
     "flat_to_data_list",
     "flat_to_batch",
+    "names_transform",
     "resolve_fields",
+    "resolve_names",
 ]

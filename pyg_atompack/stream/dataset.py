@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
+from pyg_atompack.pyg import names_transform, resolve_names
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
@@ -128,6 +129,11 @@ class ShardStreamDataset(IterableDataset):
             once it has arrived. Nothing can overlap the first download, and servers
             often cap the bandwidth of each connection, so this shortens the wait for
             the first sample up to ``concurrency`` times. (default: :obj:`True`)
+        rename: Give sample attributes other names, e.g. ``{"forces": "force"}``,
+            before ``transform`` and batching (see :class:`~pyg_atompack.AtompackDataset`).
+            (default: :obj:`None`)
+        names: A naming preset such as ``"pyg-md17"`` (``force``, float32 ``energy``).
+            (default: :obj:`None`)
     """
 
     def __init__(self, source: Source, *, prefetch: int = 1, concurrency: int = 1,
@@ -138,7 +144,8 @@ class ShardStreamDataset(IterableDataset):
                  on_error: str = "raise", rank: int | None = None,
                  world_size: int | None = None, trace_dir: str | os.PathLike | None = None,
                  trim_memory: bool = True, lazy_decode: bool = True,
-                 split_first: bool = True):
+                 split_first: bool = True, rename: Mapping[str, str] | None = None,
+                 names: str | None = None):
         super().__init__()
         if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0:
             raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
@@ -161,6 +168,7 @@ class ShardStreamDataset(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.batch_size = batch_size
         self.transform = transform
+        self.names = resolve_names(rename, names)
         self.trusted = trusted
         self.verify = verify
         self.on_error = on_error
@@ -290,7 +298,8 @@ class ShardStreamDataset(IterableDataset):
         handed = 0
         try:
             items = shard_samples(iter(prefetcher), progress, pending, shuffle=self.shuffle,
-                                  seed=self.seed, epoch=self.epoch, transform=self.transform,
+                                  seed=self.seed, epoch=self.epoch,
+                                  transform=names_transform(self.names, self.transform),
                                   detach=self.shuffle_buffer > 0)
             mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
