@@ -5,15 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import ase.io
 import atompack
+import metatrain
 import numpy as np
 import pytest
 from ase import Atoms
 
-import metatrain
 from pyg_atompack import atp
+from pyg_atompack.cli import main
 from pyg_atompack.convert import ConversionNote, ConvertError, ReadOptions, convert
 
 # metatrain ships the reduced QM9 set of its tests inside the package: the first
@@ -24,6 +26,17 @@ QM9 = Path(metatrain.__file__).parent / "llpr" / "tests" / "qm9_reduced_100.xyz"
 def _run_cli(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pyg_atompack.cli", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def cli(capsys):
+    """The command line in this process: ``(exit code, stderr)`` of one call."""
+
+    def run(*args: object) -> SimpleNamespace:
+        code = main([str(arg) for arg in args])
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
 
 
 def _leftovers(directory: Path) -> list[str]:
@@ -68,9 +81,9 @@ def _write_xyz(path: Path, values: list) -> None:
     ase.io.write(path, frames, format="extxyz")
 
 
-def test_string_next_to_number_names_the_users_file_structure_key_and_types(tmp_path):
+def test_string_next_to_number_names_the_users_file_structure_key_and_types(tmp_path, cli):
     _write_xyz(tmp_path / "in.xyz", [1.5, 2.5, "high"])
-    result = _run_cli("convert", tmp_path / "in.xyz", tmp_path / "out.atp")
+    result = cli("convert", tmp_path / "in.xyz", tmp_path / "out.atp")
     assert result.returncode == 2
     message = result.stderr.strip()
     assert str(tmp_path / "out.atp") in message
@@ -81,7 +94,7 @@ def test_string_next_to_number_names_the_users_file_structure_key_and_types(tmp_
     assert not (tmp_path / "out.atp").exists() and _leftovers(tmp_path) == []
 
     # --drop-key keeps everything else
-    result = _run_cli("convert", tmp_path / "in.xyz", tmp_path / "out.atp", "--drop-key", "label")
+    result = cli("convert", tmp_path / "in.xyz", tmp_path / "out.atp", "--drop-key", "label")
     assert result.returncode == 0, result.stderr
     with atp.open(tmp_path / "out.atp") as reader:
         assert len(reader) == 3 and "properties/label" not in reader.fields
