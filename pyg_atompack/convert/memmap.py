@@ -1,6 +1,6 @@
 """metatrain ``MemmapDataset`` directories in and out.
 
-The layout itself (and its checks) lives in :mod:`pyg_atompack.data.memmap`,
+The layout itself (and its checks) lives in :mod:`pyg_atompack.data.memmap_layout`,
 shared with :class:`~pyg_atompack.MemmapDataset`. Everything in the layout is
 float32 (atomic types int32), so float64 values are rounded when written.
 """
@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pyg_atompack.data.memmap import (
+from pyg_atompack.data.memmap_layout import (
     DEFAULT_KEYS,
     SIDECAR_FORMAT,
     SIDECAR_NAME,

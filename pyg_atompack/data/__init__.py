@@ -12,15 +12,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pyg_atompack.data.dataset import AtompackDataset
-from pyg_atompack.data.loader import AtompackLoader
-
 __all__ = ["AtompackDataset", "AtompackLoader", "MemmapDataset"]
+
+_MODULES = {
+    "AtompackDataset": "pyg_atompack.data.dataset",
+    "AtompackLoader": "pyg_atompack.data.loader",
+    "MemmapDataset": "pyg_atompack.data.memmap",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # MemmapDataset lives in its own module, imported on first use so that this
-    # package stays importable (and cheap) without it.
-    if name == "MemmapDataset":
-        return importlib.import_module("pyg_atompack.data.memmap").MemmapDataset
+    # Imported on first use: the converters read memmap directories through
+    # memmap_layout without importing torch_geometric (which would replace
+    # torch.index_select and break metatrain's readers in the same process).
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module 'pyg_atompack.data' has no attribute {name!r}")
