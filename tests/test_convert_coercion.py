@@ -176,3 +176,13 @@ def test_vectors_of_different_lengths_are_a_conflict_in_words(tmp_path):
     assert "a float64 array of shape (4,)" in message
     assert "a float64 array of shape (3,)" in message
     assert _leftovers(tmp_path) == []
+
+
+def test_convert_help_shows_the_new_options(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["convert", "--help"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    for option in ("--drop-key KEY", "--cast KEY=DTYPE", "--virial-key K",
+                   "--skip-target NAME"):
+        assert option in shown, option

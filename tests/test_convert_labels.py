@@ -227,3 +227,19 @@ def test_virial_of_a_non_periodic_structure_is_an_error(tmp_path, cli):
     assert "mixed.xyz (structure 1)" in result.stderr
     assert "virial 'virial' needs a periodic structure" in result.stderr
     assert not (tmp_path / "out.atp").exists()
+
+
+def test_ase_calculator_result_sharing_a_key_with_info_is_kept(tmp_path):
+    from ase import Atoms
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from pyg_atompack.convert.ase_io import AseReader
+
+    atoms = Atoms("H2", positions=[[0, 0, 0], [0, 0, 0.7]])
+    atoms.info["free_energy"] = 1.0
+    atoms.calc = SinglePointCalculator(atoms, energy=3.0, free_energy=2.0)
+    (tmp_path / "x.xyz").write_text("")
+    structure = AseReader(tmp_path / "x.xyz").structure_from_atoms(atoms)
+    assert structure.energy == 3.0
+    assert structure.properties["free_energy"] == 1.0
+    assert structure.properties["calc_free_energy"] == 2.0

@@ -7,7 +7,8 @@ first and in the calculator second, and must exist. Without one, energy,
 forces, stress and charges come from the calculator (which is where ASE's
 extxyz reader puts the standard ``energy``/``forces``/``stress`` columns) and
 then from ``info``/``arrays`` under their plain names. Everything else becomes
-a custom property.
+a custom property; a calculator result whose key ``info``/``arrays`` also
+hold is kept as ``calc_<key>``.
 """
 
 from __future__ import annotations
@@ -155,10 +156,13 @@ class AseReader(StructureReader):
             for key, value in results.items():
                 target = renames.get(key, key)
                 value = normalise_property(value)
+                if target in properties or target in atom_properties:
+                    # info/arrays hold the same key: keep both, never drop one
+                    target = f"calc_{target}"
                 if _is_per_atom_result(key, value, n_atoms):
-                    atom_properties.setdefault(target, value)
+                    atom_properties[target] = value
                 else:
-                    properties.setdefault(target, value)
+                    properties[target] = value
         except TypeError as exc:
             raise self.error(f"property {key!r}: {exc}", index) from exc
 
