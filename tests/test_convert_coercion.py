@@ -141,6 +141,9 @@ def test_array_dtype_and_scalar_to_one_element_array_promotion_through_the_api(t
             one=torch.tensor([i]) if i != 3 else torch.tensor([[3.5]], dtype=torch.float64),
             w=(torch.arange(2) * (1 if i == 0 else 1.5)).to(
                 torch.int32 if i == 0 else torch.float64),
+            # a builtin: float32 forces first, float64 later; a ragged tensor stays ragged
+            forces=torch.full((2, 3), 0.5 + i, dtype=torch.float32 if i < 1 else torch.float64),
+            t=torch.zeros(1, 2 + i, 2),
         ))
     torch.save(graphs, tmp_path / "in.pt")
     with pytest.warns(ConversionNote) as caught:
@@ -152,9 +155,13 @@ def test_array_dtype_and_scalar_to_one_element_array_promotion_through_the_api(t
                for n in notes)
     assert any("'w' promoted from a per-atom int32 array of shape (n,) to a per-atom "
                "float64 array" in n for n in notes)
+    assert any("'forces' promoted from a per-atom float32 array of shape (n, 3)" in n
+               for n in notes)
     with atp.open(tmp_path / "out.atp") as out:
         for i in range(4):
             mol = out[i]
+            assert mol.forces.dtype == np.float64 and (mol.forces == 0.5 + i).all()
+            assert mol.properties["t"].shape == (2 + i, 2)
             assert mol.properties["vec"].dtype == np.float64
             np.testing.assert_array_equal(mol.properties["vec"], np.arange(3) + i)
             np.testing.assert_array_equal(mol.properties["one"], [i if i != 3 else 3.5])

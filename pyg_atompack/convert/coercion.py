@@ -11,6 +11,8 @@ record), so :class:`Coercer` decides it:
   with numpy's promotion rules (:func:`numpy.result_type`); values that are
   narrower than the key's type are converted up to it;
 * ``None`` counts as "missing" next to any other type;
+* the floating-point builtin arrays (positions, forces, ...) are promoted the
+  same way (float32 in some structures, float64 in others);
 * anything else (a string next to a number, arrays of different rank, vectors
   of different lengths) is a real conflict: :class:`ConvertError` naming the
   user's output file, the structure, the key and both types in words.
@@ -36,6 +38,10 @@ from .options import ReadOptions
 from .structure import Structure
 
 _SCOPES = ("properties", "atom_properties")
+# builtin arrays whose dtype may change between structures (float32 forces, then
+# float64 ones): promoted like custom keys, since `.atp` locks their dtype too
+_BUILTIN_ARRAYS = {"positions": True, "forces": True, "charges": True, "velocities": True,
+                   "cell": False, "stress": False}
 _MISSING = object()
 
 
@@ -186,6 +192,10 @@ class Coercer:
             Widened: A key must be stored wider than structures already written.
             ConvertError: Two values of a key have no common type.
         """
+        for name, per_atom in _BUILTIN_ARRAYS.items():
+            value = getattr(structure, name)
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                setattr(structure, name, self._settle("builtin", name, value, index, per_atom))
         for scope in _SCOPES:
             values: dict[str, Any] = getattr(structure, scope)
             per_atom = scope == "atom_properties"
@@ -249,7 +259,8 @@ class Coercer:
         """One line per promoted key, for stderr."""
         lines = []
         for (scope, key), (old, new, index) in self.promotions.items():
-            per_atom = scope == "atom_properties"
+            per_atom = scope == "atom_properties" or _BUILTIN_ARRAYS.get(key, False) and \
+                scope == "builtin"
             if old.form == "none":
                 lines.append(
                     f"{self.destination}: key {key!r} is None in some structures of "
