@@ -93,8 +93,10 @@ def test_failed_conversion_leaves_no_output(tmp_path):
     types = np.fromfile(tmp_path / "mm" / "a.bin", dtype=np.int32)
     types[-1] = 300  # not representable in .atp's uint8 atomic numbers
     types.tofile(tmp_path / "mm" / "a.bin")
+    options = ReadOptions(energy_key="e", forces_key="f", stress_key="s",
+                          key_map={"q": "charges"})
     with pytest.raises(ConvertError, match=r"out\.atp \(structure 3\).*0\.\.255"):
-        convert(tmp_path / "mm", tmp_path / "out.atp")
+        convert(tmp_path / "mm", tmp_path / "out.atp", read_options=options)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mm"]
 
 

@@ -28,8 +28,7 @@ types really change.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,22 +41,23 @@ _SCOPES = ("properties", "atom_properties")
 # float64 ones): promoted like custom keys, since `.atp` locks their dtype too
 _BUILTIN_ARRAYS = {"positions": True, "forces": True, "charges": True, "velocities": True,
                    "cell": False, "stress": False}
+_BUILTIN_ITEMS = tuple(_BUILTIN_ARRAYS.items())
+_SCOPE_ITEMS = (("properties", False), ("atom_properties", True))
 _MISSING = object()
 
 
-@dataclass(frozen=True)
-class Kind:
-    """The type of one custom value.
+class Kind(NamedTuple):
+    """The type of one custom value (a tuple: compared and built at C speed).
 
     Args:
         form: ``"none"``, ``"str"``, ``"int"``, ``"float"`` (Python scalars) or
             ``"array"``.
-        dtype: numpy dtype name of an array (``None`` otherwise).
+        dtype: numpy dtype of an array (``None`` otherwise).
         shape: Shape of an array; per-atom values leave out the atom axis.
     """
 
     form: str
-    dtype: str | None = None
+    dtype: np.dtype | None = None
     shape: tuple[int, ...] | None = None
 
     def words(self, per_atom: bool) -> str:
@@ -75,19 +75,21 @@ class Kind:
         return f"a {'per-atom ' if per_atom else ''}{self.dtype} array of shape {shown}"
 
 
+_NONE, _STR, _INT, _FLOAT = Kind("none"), Kind("str"), Kind("int"), Kind("float")
+_SCALAR_KINDS = {type(None): _NONE, str: _STR, int: _INT, bool: _INT, float: _FLOAT}
+
+
 def kind_of(value: Any, per_atom: bool) -> Kind:
     """The :class:`Kind` of a normalised custom value."""
-    if value is None:
-        return Kind("none")
-    if isinstance(value, str):
-        return Kind("str")
-    if isinstance(value, bool | int | np.integer):
-        return Kind("int")
-    if isinstance(value, float | np.floating):
-        return Kind("float")
-    array = np.asarray(value)
-    shape = tuple(array.shape[1:]) if per_atom else tuple(array.shape)
-    return Kind("array", array.dtype.name, shape)
+    kind = _SCALAR_KINDS.get(type(value))  # the common cases without isinstance chains
+    if kind is not None:
+        return kind
+    if isinstance(value, np.integer):
+        return _INT
+    if isinstance(value, np.floating):
+        return _FLOAT
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    return Kind("array", array.dtype, array.shape[1:] if per_atom else array.shape)
 
 
 def _scalar_dtype(kind: Kind) -> np.dtype:
@@ -118,7 +120,7 @@ def promote(old: Kind, new: Kind) -> Kind | None:
     if old.form in numeric_scalars and new.form in numeric_scalars:
         return Kind("float")
     if old.form == "array" and new.form == "array":
-        dtype = np.result_type(old.dtype, new.dtype).name
+        dtype = np.result_type(old.dtype, new.dtype)
         if old.shape == new.shape:
             return Kind("array", dtype, old.shape)
         # Tensors of rank 2 and more may be ragged (the .atp format stores their
@@ -129,7 +131,7 @@ def promote(old: Kind, new: Kind) -> Kind | None:
     scalar, array = (old, new) if old.form != "array" else (new, old)
     if _size(array.shape) != 1:
         return None  # a scalar next to a real vector: which element would it be?
-    dtype = np.result_type(_scalar_dtype(scalar), array.dtype).name
+    dtype = np.result_type(_scalar_dtype(scalar), array.dtype)
     return Kind("array", dtype, array.shape)
 
 
@@ -142,7 +144,7 @@ def conform(value: Any, kind: Kind, per_atom: bool) -> Any:
     if kind.form == "int":
         return int(value)
     array = np.asarray(value)
-    if array.dtype != np.dtype(kind.dtype):
+    if array.dtype != kind.dtype:
         array = array.astype(kind.dtype)
     if not per_atom and array.shape != kind.shape and array.size == _size(kind.shape) == 1:
         array = array.reshape(kind.shape)
@@ -192,23 +194,29 @@ class Coercer:
             Widened: A key must be stored wider than structures already written.
             ConvertError: Two values of a key have no common type.
         """
-        for name, per_atom in _BUILTIN_ARRAYS.items():
+        for name, per_atom in _BUILTIN_ITEMS:
             value = getattr(structure, name)
-            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-                setattr(structure, name, self._settle("builtin", name, value, index, per_atom))
-        for scope in _SCOPES:
+            if value is not None and type(value) is np.ndarray and value.dtype.kind == "f":
+                settled = self._settle("builtin", name, value, index, per_atom)
+                if settled is not value:
+                    setattr(structure, name, settled)
+        for scope, per_atom in _SCOPE_ITEMS:
             values: dict[str, Any] = getattr(structure, scope)
-            per_atom = scope == "atom_properties"
+            if not values:
+                continue
             kept: dict[str, Any] = {}
-            for key, value in values.items():
+            changed = False
+            for key, original in values.items():
                 if key in self.left_out:
+                    changed = True
                     continue
-                if key in self.casts:
-                    value = self._cast(key, value, index)
-                value = self._settle(scope, key, value, index, per_atom)
-                if value is not _MISSING:
-                    kept[key] = value
-            setattr(structure, scope, kept)
+                value = self._cast(key, original, index) if key in self.casts else original
+                settled = self._settle(scope, key, value, index, per_atom)
+                changed = changed or settled is not original
+                if settled is not _MISSING:
+                    kept[key] = settled
+            if changed:
+                setattr(structure, scope, kept)
         return structure
 
     def _cast(self, key: str, value: Any, index: int) -> Any:
@@ -224,9 +232,20 @@ class Coercer:
 
     def _settle(self, scope: str, key: str, value: Any, index: int, per_atom: bool) -> Any:
         slot = (scope, key)
+        old = self.kinds.get(slot)
+        if old is not None and slot in self.first_seen:
+            # fast path, the common case: the same type as before (dtypes of the
+            # builtin numpy types are singletons, so `is` compares them)
+            if type(value) is np.ndarray:
+                if value.dtype is old.dtype and old.shape == (
+                        value.shape[1:] if per_atom else value.shape):
+                    return value
+            elif _SCALAR_KINDS.get(type(value)) is old:
+                return value
         new = kind_of(value, per_atom)
         self.first_seen.setdefault(slot, (index, new))
-        old = self.kinds.setdefault(slot, new)
+        if old is None:
+            self.kinds[slot] = old = new
         if new == old:
             return value
         wider = promote(old, new)
