@@ -110,6 +110,13 @@ def test_cast_settles_a_key_without_promotion_notes(tmp_path):
         assert all(isinstance(reader[i].properties["label"], float) for i in range(3))
     with pytest.raises(ValueError, match="dtype must be one of"):
         ReadOptions(casts={"label": "complex"})
+    # an integer cast that would change a value is refused, naming the key and structure
+    _write_xyz(tmp_path / "frac.xyz", [1.0, 2.5])
+    with pytest.raises(ConvertError, match=r"\(structure 1\): key 'label'.*cannot be cast "
+                                           r"to int64.*not a whole number"):
+        convert(tmp_path / "frac.xyz", tmp_path / "frac.atp",
+                read_options=ReadOptions(casts={"label": "int64"}))
+    assert not (tmp_path / "frac.atp").exists()
 
 
 class _no_notes:

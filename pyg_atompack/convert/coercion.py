@@ -159,6 +159,9 @@ def cast_value(value: Any, dtype: str) -> Any:
     if array.dtype.kind in "US":  # numbers written as text
         array = array.astype(np.float64)
     cast = array.astype(dtype)
+    if cast.dtype.kind == "i" and not np.array_equal(cast, array):
+        raise ValueError("the value is not a whole number in range; an integer cast "
+                         "would change it")
     if cast.ndim == 0:
         return cast.item()
     return cast
