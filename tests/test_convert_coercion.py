@@ -200,3 +200,16 @@ def test_convert_help_shows_the_new_options(capsys):
     for option in ("--drop-key KEY", "--cast KEY=DTYPE", "--virial-key K",
                    "--skip-target NAME"):
         assert option in shown, option
+
+
+def test_format_errors_reach_the_user_without_the_temporary_name(tmp_path):
+    from pyg_atompack.convert.atp_io import writer_problem
+
+    hidden = tmp_path / ".out.atp.partial-123"
+    with atp.Writer(hidden) as writer:
+        writer.add(np.zeros((1, 3)), np.array([1], dtype=np.uint8), properties={"k": 1})
+        with pytest.raises(atp.AtpError) as caught:
+            writer.add(np.zeros((1, 3)), np.array([1], dtype=np.uint8), properties={"k": "s"})
+    assert ".partial-123" in str(caught.value)
+    problem = writer_problem(caught.value)
+    assert ".partial-" not in problem and problem.startswith("molecule field 'k'")
