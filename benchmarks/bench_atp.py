@@ -2,22 +2,31 @@
 
 Usage::
 
-    python benchmarks/bench_atp.py [--molecules 20000] [--atoms 64] [--seconds 2]
+    python benchmarks/bench_atp.py            # every size, ~10 min on an idle machine
+    python benchmarks/bench_atp.py --quick    # 3 rounds, half the records per run
+    python benchmarks/bench_atp.py --sizes 640k --access mmap auto
 
-Builds files of ``--molecules`` molecules x ``--atoms`` atoms (positions float32,
-atomic numbers, energy, forces, cell, pbc; random values) with codec none and
-zstd, written by atompack-db and by us, then measures in alternating time slices
-(warm page cache):
+**Reads by size and cache regime** (codec none): files of 20,000 x 64 atoms
+(35 MB), 640,000 x 64 atoms (1.1 GB) and 260,000 x 10-300 atoms (1.05 GB), written
+by atompack-db once and cached under ``benchmarks/_work/`` (``regimes.build_file``).
+In each of three page-cache regimes (hot, first touch, cold; defined and verified
+in ``benchmarks/regimes.py``) every ``--access`` mode of ours and atompack-db read
+the same random indices per round, in alternating order, and the medians of the
+rounds are compared:
 
-* per-record reads of the full record as numpy arrays: our ``f[i]`` (mmap and
-  pread) versus atompack-db ``db[i]``, touching positions, atomic_numbers,
-  energy, forces, cell and pbc;
-* ``read_batch`` of 32 random indices versus ``get_molecules_flat``;
-* write throughput of our ``Writer.add_batch`` versus ``add_arrays_batch``.
+* per-record: our ``f[i]`` versus atompack-db ``db[i]``, touching positions,
+  atomic_numbers, energy, forces, cell and pbc;
+* ``read_batch`` of 32 and of 256 random indices versus ``get_molecules_flat``.
 
-Reads run on the file atompack-db wrote (the data users download). The machine
-is shared, so only the ratios ours / atompack-db are meaningful; the arms are
-interleaved so that both see the same background load. A markdown table goes to
+The same run measures this machine's random-read limit: plain ``os.pread`` of the
+same record sizes at random record offsets, one thread, file evicted.
+
+**Small file, hot** (``--codecs``, default zstd; codec none is in the size table):
+per-record and ``read_batch(32)`` in alternating time slices, and write throughput
+of our ``Writer.add_batch`` versus ``add_arrays_batch``.
+
+The machine is shared, so only the ratios ours / atompack-db are meaningful; the
+load average before and after is recorded. A markdown table goes to
 ``benchmarks/results/atp.md`` (or ``--output``).
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -35,6 +45,7 @@ from pathlib import Path
 
 import atompack
 import numpy as np
+import regimes
 
 from pyg_atompack import atp
 
@@ -194,23 +205,126 @@ def machine_description() -> list[str]:
     ]
 
 
+SIZES = {  # name -> (file stem, molecules, atoms per molecule or None for 10-300)
+    "20k": ("ref64_20k", 20_000, 64),
+    "640k": ("ref64_640k", 640_000, 64),
+    "mixed": ("refmix_260k", 260_000, None),
+}
+REGIMES = ("hot", "first", "cold")
+BATCH_SIZES = (32, 256)
+# (operation, regime) -> minimum ratio ours / atompack-db on the >= 1 GB files
+REAL_TARGETS = {("per-record", "hot"): 1.0, ("per-record", "first"): 1.0,
+                **{(f"read_batch({b})", r): 1.2 for b in BATCH_SIZES for r in ("hot", "first")},
+                **{(f"read_batch({b})", "cold"): 1.7 for b in BATCH_SIZES}}
+LIMIT_TARGET = 0.8  # cold per-record reads as a share of the machine's random-read limit
+
+
+def _per_record(handle, indices: list[int]) -> int:
+    for i in indices:
+        molecule = handle[i]
+        for key in FIELDS:
+            getattr(molecule, key)
+    return len(indices)
+
+
+def _touch_records(handle) -> None:
+    for i in range(len(handle)):
+        handle[i]
+
+
+def _batches_of(size: int):
+    def run(handle, indices: list[int]) -> int:
+        batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
+        for start in range(0, len(indices) - size + 1, size):
+            batch(indices[start:start + size])
+        return len(indices) // size * size
+
+    def touch(handle) -> None:
+        count = len(handle)
+        batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
+        for start in range(0, count, 4096):
+            batch(list(range(start, min(start + 4096, count))))
+    return run, touch
+
+
+def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
+                   records: dict[str, int], rng: np.random.Generator) -> list[tuple]:
+    """Every (regime, operation, arm) of one file: ours / atompack-db, medians of rounds."""
+    count = len(atp.open(path))
+    rows = []
+    operations = {"per-record": (_per_record, _touch_records)}
+    operations.update({f"read_batch({b})": _batches_of(b) for b in BATCH_SIZES})
+    for regime in REGIMES:
+        if regime == "cold":
+            regimes.evict(path)
+            print(f"[{label}] resident after eviction: {regimes.resident_fraction(path):.3f}",
+                  flush=True)
+        for operation, (run, touch) in operations.items():
+            arms = {f"ours {access}": regimes.Arm(
+                        lambda access=access: atp.open(path, access=access), run, touch)
+                    for access in accesses}
+            arms["atompack-db"] = regimes.Arm(lambda: atompack.Database.open(str(path)), run,
+                                              touch, close=lambda h: None)
+            works = [rng.integers(0, count, records[regime]).tolist() for _ in range(rounds)]
+            rates = regimes.paired(arms, regime, path, works)
+            reference = rates.pop("atompack-db")
+            for arm, rate in rates.items():
+                rows.append((label, regime, operation, arm, rate, reference))
+                print(f"[{label}] {regime:5s} {operation:15s} {arm:10s} {rate:11,.0f}/s  "
+                      f"atompack-db {reference:11,.0f}/s  {rate / reference:.2f}x", flush=True)
+    return rows
+
+
+def machine_limit(path: Path, records: int, rng: np.random.Generator, rounds: int) -> float:
+    """Median cold rate of plain ``os.pread`` of the file's records at random indices."""
+    import statistics
+
+    with atp.open(path) as reader:
+        entries = reader.index[rng.integers(0, len(reader), records * rounds)]
+    offsets = entries["offset"].astype(np.int64).reshape(rounds, -1)
+    lengths = entries["raw"].astype(np.int64).reshape(rounds, -1)
+    return statistics.median(regimes.random_read_limit(path, o, n)
+                             for o, n in zip(offsets, lengths))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--molecules", type=int, default=20000)
+    parser.add_argument("--molecules", type=int, default=20000,
+                        help="molecules of the zstd / write measures")
     parser.add_argument("--atoms", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=2.0, help="time per arm and measure")
     parser.add_argument("--batch", type=int, default=2000, help="molecules per write batch")
     parser.add_argument("--write-molecules", type=int, default=10000,
                         help="molecules per timed write (a prefix of the data set)")
-    parser.add_argument("--codecs", nargs="+", default=["none", "zstd"])
+    parser.add_argument("--codecs", nargs="+", default=["zstd"],
+                        help="codecs of the small hot table (codec none is in the size table)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--access", nargs="+", default=["mmap", "pread", "auto"])
+    parser.add_argument("--rounds", type=int, default=5, help="paired rounds per measure")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 rounds and fewer records per run (about a third of the time)")
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "atp.md")
     args = parser.parse_args(argv)
+    rounds = 3 if args.quick else args.rounds
+    scale = 2 if args.quick else 1
+    records = {"hot": 20480 // scale, "first": 20480 // scale, "cold": 2048 // scale}
+    load_before = os.getloadavg()
+    rng = np.random.default_rng(1)
+
+    real_rows = []
+    limits = {}
+    for label in args.sizes:
+        stem, molecules, atoms = SIZES[label]
+        path = regimes.build_file(stem, molecules, atoms)
+        check_same(path, rng.integers(0, molecules, 32).tolist())
+        print(f"[{label}] {path.stat().st_size / 1e6:,.0f} MB", flush=True)
+        real_rows += real_size_rows(label, path, args.access, rounds, records, rng)
+        limits[label] = machine_limit(path, records["cold"], rng, rounds)
+        print(f"[{label}] machine random-read limit (cold os.pread): {limits[label]:,.0f}/s",
+              flush=True)
 
     columns = make_columns(args.molecules, args.atoms)
-    rng = np.random.default_rng(1)
-    # one shuffled pass over the whole file, and as many random batches: a short list
-    # repeated would sit in the CPU caches and measure something no training loop sees
     indices = rng.permutation(args.molecules).tolist()
     batches = [rng.integers(0, args.molecules, size=32).tolist()
                for _ in range(max(args.molecules // 32, 1))]
@@ -228,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             measures = [
                 ("per-record", per_record_arms(reference_path, indices)),
                 ("read_batch(32)", read_batch_arms(reference_path, batches)),
-                ("add_batch", write_arms(folder, write_columns, codec, args.batch)),
             ]
+            if codec == args.codecs[0]:
+                measures.append(("add_batch", write_arms(folder, write_columns, codec,
+                                                         args.batch)))
             for operation, arms in measures:
                 rates = interleave(arms, args.seconds)
                 reference = rates.pop("atompack-db")
@@ -241,22 +357,68 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{codec}] {operation:15s} {arm:10s} {rate:12,.0f} mol/s  "
                           f"atompack-db {reference:12,.0f} mol/s  ratio {ratio:.2f} "
                           f"(target {TARGETS[operation]}: {met})", flush=True)
+    load_after = os.getloadavg()
     lines = ["# `.atp` format layer vs atompack-db", "",
-             f"`python benchmarks/bench_atp.py --molecules {args.molecules} --atoms {args.atoms}"
-             f" --seconds {args.seconds}` (reads: one shuffled pass over every molecule, "
-             f"{max(args.molecules // 32, 1)} random batches of 32; "
-             f"{args.write_molecules} molecules per timed write, "
-             f"batches of {args.batch}; arms interleaved, warm page cache).", "",
-             *machine_description(), "",
-             "| codec | operation | arm | ours (mol/s) | atompack-db (mol/s) | ratio | target "
-             "| met |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             f"`python benchmarks/bench_atp.py {' '.join(argv or sys.argv[1:])}`".replace(
+                 " `", "`"), "",
+             *machine_description(),
+             f"- load average (1/5/15 min) before: {load_before[0]:.2f} / {load_before[1]:.2f}"
+             f" / {load_before[2]:.2f}; after: {load_after[0]:.2f} / {load_after[1]:.2f} / "
+             f"{load_after[2]:.2f}", "",
+             "## Reads by file size and page-cache regime (codec none)", "",
+             "Files written by atompack-db (positions f32, Z, energy, forces f32, cell, pbc; "
+             "random values) and cached under `benchmarks/_work/`. Regimes (see "
+             "`benchmarks/regimes.py`): **hot** = one reader per arm, every record read "
+             "through it first; **first** = file in the page cache, a fresh reader per run "
+             "(first touch of every page through that reader); **cold** = readers closed and "
+             "the file evicted with `posix_fadvise(DONTNEED)` before each run (checked with "
+             "`mincore`). Per round every arm reads the same random indices "
+             f"({records['hot']:,} records hot / first, {records['cold']:,} cold), the arm "
+             f"order reverses every round; figures are medians of {rounds} rounds, "
+             "records per second. per-record = `f[i]` + the 6 fields against `db[i]` + the "
+             "same fields; read_batch(B) against `get_molecules_flat`.", "",
+             "| file | regime | operation | arm | ours (rec/s) | atompack-db (rec/s) | ratio "
+             "| target | met |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for label, regime, operation, arm, rate, reference in real_rows:
+        ratio = rate / reference
+        target = REAL_TARGETS.get((operation, regime)) if label != "20k" else None
+        met = "" if target is None else ("yes" if ratio >= target else "no")
+        lines.append(f"| {label} | {regime} | {operation} | {arm} | {rate:,.0f} | "
+                     f"{reference:,.0f} | {ratio:.2f} | {target or ''} | {met} |")
+    lines += ["", "### Cold per-record reads against this machine's random-read limit", "",
+              "Limit: plain `os.pread` of the same record sizes at random record offsets, "
+              "one thread, file evicted before each round (median of rounds).", "",
+              "| file | limit (reads/s) | arm | cold per-record (rec/s) | share of limit | "
+              "target |", "|---|---:|---|---:|---:|---:|"]
+    for label, regime, operation, arm, rate, _ in real_rows:
+        if regime == "cold" and operation == "per-record":
+            lines.append(f"| {label} | {limits[label]:,.0f} | {arm} | {rate:,.0f} | "
+                         f"{rate / limits[label]:.2f} | ≥ {LIMIT_TARGET} |")
+    for label in limits:
+        lines.append(f"| {label} | {limits[label]:,.0f} | atompack-db | "
+                     f"{_reference_rate(real_rows, label):,.0f} | "
+                     f"{_reference_rate(real_rows, label) / limits[label]:.2f} | |")
+    lines += ["", f"## Small file, hot ({args.molecules:,} molecules × {args.atoms} atoms)", "",
+              f"{max(args.molecules // 32, 1)} random batches of 32; "
+              f"{args.write_molecules} molecules per timed write, batches of {args.batch}; "
+              f"arms interleaved in alternating slices of {args.seconds} s in total.", "",
+              "| codec | operation | arm | ours (mol/s) | atompack-db (mol/s) | ratio | target "
+              "| met |",
+              "|---|---|---|---:|---:|---:|---:|---|"]
     lines += [f"| {c} | {op} | {arm} | {r:,.0f} | {ref:,.0f} | {ratio:.2f} | {t} | {met} |"
               for c, op, arm, r, ref, ratio, t, met in rows]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.output}")
     return 0
+
+
+def _reference_rate(rows: list[tuple], label: str) -> float:
+    """atompack-db's cold per-record rate on file ``label``."""
+    for row_label, regime, operation, _, _, reference in rows:
+        if (row_label, regime, operation) == (label, "cold", "per-record"):
+            return reference
+    return float("nan")
 
 
 if __name__ == "__main__":
