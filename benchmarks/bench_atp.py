@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2000, help="molecules per write batch")
     parser.add_argument("--write-molecules", type=int, default=10000,
                         help="molecules per timed write (a prefix of the data set)")
-    parser.add_argument("--codecs", nargs="+", default=["zstd"],
+    parser.add_argument("--codecs", nargs="*", default=["zstd"],
                         help="codecs of the small hot table (codec none is in the size table)")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--access", nargs="+", default=["mmap", "pread", "auto"])

@@ -27,6 +27,7 @@ from .errors import (
 from .fields import FieldInfo
 from .gather import plan_of, read_mapped
 from .header import HEADER_SIZE
+from .preads import read_ranges, resident
 from .records import (
     OP_ARRAY,
     OP_F32,
@@ -152,21 +153,38 @@ def _check_index_bounds(reader, st) -> None:
     st.index_checked = True
 
 
-def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray) -> list:
-    """Uncompressed bytes of every requested record."""
+def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
+    """Uncompressed bytes of every requested record (slices of the mapping if ``mapped``)."""
     if not len(idx):
         return []
     _check_index_bounds(reader, st)
     off_l, raw_l = entries["offset"].tolist(), entries["raw"].tolist()
-    if st.codec == CODEC_NONE and st.buf is not None:
+    if st.codec == CODEC_NONE and mapped:
         got = operator.itemgetter(*[slice(o, o + r) for o, r in zip(off_l, raw_l)])(st.buf)
         return [got] if len(off_l) == 1 else list(got)
     sto_l = entries["stored"].tolist()
-    recs = [reader._read(st, o, s) for o, s in zip(off_l, sto_l)]
+    if mapped:
+        recs = [reader._read(st, o, s) for o, s in zip(off_l, sto_l)]
+    else:  # not in memory: every read in flight at once (preads.py)
+        recs = read_ranges(st.fd, off_l, sto_l, reader.name, idx.tolist(), st.pread)
     if st.codec == CODEC_NONE:
         return recs
     return [decompress(st.codec, d, r, f"{reader.name}: record {int(i)}")
             for d, r, i in zip(recs, raw_l, idx)]
+
+
+def _use_mapping(st, entries: np.ndarray) -> bool:
+    """Whether to read a batch from the mapping: mapped, and (``"auto"``) resident.
+
+    ``"auto"`` probes the first record's pages only: a random batch's records are
+    resident about as often as the file's pages are, and a wrong guess costs time,
+    never correctness (both paths decode the same bytes).
+    """
+    if st.buf is None:
+        return False
+    if st.address is None or not len(entries):
+        return True
+    return resident(st.address, int(entries["offset"][0]), max(int(entries["stored"][0]), 1))
 
 
 def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
@@ -176,8 +194,9 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     idx = _normalize_indices(indices, st.count, name)
     entries = st.index[idx]
     n_atoms = entries["n_atoms"].astype(np.int64)
+    mapped = _use_mapping(st, entries)
     try:
-        if st.u8 is not None and len(idx):
+        if mapped and st.u8 is not None and len(idx):
             # mapped, uncompressed: gather straight from the file
             if not (n_atoms == n_atoms[0]).all():
                 # mixed sizes: one gather per field when the records share a structure
@@ -187,11 +206,12 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
                     return out
             lids = _checked_layout_ids(reader, st, idx, entries)
             # grouped gathers pay per group; mostly-distinct layouts decode faster per record
-            if lids is not None and 4 * (len(np.unique(lids)) - 1) <= len(lids):
+            if lids is not None and ((lids == lids[0]).all()
+                                     or 4 * (len(np.unique(lids)) - 1) <= len(lids)):
                 out = read_mapped(reader, st, idx, entries["offset"], lids, n_atoms, infos)
                 out["n_atoms"] = n_atoms
                 return out
-        recs = _fetch(reader, st, idx, entries)
+        recs = _fetch(reader, st, idx, entries, mapped)
         layouts = _layouts(reader, st, idx, entries, recs)
         if layouts is not None and len(layouts) == 1:
             out = _homogeneous(recs, layouts[0], infos, idx, name)
@@ -279,7 +299,9 @@ def _checked_layout_ids(reader, st, idx: np.ndarray, entries: np.ndarray) -> np.
     new = np.flatnonzero(lids == 0)
     new_idx, new_entries = idx[new], entries[new]
     keys = (new_entries["raw"].astype(np.int64) << 32) | new_entries["n_atoms"]
-    for key in np.unique(keys).tolist():
+    # one size in the common case: skip the sort of np.unique
+    distinct = [int(keys[0])] if (keys == keys[0]).all() else np.unique(keys).tolist()
+    for key in distinct:
         layout = st.layouts.get((key >> 32, key & 0xFFFFFFFF))
         members = np.flatnonzero(keys == key)
         if layout is not None and layout.memo_id is not None:

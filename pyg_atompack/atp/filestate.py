@@ -20,6 +20,7 @@ from .errors import AtpValueError, HeaderError, TruncatedFileError
 from .header import HEADER_SIZE, select_header
 from .index import INDEX_DTYPE, decode_index
 from .mapped import WholeFileViews
+from .preads import mapping_address
 from .schema import decode_schema
 from .types import POSITIONS_DTYPE_BY_TAG
 
@@ -45,7 +46,7 @@ class FileState:
         name: name used in error messages.
         path: the file, or None for an in-memory image.
         image: the complete file contents (``path`` None), else None.
-        access: ``"mmap"``, ``"pread"`` or ``"memory"``.
+        access: ``"mmap"``, ``"auto"``, ``"pread"`` or ``"memory"``.
 
     Raises:
         AtpError: the file is not a readable `.atp` file (a subclass says why).
@@ -53,10 +54,15 @@ class FileState:
 
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
                  "index", "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8",
-                 "memo", "memo_layouts", "memo_plans", "views", "index_checked")
+                 "memo", "memo_layouts", "memo_plans", "views", "index_checked", "access",
+                 "address", "pread")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
+        self.access = access
+        self.address = None  # start of the mapping, for residency probes ("auto")
+        # the positional read of record bytes (a seam: tests emulate slow storage with it)
+        self.pread = os.pread
         self.fd = -1
         self.mm = self.mv = self.u8 = self.buf = None
         self.index = self.index_buf = self.layouts = self.memo = self.memo_layouts = None
@@ -79,9 +85,13 @@ class FileState:
             raise AtpValueError(f"{self.name}: is a directory; use atp.open() for shards") \
                 from None
         self.size = os.fstat(self.fd).st_size
-        if access == "mmap" and self.size:
+        if access in ("mmap", "auto") and self.size:
             self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
             self.buf = self.mm
+            if access == "auto" and hasattr(mmap, "MADV_RANDOM"):
+                # shuffled reads: a page fault reads only its page, not the kernel's
+                # read-ahead window (which a random reader would mostly throw away)
+                self.mm.madvise(mmap.MADV_RANDOM)
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)`` (the caller checked they lie in the file).
@@ -142,6 +152,8 @@ class FileState:
         if self.buf is not None and self.codec == CODEC_NONE:
             self.u8 = np.frombuffer(self.buf, np.uint8)
             self.views = WholeFileViews(self.u8)
+            if self.access == "auto":
+                self.address = mapping_address(self.u8)
             self.memo_plans = [None]
         self.fields = None
         self.n_atoms = None

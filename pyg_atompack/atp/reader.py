@@ -32,7 +32,7 @@ from .molecule import Molecule
 from .records import Layout, build_layout, decode_molecule
 from .schema import Schema
 
-ACCESS_MODES = ("mmap", "pread")
+ACCESS_MODES = ("auto", "mmap", "pread")
 # bound on cached layouts; a crafted file with endless distinct layouts only costs re-parsing
 _MAX_LAYOUTS = 4096
 # larger records are checked through a memoryview instead of a copy
@@ -56,14 +56,16 @@ class Reader:
 
     Args:
         path: the file.
-        access: ``"mmap"`` (default; zero-copy read-only arrays for uncompressed
-            records) or ``"pread"`` (``os.pread``; writable arrays owned by the caller).
+        access: ``"auto"`` (default), ``"mmap"`` or ``"pread"``, see
+            :data:`ACCESS_MODES` and ``docs/architecture.md``. ``"mmap"`` and ``"auto"``
+            return zero-copy read-only arrays for uncompressed records; ``"pread"``
+            returns writable arrays owned by the caller.
 
     Raises:
         AtpError: the file is not a readable `.atp` file (a subclass says why).
     """
 
-    def __init__(self, path: str | os.PathLike, access: str = "mmap") -> None:
+    def __init__(self, path: str | os.PathLike, access: str = "auto") -> None:
         if access not in ACCESS_MODES:
             raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
         self._path = os.fspath(path)
@@ -159,7 +161,7 @@ class Reader:
 
     @property
     def access(self) -> str:
-        """``"mmap"``, ``"pread"`` or ``"memory"``."""
+        """``"auto"``, ``"mmap"``, ``"pread"`` or ``"memory"``."""
         return self._access
 
     @property
@@ -303,6 +305,14 @@ class Reader:
                 if plan is not None:
                     return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
                                        self._name, i)
+                # first touch: check the record's structural bytes in place against
+                # a known layout of its size (no copy of the record, no re-parse)
+                off, stored, raw, n = self._entry(st, i)
+                layout = st.layouts.get((raw, n))
+                if layout is not None and layout.memo_id is not None and stored == raw and \
+                        layout.check_at(st.buf, off) == layout.expected:
+                    self._memo(st)[i] = layout.memo_id
+                    return plans[layout.memo_id].decode(st.buf, off, self._name, i)
                 buf, base, layout = self._record(st, i)
                 self._remember(st, i, layout)
                 return self._plan(st, layout).decode(buf, base, self._name, i)

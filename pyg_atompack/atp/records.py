@@ -105,7 +105,7 @@ class Layout:
 
     __slots__ = ("n_atoms", "pos_dtype", "pos_rows", "z_offset", "spans", "check", "expected",
                  "slots", "memo_id", "plan", "gather", "by_field", "trailing", "builtins",
-                 "customs", "_check_arrays")
+                 "customs", "_check_arrays", "check_at")
 
     def __init__(self, n_atoms, pos_dtype, z_offset, spans, expected, slots, trailing):
         self.n_atoms = n_atoms
@@ -115,6 +115,13 @@ class Layout:
         self.spans = spans
         # itemgetter over >=2 slices returns a tuple in one C call: the cheap re-check
         self.check = operator.itemgetter(*(slice(a, b) for a, b in spans))
+        # the same bytes read in place at a record's offset in a larger buffer (the
+        # mapping): one C call and no copy of the record, for a record's first touch
+        fmt, pos = ["<"], 0
+        for a, b in spans:
+            fmt.append(f"{a - pos}x{b - a}s" if a > pos else f"{b - a}s")
+            pos = b
+        self.check_at = struct.Struct("".join(fmt)).unpack_from
         self.expected = expected
         self.slots = tuple(slots)
         self.by_field = {s.field: s for s in slots}

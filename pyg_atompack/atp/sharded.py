@@ -44,14 +44,14 @@ class ShardedReader:
 
     Args:
         root: directory holding the shards (searched recursively).
-        access: ``"mmap"`` or ``"pread"``, passed to every shard.
+        access: ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every shard.
 
     Raises:
         AtpValueError: the directory holds no ``.atp`` file.
         AtpError: a shard is unreadable (the message names it).
     """
 
-    def __init__(self, root: str | os.PathLike, access: str = "mmap") -> None:
+    def __init__(self, root: str | os.PathLike, access: str = "auto") -> None:
         _check_access(access)
         name = os.fspath(root)
         paths = find_shards(root)
@@ -61,12 +61,12 @@ class ShardedReader:
 
     @classmethod
     def from_paths(cls, paths: Sequence[str | os.PathLike],
-                   access: str = "mmap") -> ShardedReader:
+                   access: str = "auto") -> ShardedReader:
         """One logical dataset over an explicit list of files, in the given order.
 
         Args:
             paths: the `.atp` files; molecule ``0`` is the first file's first record.
-            access: ``"mmap"`` or ``"pread"``, passed to every file.
+            access: ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every file.
 
         Returns:
             A reader indexing the files' molecules globally; its :attr:`path` is a
@@ -120,7 +120,7 @@ class ShardedReader:
 
     @property
     def access(self) -> str:
-        """``"mmap"`` or ``"pread"``."""
+        """``"auto"``, ``"mmap"`` or ``"pread"``."""
         return self._access
 
     def __len__(self) -> int:

@@ -129,8 +129,13 @@ class AtompackDataset(Dataset):
             returns :obj:`False` are left out (see above). (default: :obj:`None`)
         dtype (torch.dtype, optional): Cast floating-point fields to this dtype;
             :obj:`None` keeps the stored dtypes. (default: :obj:`None`)
-        access (str, optional): ``"mmap"`` (zero-copy memory maps) or
-            ``"pread"`` (owned copies via positional reads). (default: ``"mmap"``)
+        access (str, optional): How records are read, passed to
+            :func:`pyg_atompack.atp.open`: ``"auto"`` (zero-copy views of a
+            memory map advised for random access; batches not in the page cache
+            are read with concurrent positional reads), ``"mmap"`` (plain memory
+            map, kernel read-ahead) or ``"pread"`` (owned copies via positional
+            reads). :class:`AtompackLoader` reads through the dataset's reader, so
+            it uses the same mode. (default: ``"auto"``)
         log (bool, optional): Show a progress bar while ``pre_filter`` scans a
             large source. (default: :obj:`True`)
         rename (Mapping[str, str], optional): Give attributes other names in every
@@ -154,7 +159,7 @@ class AtompackDataset(Dataset):
         transform: Callable[[Data], Data] | None = None,
         pre_filter: Callable[[Data], bool] | None = None,
         dtype: torch.dtype | None = None,
-        access: str = "mmap",
+        access: str = "auto",
         log: bool = True,
         rename: Mapping[str, str] | None = None,
         names: str | None = None,
@@ -221,7 +226,7 @@ class AtompackDataset(Dataset):
 
         reader = hub.open_hub_atp(
             repo_id, path_in_repo, revision=revision, cache_dir=cache_dir, token=token,
-            endpoint=endpoint, access=kwargs.get("access", "mmap"),
+            endpoint=endpoint, access=kwargs.get("access", "auto"),
         )
         dataset = cls(reader, **kwargs)
         pinned = getattr(reader, "revision", None) or revision
