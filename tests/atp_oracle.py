@@ -206,14 +206,20 @@ def write_file(path: Path, spec: FileSpec, writers: Sequence[str | None]) -> Non
 
 # ---------------------------------------------------------------- reading into one normal form
 
-ACCESS_MODES = ("mmap", "pread", "bytes")
+# "auto-cold": access="auto" with every batch taken for not resident (concurrent preads)
+ACCESS_MODES = ("auto", "auto-cold", "mmap", "pread", "bytes")
 
 
 def open_reader(path: Path, access: str) -> Any:
-    """Open ``path`` with our reader: ``mmap``/``pread`` file access, or ``bytes`` for
-    `Reader.from_bytes` over the whole image (the streaming path)."""
+    """Open ``path`` with our reader: ``auto``/``mmap``/``pread`` file access, ``auto-cold``
+    (``auto`` taking every batch for not in memory), or ``bytes`` for `Reader.from_bytes`
+    over the whole image (the streaming path)."""
     if access == "bytes":
         return atp.Reader.from_bytes(path.read_bytes(), name=path.name)
+    if access == "auto-cold":
+        reader = atp.open(path, access="auto")
+        reader._state().resident = lambda offset, length: False
+        return reader
     return atp.open(path, access=access)
 
 

@@ -623,3 +623,120 @@ def test_read_batch_index_forms(golden_dir):
             with pytest.raises(atp.AtpIndexError, match="out of range"):
                 f.read_batch(bad)
         assert f.read_batch([])["positions"].shape == (0, 3)
+
+
+# ---------------------------------------------------------------- access="auto" and preads
+def _cold(reader, pread=None):
+    """Make ``reader`` take every batch for not in memory (and read through ``pread``)."""
+    st = reader._state()
+    st.resident = lambda offset, length: False
+    if pread is not None:
+        st.pread = pread
+    return reader
+
+
+def _assert_same_batches(got, want, keys):
+    for key in keys:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["builtins_none.atp", "builtins_zstd.atp",
+                                  "custom_props_none.atp", "sparse_builtins.atp"])
+def test_auto_reads_equal_mmap_and_atompack_on_and_off_the_page_cache(golden_dir, name):
+    import atompack
+
+    path = golden_dir / name
+    db = atompack.Database.open(str(path))
+    with atp.open(path, access="mmap") as plain, atp.open(path) as auto, \
+            _cold(atp.open(path, access="auto")) as cold, atp.open(path, access="pread") as pr:
+        assert auto.access == "auto"
+        count = len(plain)
+        indices = np.random.default_rng(1).integers(0, count, 3 * count).tolist()
+        want = plain.read_batch(indices)
+        for reader in (auto, cold, pr):
+            got = reader.read_batch(indices)
+            assert set(got) == set(want)
+            _assert_same_batches(got, want, ("n_atoms", "positions", "atomic_numbers"))
+            for key in want["mask"]:
+                np.testing.assert_array_equal(got["mask"][key], want["mask"][key])
+            for i in indices[:8]:
+                assert np.array_equal(reader[i].positions, np.asarray(db[i].positions))
+                assert np.array_equal(reader[i].atomic_numbers,
+                                      np.asarray(db[i].atomic_numbers))
+        if "custom" not in name and "sparse" not in name:
+            flat = db.get_molecules_flat(indices)
+            _assert_same_batches(cold.read_batch(indices), flat,
+                                 [k for k in flat if isinstance(flat[k], np.ndarray)])
+
+
+def test_cold_mixed_size_batches_equal_atompack(tmp_path):
+    import atompack
+
+    sizes = [int(n) for n in np.random.default_rng(2).integers(1, 30, size=40)]
+    path = _atompack_mixed_file(tmp_path / "mixed.atp", sizes)
+    flat_ref = atompack.Database.open(str(path))
+    indices = np.random.default_rng(3).permutation(40)[:25].tolist()
+    with _cold(atp.open(path)) as cold, atp.open(path, access="mmap") as plain:
+        got = cold.read_batch(indices)
+        _assert_batch_equals_records(plain, indices, got)
+        flat = flat_ref.get_molecules_flat(indices)
+        _assert_same_batches(got, flat, ("positions", "atomic_numbers", "energy", "forces",
+                                         "cell", "stress", "pbc"))
+
+
+def test_batch_reads_of_records_off_the_page_cache_are_in_flight_together(tmp_path):
+    """Two reads must be pending at once, or the barrier breaks (nothing is timed)."""
+    import os
+    import threading
+    import time
+
+    barrier = threading.Barrier(2, timeout=20)
+    calls = []
+
+    def pread(fd, length, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            time.sleep(0.002)  # storage latency: the "pread" reader's timed probe sees it
+        elif len(calls) <= 3:
+            barrier.wait()  # returns only once another read is in flight
+        return os.pread(fd, length, offset)
+
+    path = _write_small(tmp_path / "many.atp", [3] * 16)
+    with atp.open(path, access="mmap") as plain:
+        count = len(plain)
+        scattered = list(range(0, count, 2))[::-1]  # no two records adjacent
+        want = plain.read_batch(scattered)
+        for reader in (_cold(atp.open(path), pread), atp.open(path, access="pread")):
+            if reader.access == "pread":
+                reader._state().pread = pread
+            calls.clear()
+            barrier.reset()
+            _assert_same_batches(reader.read_batch(scattered), want,
+                                 ("positions", "atomic_numbers", "energy"))
+            assert len(calls) == len(scattered)
+            # adjacent records are one read: a sequential scan is one large pread
+            calls.clear()
+            barrier.abort()  # no waiting below
+            reader._state().pread = lambda fd, n, off: calls.append(off) or os.pread(fd, n, off)
+            _assert_same_batches(reader.read_batch(range(count)), plain.read_batch(range(count)),
+                                 ("positions", "energy"))
+            assert len(calls) == 1
+            reader.close()
+            barrier = threading.Barrier(2, timeout=20)
+
+
+def test_short_concurrent_read_names_file_and_record(golden_dir):
+    path = golden_dir / "builtins_none.atp"
+    with _cold(atp.open(path), pread=lambda fd, n, off: b"\0" * (n - 1)) as f, \
+            pytest.raises(atp.TruncatedFileError, match=r"builtins_none\.atp: record 2: short"):
+        f.read_batch([2, 0])
+
+
+def test_auto_probes_residency_of_the_mapping(golden_dir):
+    path = golden_dir / "builtins_none.atp"
+    with atp.open(path) as f:
+        f.read_batch([0, 1])
+        st = f._state()
+        if st.resident is not None:  # Linux and macOS have mincore
+            offset = int(f.index["offset"][0])
+            assert st.resident(offset, int(f.index["raw"][0])) is True

@@ -27,7 +27,7 @@ from .errors import (
 from .fields import FieldInfo
 from .gather import plan_of, read_mapped
 from .header import HEADER_SIZE
-from .preads import read_ranges, resident
+from .preads import read_ranges
 from .records import (
     OP_ARRAY,
     OP_F32,
@@ -166,7 +166,8 @@ def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> li
     if mapped:
         recs = [reader._read(st, o, s) for o, s in zip(off_l, sto_l)]
     else:  # not in memory: every read in flight at once (preads.py)
-        recs = read_ranges(st.fd, off_l, sto_l, reader.name, idx.tolist(), st.pread)
+        recs = read_ranges(st.fd, off_l, sto_l, reader.name, idx.tolist(), st.pread,
+                           probe=st.buf is None)
     if st.codec == CODEC_NONE:
         return recs
     return [decompress(st.codec, d, r, f"{reader.name}: record {int(i)}")
@@ -182,9 +183,9 @@ def _use_mapping(st, entries: np.ndarray) -> bool:
     """
     if st.buf is None:
         return False
-    if st.address is None or not len(entries):
+    if st.resident is None or not len(entries):
         return True
-    return resident(st.address, int(entries["offset"][0]), max(int(entries["stored"][0]), 1))
+    return st.resident(int(entries["offset"][0]), max(int(entries["stored"][0]), 1))
 
 
 def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ empty here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 
@@ -20,7 +21,7 @@ from .errors import AtpValueError, HeaderError, TruncatedFileError
 from .header import HEADER_SIZE, select_header
 from .index import INDEX_DTYPE, decode_index
 from .mapped import WholeFileViews
-from .preads import mapping_address
+from .preads import mapping_address, resident
 from .schema import decode_schema
 from .types import POSITIONS_DTYPE_BY_TAG
 
@@ -55,12 +56,14 @@ class FileState:
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
                  "index", "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8",
                  "memo", "memo_layouts", "memo_plans", "views", "index_checked", "access",
-                 "address", "pread")
+                 "resident", "pread")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
         self.access = access
-        self.address = None  # start of the mapping, for residency probes ("auto")
+        # ``resident(offset, length)``: whether a range is in the page cache ("auto"
+        # only; None: read from the mapping regardless). Tests force the other path.
+        self.resident = None
         # the positional read of record bytes (a seam: tests emulate slow storage with it)
         self.pread = os.pread
         self.fd = -1
@@ -152,8 +155,9 @@ class FileState:
         if self.buf is not None and self.codec == CODEC_NONE:
             self.u8 = np.frombuffer(self.buf, np.uint8)
             self.views = WholeFileViews(self.u8)
-            if self.access == "auto":
-                self.address = mapping_address(self.u8)
+            address = mapping_address(self.u8) if self.access == "auto" else None
+            if address is not None:
+                self.resident = functools.partial(resident, address)
             self.memo_plans = [None]
         self.fields = None
         self.n_atoms = None

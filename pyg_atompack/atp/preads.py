@@ -13,7 +13,10 @@ Two jobs of the ``pread`` side of the read path (the mapped side lives in
   (``os.pread`` releases the GIL, so the reads are in flight together: on storage
   that serves parallel requests -- NVMe, network filesystems -- a batch costs about
   one round trip instead of one per record). Adjacent ranges are merged into one
-  read first, so a sequential scan issues few large reads.
+  read first, so a sequential scan issues few large reads. Where residency cannot
+  be asked (``access="pread"``: no mapping), the first read is timed: a page-cache
+  hit (microseconds) keeps the rest in the calling thread, where a hand-off to the
+  pool would cost more than the reads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import ctypes.util
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +38,8 @@ from .errors import TruncatedFileError
 MAX_WORKERS = 32
 # fewer ranges than this are read in the calling thread (a hand-off costs ~20 us)
 MIN_CONCURRENT = 4
+# a read faster than this came from the page cache (hits take 1-5 us, disk reads >= 50 us)
+CACHED_READ_SECONDS = 30e-6
 _PAGE = mmap.PAGESIZE
 
 _pool: ThreadPoolExecutor | None = None
@@ -98,9 +104,22 @@ def resident(address: int | None, offset: int, length: int) -> bool:
     return all(b & 1 for b in vec.raw)
 
 
+def _concurrently(read_run: Callable, runs: list) -> list:
+    """``[read_run(r) for r in runs]`` on the pool, ``MAX_WORKERS`` reads in flight."""
+    if len(runs) < 2:
+        return [read_run(run) for run in runs]
+    workers = min(MAX_WORKERS, len(runs))
+    chunks = [runs[w::workers] for w in range(workers)]
+    results = list(_executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
+    datas: list = [None] * len(runs)
+    for w, chunk_data in enumerate(results):
+        datas[w::workers] = chunk_data
+    return datas
+
+
 def read_ranges(fd: int, offsets: list[int], lengths: list[int], name: str,
                 records: list[int], pread: Callable[[int, int, int], bytes] = os.pread,
-                ) -> list[bytes]:
+                probe: bool = False) -> list[bytes]:
     """The bytes of every ``(offset, length)`` range, read concurrently.
 
     Args:
@@ -110,6 +129,8 @@ def read_ranges(fd: int, offsets: list[int], lengths: list[int], name: str,
         name: file name for error messages.
         records: record index of each range (for error messages).
         pread: the read function (``os.pread``; tests substitute a slow one).
+        probe: residency is unknown: read the first range alone and go concurrent
+            only if it was slower than a page-cache hit (:data:`CACHED_READ_SECONDS`).
 
     Returns:
         One ``bytes`` per range, in order.
@@ -137,16 +158,22 @@ def read_ranges(fd: int, offsets: list[int], lengths: list[int], name: str,
                                      f"{off} ({len(data)} of {length} bytes); file changed?")
         return data
 
-    if len(runs) < MIN_CONCURRENT:
+    datas: list = []
+    if probe and len(runs) >= MIN_CONCURRENT:
+        # residency unknown (no mapping to ask): time the first read; a page-cache hit
+        # takes microseconds, a disk or network read tens to thousands of them
+        start = time.perf_counter()
+        datas.append(read_run(runs[0]))
+        if time.perf_counter() - start < CACHED_READ_SECONDS:
+            datas += [read_run(run) for run in runs[1:]]
+        else:
+            datas += _concurrently(read_run, runs[1:])
+    elif len(runs) < MIN_CONCURRENT:
         datas = [read_run(run) for run in runs]
     else:
-        workers = min(MAX_WORKERS, len(runs))
-        chunks = [runs[w::workers] for w in range(workers)]
-        results = list(_executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
-        datas = [None] * len(runs)
-        for w, chunk_data in enumerate(results):
-            datas[w::workers] = chunk_data
+        datas = _concurrently(read_run, runs)
     out: list[bytes] = []
+
     for (off, _, first, last), data in zip(runs, datas):
         if last - first == 1:
             out.append(data)
