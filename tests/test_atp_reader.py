@@ -663,6 +663,9 @@ def test_auto_reads_equal_mmap_and_atompack_on_and_off_the_page_cache(golden_dir
                 assert np.array_equal(reader[i].positions, np.asarray(db[i].positions))
                 assert np.array_equal(reader[i].atomic_numbers,
                                       np.asarray(db[i].atomic_numbers))
+        # iteration reads ahead under "auto"; the molecules are the same
+        for mine, theirs in zip(auto, plain, strict=True):
+            assert np.array_equal(mine.positions, theirs.positions)
         if "custom" not in name and "sparse" not in name:
             flat = db.get_molecules_flat(indices)
             _assert_same_batches(cold.read_batch(indices), flat,

@@ -88,6 +88,11 @@ class FileState:
             raise AtpValueError(f"{self.name}: is a directory; use atp.open() for shards") \
                 from None
         self.size = os.fstat(self.fd).st_size
+        if access != "mmap" and hasattr(os, "posix_fadvise"):
+            # a random record read fetches its pages only, not a read-ahead window of
+            # 128 KiB or more that a shuffled reader would throw away; a read of a run
+            # of adjacent records is one large read of exactly that run
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         if access in ("mmap", "auto") and self.size:
             self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
             self.buf = self.mm
@@ -138,6 +143,8 @@ class FileState:
             if self.mm is not None:
                 self.mv = memoryview(self.mm)
                 end = header.index_offset + header.index_len
+                if self.access == "auto":
+                    self.prefetch(header.index_offset, header.index_len)
                 self.index_buf = self.mv[header.index_offset:end]
             else:
                 self.index_buf = self.read(header.index_offset, header.index_len)
@@ -161,6 +168,20 @@ class FileState:
             self.memo_plans = [None]
         self.fields = None
         self.n_atoms = None
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start reading ``[offset, offset + length)`` of the mapping in the background.
+
+        ``MADV_WILLNEED``: one read of the whole range instead of a page fault per
+        page under ``MADV_RANDOM``. Used for the index at open (the first
+        ``read_batch`` checks every entry, random ``f[i]`` touch all its pages) and
+        by sequential iteration.
+        """
+        if self.mm is None or not hasattr(mmap, "MADV_WILLNEED") or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            self.mm.madvise(mmap.MADV_WILLNEED, start, min(offset + length, self.size) - start)
 
     def release(self) -> None:
         """Drop the caches, the mapping and the descriptor (idempotent)."""

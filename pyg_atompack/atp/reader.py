@@ -39,6 +39,7 @@ _MAX_LAYOUTS = 4096
 _COPY_CHECK_LIMIT = 1 << 16
 _OPEN_READERS: weakref.WeakSet = weakref.WeakSet()
 _OFFSET_UNPACK = struct.Struct("<Q").unpack_from  # the offset of an index entry
+_SCAN_CHUNK = 1024  # records read ahead at once by iteration (access="auto")
 
 
 def _forget_after_fork() -> None:
@@ -340,8 +341,18 @@ class Reader:
         return self[i]
 
     def __iter__(self) -> Iterator[Molecule]:
-        for i in range(len(self)):
-            yield self[i]
+        count = len(self)
+        for start in range(0, count, _SCAN_CHUNK):
+            stop = min(start + _SCAN_CHUNK, count)
+            st = self._st
+            if st is not None and st.resident is not None:
+                # a scan under MADV_RANDOM would fault page by page: ask for the next
+                # records' bytes in one background read instead
+                entries = st.index[start:stop]
+                low = int(entries["offset"].min())
+                st.prefetch(low, int((entries["offset"] + entries["stored"]).max()) - low)
+            for i in range(start, stop):
+                yield self[i]
 
     def raw_record(self, i: int) -> bytes:
         """The uncompressed bytes of record ``i`` (as written, byte for byte).
