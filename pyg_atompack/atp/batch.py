@@ -25,7 +25,8 @@ from .errors import (
     RecordDecodeError,
 )
 from .fields import FieldInfo
-from .gather import plan_of, read_mapped
+from .filestate import UNCHECKED
+from .gather import plan_of, read_mapped, read_single
 from .header import HEADER_SIZE
 from .preads import read_ranges
 from .records import (
@@ -174,6 +175,13 @@ def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> li
             for d, r, i in zip(recs, raw_l, idx)]
 
 
+def _columns(st) -> tuple[np.ndarray, np.ndarray]:
+    """Every record's offset and atom count as int64 (made once per reader)."""
+    if st.columns is None:
+        st.columns = (st.index["offset"].astype(np.int64), st.index["n_atoms"].astype(np.int64))
+    return st.columns
+
+
 def _use_mapping(st, entries: np.ndarray) -> bool:
     """Whether to read a batch from the mapping: mapped, and (``"auto"``) resident.
 
@@ -193,6 +201,22 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
     st = reader._state()
     name = reader.name
     idx = _normalize_indices(indices, st.count, name)
+    if st.u8 is not None and len(idx) and st.memo is not UNCHECKED:
+        # hot path: every record checked before, all of one layout, in memory
+        offsets, n_atoms = _columns(st)
+        offsets = offsets[idx]
+        lids = np.frombuffer(st.memo, np.uint16)[idx]
+        first = int(lids[0])
+        if first and (lids == first).all() and (
+                st.resident is None or st.resident(int(offsets[0]), 1)):
+            try:
+                out = read_single(reader, st, idx, offsets, first, infos)
+            except AtpError:
+                raise
+            except CORRUPT_DATA_ERRORS as exc:
+                raise _name_failed_record(reader, idx, exc) from exc
+            out["n_atoms"] = n_atoms[idx]
+            return out
     entries = st.index[idx]
     n_atoms = entries["n_atoms"].astype(np.int64)
     mapped = _use_mapping(st, entries)

@@ -56,7 +56,7 @@ class FileState:
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
                  "index", "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8",
                  "memo", "memo_layouts", "memo_plans", "views", "index_checked", "access",
-                 "resident", "pread")
+                 "resident", "pread", "columns", "resolved")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
@@ -168,6 +168,10 @@ class FileState:
             self.memo_plans = [None]
         self.fields = None
         self.n_atoms = None
+        # read_batch's per-reader caches: (offsets int64, n_atoms int64) of every
+        # record, and the resolved ``fields=`` selections (key: the selection tuple)
+        self.columns = None
+        self.resolved = {}
 
     def prefetch(self, offset: int, length: int) -> None:
         """Start reading ``[offset, offset + length)`` of the mapping in the background.

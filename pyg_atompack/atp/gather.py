@@ -222,16 +222,7 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
     everyone.flags.writeable = False
     first = int(layout_ids[0])
     if (layout_ids == first).all():
-        plan = plan_of(st.memo_layouts[first], file_u8)
-        out["positions"] = plan.positions.take(offsets).reshape(-1, 3)
-        out["atomic_numbers"] = plan.numbers.take(offsets).reshape(-1)
-        for field, info in infos.items():
-            window = plan.window(field)
-            if window is not None:
-                store(out, info, flatten_atoms(window.take(offsets), info.per_atom), everyone)
-            else:
-                _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms)
-        return out
+        return read_single(reader, st, idx, offsets, first, infos)
     lids, group_of = np.unique(layout_ids, return_inverse=True)
     plans = [plan_of(st.memo_layouts[lid], file_u8) for lid in lids.tolist()]
     out["positions"] = gather_groups([p.positions for p in plans], group_of, offsets,
@@ -246,6 +237,39 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
         else:
             values, present = got
             store(out, info, values, everyone if present.all() else present)
+    return out
+
+
+def read_single(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
+                infos: dict[str, FieldInfo]) -> dict[str, Any]:
+    """:func:`read_mapped` of records that all have the checked layout ``layout_id``.
+
+    Args:
+        reader: the reader (for its name and mapping).
+        st: its open state.
+        idx: record indices.
+        offsets: their file offsets (int64).
+        layout_id: their layout's id (``st.memo_layouts``).
+        infos: the fields to decode.
+
+    Returns:
+        Everything but ``n_atoms`` of the ``read_batch`` dict.
+    """
+    layout = st.memo_layouts[layout_id]
+    plan = plan_of(layout, st.u8)
+    out: dict[str, Any] = {"properties": {}, "atom_properties": {}, "mask": {}}
+    everyone = np.ones(len(idx), bool)
+    everyone.flags.writeable = False
+    out["positions"] = plan.positions.take(offsets).reshape(-1, 3)
+    out["atomic_numbers"] = plan.numbers.take(offsets).reshape(-1)
+    for field, info in infos.items():
+        window = plan.window(field)
+        if window is not None:
+            store(out, info, flatten_atoms(window.take(offsets), info.per_atom), everyone)
+        else:
+            lids = np.full(len(idx), layout_id, np.uint16)
+            n_atoms = np.full(len(idx), layout.n_atoms, np.int64)
+            _per_record(reader, st, out, info, idx, offsets, lids, n_atoms)
     return out
 
 

@@ -389,7 +389,13 @@ class Reader:
             ``positions``, ``atomic_numbers``, the requested fields, ``properties``,
             ``atom_properties`` and ``mask``.
         """
-        infos = _batch.resolve_fields(self.fields, fields, self._name)
+        st = self._st or self._load()
+        key = fields if fields is None or isinstance(fields, str) else tuple(fields)
+        infos = st.resolved.get(key)
+        if infos is None:
+            infos = _batch.resolve_fields(self.fields, fields, self._name)
+            if len(st.resolved) < 64:
+                st.resolved[key] = infos
         return _batch.read_batch(self, indices, infos)
 
     # ------------------------------------------------------------------ writes refused
