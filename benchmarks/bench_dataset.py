@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import regimes
 import torch
 from torch_geometric.data import Batch, Data
 from torch_geometric.loader import DataLoader
@@ -268,6 +269,105 @@ def batches(path: Path, seconds: float, rng: np.random.Generator) -> dict[str, f
     }, seconds)
 
 
+def _reference_data(molecule) -> Data:
+    """``atompack_data`` for the real-size files of ``regimes.py`` (they carry no stress)."""
+    n = len(molecule)
+    return Data(
+        z=torch.from_numpy(molecule.atomic_numbers.astype(np.int64)),
+        pos=torch.from_numpy(np.array(molecule.positions)),
+        natoms=torch.tensor([n]),
+        energy=torch.tensor([molecule.energy], dtype=torch.float64),
+        forces=torch.from_numpy(np.array(molecule.forces)),
+        cell=torch.from_numpy(np.array(molecule.cell)).unsqueeze(0),
+        pbc=torch.tensor([molecule.pbc], dtype=torch.bool),
+    )
+
+
+def real_size(label: str, path: Path, accesses: list[str], rounds: int,
+              records: dict[str, int], rng: np.random.Generator) -> list[tuple]:
+    """Loader batches and per-sample reads of one real-size file in every cache regime.
+
+    Rows ``(file, regime, comparison, arm, ours, reference, CPU ratio)``; regimes
+    and rounds as in ``regimes.py`` (the same random indices for both arms of a
+    round, alternating order, medians).
+    """
+    import atompack
+
+    count = len(atp.open(path))
+
+    def our_loader(dataset, indices: list[int]) -> int:
+        loader = AtompackLoader(dataset, batch_size=32, sampler=indices)
+        return sum(batch.num_graphs for batch in loader)
+
+    def reference_loader(db, indices: list[int]) -> int:
+        done = 0
+        for start in range(0, len(indices), 32):
+            flat = db.get_molecules_flat(indices[start:start + 32])
+            flat["n_atoms"] = flat["n_atoms"].astype(np.int64)
+            done += flat_to_batch(flat).num_graphs
+        return done
+
+    def our_read_batch(dataset, indices: list[int]) -> int:
+        done = 0
+        for start in range(0, len(indices), 32):
+            done += flat_to_batch(dataset.reader.read_batch(indices[start:start + 32])).num_graphs
+        return done
+
+    def touch_ours(dataset) -> None:
+        for start in range(0, count, 4096):
+            dataset.reader.read_batch(np.arange(start, min(start + 4096, count)))
+
+    def touch_reference(db) -> None:
+        for start in range(0, count, 4096):
+            db.get_molecules_flat(list(range(start, min(start + 4096, count))))
+
+    def per_sample_ours(dataset, indices: list[int]) -> int:
+        for i in indices:
+            dataset[i]
+        return len(indices)
+
+    def per_sample_reference(db, indices: list[int]) -> int:
+        for i in indices:
+            _reference_data(db[i])
+        return len(indices)
+
+    def close_dataset(dataset) -> None:
+        dataset.reader.close()
+
+    def open_reference():
+        return atompack.Database.open(str(path))
+
+    comparisons = {
+        "AtompackLoader (batches of 32) vs get_molecules_flat + same assembly": (
+            {f"ours {access}": regimes.Arm(
+                lambda access=access: AtompackDataset(path, access=access, log=False),
+                our_loader, touch_ours, close_dataset) for access in accesses},
+            regimes.Arm(open_reference, reference_loader, touch_reference, lambda h: None)),
+        "read_batch + same assembly vs get_molecules_flat + same assembly": (
+            {"ours auto": regimes.Arm(lambda: AtompackDataset(path, log=False),
+                                      our_read_batch, touch_ours, close_dataset)},
+            regimes.Arm(open_reference, reference_loader, touch_reference, lambda h: None)),
+        "dataset[i] -> Data vs db[i] -> Data": (
+            {"ours auto": regimes.Arm(lambda: AtompackDataset(path, log=False),
+                                      per_sample_ours, touch_ours, close_dataset)},
+            regimes.Arm(open_reference, per_sample_reference, touch_reference,
+                        lambda h: None)),
+    }
+    rows = []
+    for regime in regimes.REGIMES:
+        for comparison, (ours, reference) in comparisons.items():
+            arms = {**ours, "atompack-db": reference}
+            works = [rng.integers(0, count, records[regime]).tolist() for _ in range(rounds)]
+            rates = regimes.paired(arms, regime, path, works)
+            ref_wall, ref_cpu = rates.pop("atompack-db")
+            for arm, (wall, cpu) in rates.items():
+                rows.append((label, regime, comparison, arm, wall, ref_wall, cpu / ref_cpu))
+                print(f"[{label}] {regime:5s} {comparison[:28]:28s} {arm:10s} {wall:9,.0f}/s "
+                      f"atompack-db {ref_wall:9,.0f}/s {wall / ref_wall:.2f}x "
+                      f"(CPU {cpu / ref_cpu:.2f}x)", flush=True)
+    return rows
+
+
 def record_reads(path: Path, workdir: Path, seconds: float, ase_count: int,
                  rng: np.random.Generator) -> tuple[dict[str, float], dict[str, int]]:
     import ase.db
@@ -436,6 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-molecules", type=int, default=20_000,
                         help="1x size of the memory test (also run at 4x)")
     parser.add_argument("--budget-mb", type=int, default=32, help="emulated page-cache budget")
+    parser.add_argument("--sizes", nargs="*", default=["640k", "mixed"],
+                        choices=list(regimes.SIZES),
+                        help="real-size files (regimes.py) measured in every cache regime")
+    parser.add_argument("--access", nargs="+", default=["auto", "pread"],
+                        help="AtompackDataset access modes of the real-size loader rows")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds (real sizes)")
+    parser.add_argument("--skip-small", action="store_true",
+                        help="only the real-size rows (no 20k tables, baselines or memory)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -445,6 +553,39 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(2024)
+    load_before = os.getloadavg()
+    records = {"hot": 8192, "first": 8192, "cold": 1024}
+    real_rows = []
+    for label in args.sizes:
+        stem, molecules, atoms = regimes.SIZES[label]
+        real_rows += real_size(label, regimes.build_file(stem, molecules, atoms), args.access,
+                               args.rounds, records, rng)
+    real_report = [
+        "## Real sizes, by page-cache regime", "",
+        "Files of `benchmarks/regimes.py` (written by atompack-db, cached under "
+        "`benchmarks/_work/`): 640k = 640,000 molecules × 64 atoms (1.1 GB), mixed = "
+        "260,000 molecules × 10–300 atoms (1.05 GB). Regimes: hot (every record read "
+        "through the reader first), first (page cache warm, fresh dataset / database per "
+        "run), cold (file evicted with `posix_fadvise(DONTNEED)` before each run). "
+        f"{records['hot']:,} random records per run hot / first, {records['cold']:,} cold; "
+        f"medians of {args.rounds} paired rounds, arm order alternating. Ratio = ours ÷ "
+        "atompack-db by wall clock; CPU ratio by process CPU time (hot / first only).", "",
+        f"Load average before: {load_before[0]:.2f} / {load_before[1]:.2f} / "
+        f"{load_before[2]:.2f}; after: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "", "| file | regime | comparison | arm | ours (mol/s) | atompack-db (mol/s) | ratio "
+        "| CPU ratio |", "|---|---|---|---|---:|---:|---:|---:|"]
+    for label, regime, comparison, arm, wall, ref_wall, cpu_ratio in real_rows:
+        cpu = "" if regime == "cold" else f"{cpu_ratio:.2f}"
+        real_report.append(f"| {label} | {regime} | {comparison} | {arm} | {wall:,.0f} | "
+                           f"{ref_wall:,.0f} | {wall / ref_wall:.2f} | {cpu} |")
+    real_report.append("")
+    if args.skip_small:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(["# AtompackDataset / AtompackLoader benchmarks", "",
+                                        *machine(), "", *real_report]) + "\n",
+                            encoding="utf-8")
+        print("\n".join(real_report))
+        return 0
     report = ["# AtompackDataset / AtompackLoader benchmarks", "", *machine(), "",
               "Arms of one table run interleaved (6 alternating slices each, "
               f"{args.seconds:g} s per arm, after a warm-up call), shuffled indices, warm "
@@ -504,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['budget'] or 'none'} | {row['start_rss']} | "
                       f"{row['anon_growth']} | {row['file_growth']} | {row['drops']} |")
     report.append("")
+    report += ["", *real_report]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report) + "\n", encoding="utf-8")
     print("\n".join(report))

@@ -43,6 +43,12 @@ from pathlib import Path
 import numpy as np
 
 WORK = Path(__file__).resolve().parent / "_work"
+REGIMES = ("hot", "first", "cold")
+SIZES = {  # name -> (file stem, molecules, atoms per molecule or None for 10-300)
+    "20k": ("ref64_20k", 20_000, 64),
+    "640k": ("ref64_640k", 640_000, 64),
+    "mixed": ("refmix_260k", 260_000, None),
+}
 FIELDS = ("positions", "atomic_numbers", "energy", "forces", "cell", "pbc")
 CHUNK = 10_000  # molecules generated and written per step (keeps memory flat)
 

@@ -308,11 +308,13 @@ class Reader:
                                        self._name, i)
                 # first touch: check the record's structural bytes in place against
                 # a known layout of its size (no copy of the record, no re-parse)
-                off, stored, raw, n = self._entry(st, i)
+                off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
                 layout = st.layouts.get((raw, n))
-                if layout is not None and layout.memo_id is not None and stored == raw and \
+                if layout is not None and stored == raw and off >= HEADER_SIZE and \
+                        off + raw <= st.size and layout.memo_id is not None and \
                         layout.check_at(st.buf, off) == layout.expected:
-                    self._memo(st)[i] = layout.memo_id
+                    memo = st.memo
+                    (self._memo(st) if memo is UNCHECKED else memo)[i] = layout.memo_id
                     return plans[layout.memo_id].decode(st.buf, off, self._name, i)
                 buf, base, layout = self._record(st, i)
                 self._remember(st, i, layout)
