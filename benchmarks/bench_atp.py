@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/bench_atp.py            # every size, ~10 min on an idle machine
-    python benchmarks/bench_atp.py --quick    # 3 rounds, half the records per run
+    python benchmarks/bench_atp.py            # every size, ~15 min on the shared 2-core VM
+    python benchmarks/bench_atp.py --quick    # 3 rounds, half the records (make bench)
     python benchmarks/bench_atp.py --sizes 640k --access mmap auto
 
 **Reads by size and cache regime** (codec none): files of 20,000 x 64 atoms
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     scale = 2 if args.quick else 1
-    records = {"hot": 20480 // scale, "first": 20480 // scale, "cold": 2048 // scale}
+    records = {"hot": 10240 // scale, "first": 10240 // scale, "cold": 1024 // scale}
     load_before = os.getloadavg()
     rng = np.random.default_rng(1)
 
