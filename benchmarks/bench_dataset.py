@@ -7,8 +7,16 @@ a shared machine, ratios much less. Results go to ``benchmarks/results/dataset.m
 
 Usage::
 
-    python benchmarks/bench_dataset.py                 # default: a few minutes
+    python benchmarks/bench_dataset.py                 # default: ~10 minutes
     python benchmarks/bench_dataset.py --molecules 50000 --seconds 4
+    python benchmarks/bench_dataset.py --skip-small --sizes 640k mixed  # real sizes only
+
+Real sizes: ``--sizes`` names files of ``regimes.py`` (1.1 GB of 64-atom molecules,
+1.05 GB of 10-300 atoms; built once under ``benchmarks/_work/``), measured in the
+hot, first-touch and cold page-cache regimes defined there: ``AtompackLoader`` and
+``read_batch`` + the same ``Batch`` assembly against atompack-db's
+``get_molecules_flat`` + that assembly, and ``dataset[i]`` against ``db[i]`` ->
+``Data``.
 
 Memory: a child process iterates datasets of 1x and 4x the size with
 ``AtompackLoader`` and samples ``/proc/self/status``. No cgroup can be created
@@ -536,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-molecules", type=int, default=20_000,
                         help="1x size of the memory test (also run at 4x)")
     parser.add_argument("--budget-mb", type=int, default=32, help="emulated page-cache budget")
-    parser.add_argument("--sizes", nargs="*", default=["640k", "mixed"],
+    parser.add_argument("--sizes", nargs="*", default=["640k"],
                         choices=list(regimes.SIZES),
                         help="real-size files (regimes.py) measured in every cache regime")
     parser.add_argument("--access", nargs="+", default=["auto", "pread"],
