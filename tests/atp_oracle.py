@@ -20,6 +20,7 @@ import atompack
 import numpy as np
 
 from pyg_atompack import atp
+from pyg_atompack.atp import filestate
 
 BUILTIN_KEYS = ("energy", "forces", "charges", "velocities", "cell", "stress", "pbc", "name")
 CODECS = ("none", "lz4", "zstd")
@@ -216,9 +217,16 @@ def open_reader(path: Path, access: str) -> Any:
     over the whole image (the streaming path)."""
     if access == "bytes":
         return atp.Reader.from_bytes(path.read_bytes(), name=path.name)
-    if access == "auto-cold":
-        reader = atp.open(path, access="auto")
-        reader._state().resident = lambda offset, length: False
+    if access in ("auto", "auto-cold"):
+        # test files are small: lower the size from which "auto" advises random access
+        saved, filestate.RANDOM_ADVICE_BYTES = filestate.RANDOM_ADVICE_BYTES, 0
+        try:
+            reader = atp.open(path, access="auto")
+            reader._state()
+        finally:
+            filestate.RANDOM_ADVICE_BYTES = saved
+        if access == "auto-cold":
+            reader._state().resident = lambda offset, length: False
         return reader
     return atp.open(path, access=access)
 

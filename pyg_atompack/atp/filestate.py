@@ -26,6 +26,10 @@ from .schema import decode_schema
 from .types import POSITIONS_DTYPE_BY_TAG
 
 F32 = np.dtype("<f4")
+# "auto" and "pread" advise random access from this file size on; below it the
+# kernel's read-ahead wins (bench_atp.py: on the 35 MB file cold, the plain map reads
+# 1.3-1.7x atompack-db's rate, the random-advised paths 0.2-1.1x)
+RANDOM_ADVICE_BYTES = 128 << 20
 
 
 class _Unchecked:
@@ -88,7 +92,11 @@ class FileState:
             raise AtpValueError(f"{self.name}: is a directory; use atp.open() for shards") \
                 from None
         self.size = os.fstat(self.fd).st_size
-        if access != "mmap" and hasattr(os, "posix_fadvise"):
+        # small files keep the kernel's read-ahead: its windows soon hold the whole file
+        random = access != "mmap" and self.size >= RANDOM_ADVICE_BYTES
+        if access == "auto" and not random:
+            access = self.access = "mmap"
+        if random and hasattr(os, "posix_fadvise"):
             # a random record read fetches its pages only, not a read-ahead window of
             # 128 KiB or more that a shuffled reader would throw away; a read of a run
             # of adjacent records is one large read of exactly that run
