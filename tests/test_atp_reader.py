@@ -760,3 +760,22 @@ def test_auto_probes_residency_of_the_mapping(golden_dir, random_advice):
         st = f._state()
         offset = int(f.index["offset"][0])
         assert st.resident(offset, int(f.index["raw"][0])) is True
+
+
+@pytest.mark.parametrize("access", ["auto", "mmap"])
+def test_first_touch_check_in_place_refuses_a_record_of_another_structure(
+        tmp_path, access, random_advice):
+    """A record of a known size whose section headers differ is parsed, not trusted."""
+    path = _write_small(tmp_path / "same.atp", [4, 4, 4])
+    with atp.open(path, access="mmap") as f:
+        f[0]
+        layout = next(iter(f._state().layouts.values()))
+        offset = int(f.index["offset"][2])
+        target = offset + layout.spans[1][0]
+    data = bytearray(path.read_bytes())
+    data[target] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with atp.open(path, access=access) as f:
+        assert f[0].energy == 0.0 and f[1].energy == 1.0  # same layout, checked in place
+        with pytest.raises(atp.AtpError, match="record 2"):
+            f[2]
