@@ -223,11 +223,6 @@ def _per_record(handle, indices: list[int]) -> int:
     return len(indices)
 
 
-def _touch_records(handle) -> None:
-    for i in range(len(handle)):
-        handle[i]
-
-
 def _batches_of(size: int):
     def run(handle, indices: list[int]) -> int:
         batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
@@ -235,12 +230,16 @@ def _batches_of(size: int):
             batch(indices[start:start + size])
         return len(indices) // size * size
 
-    def touch(handle) -> None:
-        count = len(handle)
-        batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
-        for start in range(0, count, 4096):
-            batch(list(range(start, min(start + 4096, count))))
-    return run, touch
+    return run, _touch_all
+
+
+def _touch_all(handle) -> None:
+    """Read every record once through ``handle`` (in batches: the same pages and, for
+    ours, the same per-record memo as ``f[i]`` would leave, in a fraction of the time)."""
+    count = len(handle)
+    batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
+    for start in range(0, count, 4096):
+        batch(list(range(start, min(start + 4096, count))))
 
 
 def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
@@ -248,7 +247,7 @@ def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
     """Every (regime, operation, arm) of one file: ours / atompack-db, medians of rounds."""
     count = len(atp.open(path))
     rows = []
-    operations = {"per-record": (_per_record, _touch_records)}
+    operations = {"per-record": (_per_record, _touch_all)}
     operations.update({f"read_batch({b})": _batches_of(b) for b in BATCH_SIZES})
     for regime in REGIMES:
         if regime == "cold":
