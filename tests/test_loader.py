@@ -328,21 +328,28 @@ def test_loader_respects_dataset_subsets_and_pre_filter(golden_dir):
             assert_batches_equal(mine, theirs)
 
 
-def test_loader_shuffles_like_pyg_with_the_same_generator(tmp_path):
+def test_loader_shuffles_like_pyg_with_the_same_sampler(tmp_path):
+    from pyg_atompack.pyg.resume import ResumableSampler
+
     dataset = AtompackDataset(_atompack_file(tmp_path / "shuffle.atp", 50))
     from torch_geometric.loader import DataLoader
 
-    # one generator per loader, seeded alike
-    ours = AtompackLoader(dataset, batch_size=8, shuffle=True, drop_last=True,
-                          generator=torch.Generator().manual_seed(5))
-    reference = DataLoader(dataset, batch_size=8, shuffle=True, drop_last=True,
-                           generator=torch.Generator().manual_seed(5))
-    batches = list(zip(ours, reference, strict=True))
-    assert len(batches) == 6
-    for mine, theirs in batches:
-        assert_batches_equal(mine, theirs)
+    # shuffle=True samples through a ResumableSampler seeded with `seed`
+    ours = AtompackLoader(dataset, batch_size=8, shuffle=True, drop_last=True, seed=5)
+    reference = DataLoader(dataset, batch_size=8, drop_last=True,
+                           sampler=ResumableSampler(dataset, seed=5, drop_last=True))
+    for _ in range(2):  # both advance to a new permutation in the second epoch
+        batches = list(zip(ours, reference, strict=True))
+        assert len(batches) == 6
+        for mine, theirs in batches:
+            assert_batches_equal(mine, theirs)
     assert sorted(e for b, _ in batches for e in b.energy.tolist()) != [
         float(i) for i in range(48)]
+    # without a seed, one is drawn from the generator: the same generator, the same order
+    orders = [[b.energy.tolist() for b in AtompackLoader(
+        dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))]
+        for _ in range(2)]
+    assert orders[0] == orders[1]
 
 
 def test_loader_falls_back_to_per_sample_path_with_a_transform(golden_dir):

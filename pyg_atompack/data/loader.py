@@ -8,11 +8,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
-from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import Sampler, SequentialSampler
 from torch_geometric.data import Batch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pyg_atompack.data.dataset import AtompackDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
+from pyg_atompack.pyg.resume import (
+    ResumableSampler,
+    StatefulBatchSampler,
+    check_loader_state,
+    quiet_torchdata,
+    wrap_loader_state,
+)
 
 __all__ = ["AtompackLoader"]
 
@@ -87,7 +95,7 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return batch if self.all_names is None else self.all_names.apply(batch)
 
 
-class AtompackLoader(torch.utils.data.DataLoader):
+class AtompackLoader(StatefulDataLoader):
     r"""A fast mini-batch loader for :class:`AtompackDataset`.
 
     Instead of building one :class:`~torch_geometric.data.Data` per molecule and
@@ -98,11 +106,20 @@ class AtompackLoader(torch.utils.data.DataLoader):
     :class:`torch_geometric.loader.DataLoader` over the same dataset and indices,
     attribute by attribute, including ``batch``, ``ptr`` and ``to_data_list()``.
 
-    Sampling is the standard PyTorch machinery, so ``shuffle``, a custom
-    ``sampler`` such as :class:`~torch.utils.data.DistributedSampler`,
-    ``num_workers``, ``pin_memory``, ``persistent_workers`` and so on behave as
-    usual; each worker reads whole batches. Subsets of the dataset
-    (``index_select``, slicing, ``shuffle()``, ``pre_filter``) are respected.
+    Sampling is the standard PyTorch machinery, so a custom ``sampler`` such as
+    :class:`~torch.utils.data.DistributedSampler`, ``num_workers``,
+    ``pin_memory``, ``persistent_workers`` and so on behave as usual; each worker
+    reads whole batches. Subsets of the dataset (``index_select``, slicing,
+    ``shuffle()``, ``pre_filter``) are respected.
+
+    ``shuffle=True`` samples through a :class:`~pyg_atompack.pyg.resume.ResumableSampler`
+    seeded with ``seed``: a new permutation every epoch (it advances by itself;
+    :meth:`set_epoch` pins one), split between DDP ranks when
+    :mod:`torch.distributed` is initialised (``DistributedSampler``'s order). The
+    loader is a torchdata ``StatefulDataLoader``: :meth:`state_dict` between two
+    steps, then :meth:`load_state_dict` on a loader built the same way (in a new
+    process too, with the same ``num_workers``), continues the epoch with exactly
+    the batches that were left.
 
     When the dataset has a ``transform``, the loader falls back to the
     per-sample path (``dataset[i]`` for each index, then
@@ -118,8 +135,8 @@ class AtompackLoader(torch.utils.data.DataLoader):
     Args:
         dataset (AtompackDataset): The dataset to load from.
         batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
-        shuffle (bool, optional): Reshuffle the data every epoch; not allowed
-            together with ``sampler``. (default: :obj:`False`)
+        shuffle (bool, optional): Reshuffle the data every epoch (see above); not
+            allowed together with ``sampler``. (default: :obj:`False`)
         drop_last (bool, optional): Drop the last incomplete batch.
             (default: :obj:`False`)
         sampler (torch.utils.data.Sampler, optional): Draws dataset positions
@@ -137,9 +154,14 @@ class AtompackLoader(torch.utils.data.DataLoader):
             names. (default: :obj:`None`)
         names (str, optional): A naming preset such as ``"pyg-md17"`` (see
             :class:`AtompackDataset`). (default: :obj:`None`)
+        seed (int, optional): Seed of the ``shuffle=True`` permutations; the same
+            on every rank. :obj:`None` draws one from ``generator`` (or torch's
+            global generator), so ``torch.manual_seed`` makes runs repeatable.
+            (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
-            ``persistent_workers``, ``prefetch_factor``, ``generator``, ...).
+            ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
+            ``StatefulDataLoader`` (``snapshot_every_n_steps``).
     """
 
     def __init__(
@@ -154,6 +176,7 @@ class AtompackLoader(torch.utils.data.DataLoader):
         exclude_keys: Sequence[str] | None = None,
         rename: Mapping[str, str] | None = None,
         names: str | None = None,
+        seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, AtompackDataset):
@@ -167,33 +190,55 @@ class AtompackLoader(torch.utils.data.DataLoader):
         if sampler is not None and shuffle:
             raise ValueError("AtompackLoader: sampler and shuffle=True are mutually exclusive")
         generator = kwargs.get("generator")
-        if sampler is None:
-            sampler = (
-                RandomSampler(dataset, generator=generator) if shuffle
-                else SequentialSampler(dataset)
-            )
+        if sampler is None and shuffle:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), generator=generator))
+            sampler = ResumableSampler(dataset, seed=seed, drop_last=drop_last)
+        elif sampler is None:
+            sampler = SequentialSampler(dataset)
         self.follow_batch = list(follow_batch or [])
         self.exclude_keys = list(exclude_keys or [])
         self.atompack_dataset = dataset
         fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
                                 resolve_names(rename, names))
-        super().__init__(
-            fetcher,
-            batch_sampler=BatchSampler(sampler, batch_size, drop_last),
-            num_workers=num_workers,
-            collate_fn=_pass_through,
-            **kwargs,
-        )
+        # in-process iteration (the fast path below): its batch iterator, and the
+        # state load_state_dict left for the next iteration
+        self._in_process_batches: Any = None
+        self._in_process_finished = False
+        self._in_process_resume: dict[str, Any] | None = None
+        with quiet_torchdata():
+            super().__init__(
+                fetcher,
+                batch_sampler=StatefulBatchSampler(sampler, batch_size, drop_last),
+                num_workers=num_workers,
+                collate_fn=_pass_through,
+                **kwargs,
+            )
+
+    def _in_process(self) -> bool:
+        return self.num_workers == 0 and not self.pin_memory
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.num_workers == 0 and not self.pin_memory:
+        if self._in_process():
             # In-process loading needs none of the iterator machinery of
             # DataLoader (profiler scopes, worker bookkeeping: ~15 us a batch,
-            # a fifth of the whole cost of a 32-molecule batch).
+            # a fifth of the whole cost of a 32-molecule batch). The batch
+            # sampler's iterator is then the whole state: it has produced
+            # exactly the batches handed out.
             positions = iter(self.batch_sampler)
+            resume, self._in_process_resume = self._in_process_resume, None
+            if resume is not None and resume["batch_sampler"] is not None:
+                saved = resume["batch_sampler"]
+                if not resume["finished"]:
+                    positions.load_state_dict(saved)
+                elif "sampler_state" in saved:
+                    # a finished pass: the sampler starts the epoch after it
+                    self.batch_sampler.sampler.load_state_dict(saved["sampler_state"])
+                    positions = iter(self.batch_sampler)
             # DataLoader draws a base seed per epoch from the loader's generator
             # (or the global one); draw it too so that shuffles stay identical.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self._in_process_batches, self._in_process_finished = positions, False
             return self._batches_in_process(positions)
         return super().__iter__()
 
@@ -201,6 +246,49 @@ class AtompackLoader(torch.utils.data.DataLoader):
         fetch = self.dataset.__getitems__
         for batch_positions in positions:
             yield fetch(batch_positions)
+        self._in_process_finished = True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the sampler (``ResumableSampler``, ``DistributedSampler``).
+
+        Args:
+            epoch (int): The epoch of the next pass.
+        """
+        sampler = self.batch_sampler.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the current pass, including every worker's.
+
+        Take it between two steps; it is tagged with ``num_workers``.
+
+        Returns:
+            dict: The state, for :meth:`load_state_dict`.
+        """
+        if self._in_process():
+            batches = self._in_process_batches
+            state = {"batch_sampler": None if batches is None else batches.state_dict(),
+                     "finished": self._in_process_finished}
+        else:
+            state = super().state_dict()
+        return wrap_loader_state(state, self.num_workers)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next iteration continue the saved pass.
+
+        Args:
+            state_dict (dict): Output of :meth:`state_dict` of a loader built the same
+                way (dataset, batch size, sampler or ``seed``, ``num_workers``).
+
+        Raises:
+            ValueError: If the state was taken with a different ``num_workers``.
+        """
+        state = check_loader_state(state_dict, self.num_workers)
+        if self._in_process():
+            self._in_process_resume = state
+        else:
+            super().load_state_dict(state)
 
     def __repr__(self) -> str:
         return (
