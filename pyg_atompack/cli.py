@@ -1,4 +1,4 @@
-"""The ``pyg-atompack`` command line: convert, info, verify, shard, head, push, pull.
+"""The ``pyg-atompack`` command line: convert, merge, info, verify, shard, head, push, pull.
 
 Exit codes: 0 success, 1 ``verify`` found problems, 2 bad input (a one-line
 error naming the file and the problem; no partial output is left behind).
@@ -99,9 +99,37 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise _Fail(str(exc)) from exc
     count = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.to,
                     read_options=_read_options(args), write_options=options,
-                    progress=_progress_factory(args.quiet))
+                    progress=_progress_factory(args.quiet), workers=args.workers,
+                    part=_part(args.part))
     if not args.quiet:
         print(f"wrote {count} structures to {args.dst}")
+    return EXIT_OK
+
+
+def _part(text: str | None):
+    from pyg_atompack.convert.parallel import Part
+
+    if text is None:
+        return None
+    try:
+        return Part.parse(text)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from exc
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from pyg_atompack.convert.merge import merge_parts
+
+    count = merge_parts(args.out, args.parts, overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"merged {len(args.parts)} parts, {count} structures, into {args.out}")
     return EXIT_OK
 
 
@@ -261,9 +289,26 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--level", type=int, default=3, help="zstd level (default: 3)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    convert.add_argument("--workers", type=_positive, default=1, metavar="N",
+                         help="processes reading and parsing SRC; the output is the same as "
+                              "with 1 (default: 1)")
+    convert.add_argument("--part", metavar="I/N",
+                         help="convert only part I of N (whole shards) into a shard directory; "
+                              "combine the parts with `pyg-atompack merge`")
     _add_key_options(convert)
     _add_type_options(convert)
     convert.set_defaults(run=_cmd_convert)
+
+    merge = commands.add_parser(
+        "merge", help="combine the parts of convert --part I/N into one shard directory",
+        description="Check that PART_DIRS are parts 0..N-1 of one conversion, verify "
+                    "every shard (size, sha256), and write OUT with all shards (hard "
+                    "links or copies) and one manifest.json in global order.")
+    merge.add_argument("out", help="merged directory (must not exist)")
+    merge.add_argument("parts", nargs="+", metavar="PART_DIR", help="part directories")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    merge.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    merge.set_defaults(run=_cmd_merge)
 
     info = commands.add_parser("info", help="counts, fields, codec, size, shard list",
                                description="Describe a dataset in any readable format.")

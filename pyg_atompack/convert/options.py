@@ -98,12 +98,20 @@ class WriteOptions:
         shard_size: Records per shard for sharded outputs; ``None`` writes a
             single `.atp` file (default: ``None``).
         overwrite: Replace an existing destination (default: ``False``).
+        first_shard: Number of the first shard a sharded writer writes
+            (``shard_{first_shard:05d}...``), so that the parts of a partitioned
+            conversion never share a shard name (default: ``0``).
+        part: Written into a sharded output's manifest as ``"part"``: which part of
+            a partitioned conversion it holds (see :mod:`.parallel`)
+            (default: ``None``).
     """
 
     compression: str = "none"
     level: int = 3
     shard_size: int | None = None
     overwrite: bool = False
+    first_shard: int = 0
+    part: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in ("none", "lz4", "zstd"):

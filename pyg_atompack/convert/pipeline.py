@@ -9,7 +9,9 @@ from typing import Any
 from .coercion import Coercer, Widened
 from .errors import note
 from .options import ReadOptions, WriteOptions
-from .registry import open_reader, open_writer
+from .parallel import Part, open_structures, part_write_options
+from .registry import open_writer
+from .shards import DEFAULT_SHARD_SIZE
 
 #: ``progress(total)`` returns an object with ``update(n)`` and ``close()`` (a tqdm).
 ProgressFactory = Callable[[int | None], Any]
@@ -24,6 +26,8 @@ def convert(
     read_options: ReadOptions | None = None,
     write_options: WriteOptions | None = None,
     progress: ProgressFactory | None = None,
+    workers: int = 1,
+    part: Part | None = None,
 ) -> int:
     """Convert a dataset from one format into another.
 
@@ -33,6 +37,8 @@ def convert(
     structures widen (integer -> float, ...) is promoted, with one
     :class:`~pyg_atompack.convert.ConversionNote` warning per key, after
     reading the source again when structures were already written narrower.
+    With ``workers > 1`` the source is read and parsed by that many processes
+    and written in order by this one (:mod:`.parallel`): the output is the same.
 
     Args:
         src: Source file or directory.
@@ -43,6 +49,10 @@ def convert(
         read_options: Key mapping and units of the source.
         write_options: Codec, shard size and overwrite of the destination.
         progress: Factory of a progress bar, called with the total (or ``None``).
+        workers: Processes reading the source (default: ``1``).
+        part: Convert only this part of the source into a shard directory whose
+            shards carry their global numbers, for :func:`~.merge.merge_parts`
+            (default: ``None``, everything).
 
     Returns:
         The number of structures written.
@@ -56,11 +66,12 @@ def convert(
         ...         read_options=ReadOptions(units=UnitConversion("kcal/mol")))
     """
     read_options = read_options if read_options is not None else ReadOptions()
+    write_options = write_options if write_options is not None else WriteOptions()
     coercer = Coercer(read_options, src, dst)
     while True:
         try:
             count = _convert_once(src, dst, src_format, dst_format, read_options,
-                                  write_options, progress, coercer)
+                                  write_options, progress, coercer, workers, part)
         except Widened:
             coercer.restart()  # the writer was aborted: nothing of the last pass remains
             continue
@@ -70,12 +81,16 @@ def convert(
 
 
 def _convert_once(src, dst, src_format, dst_format, read_options, write_options,
-                  progress, coercer: Coercer) -> int:
-    with open_reader(src, src_format, read_options) as reader:
+                  progress, coercer: Coercer, workers: int = 1, part: Part | None = None) -> int:
+    with open_structures(src, src_format, read_options, workers=workers, part=part,
+                         shard_size=write_options.shard_size or DEFAULT_SHARD_SIZE) as reader:
+        if part is not None:
+            write_options = part_write_options(reader, dst, dst_format, write_options)
         bar = progress(reader.length) if progress is not None else None
         try:
             with open_writer(dst, dst_format, write_options) as writer:
-                for index, structure in enumerate(reader):
+                # indices in the source: a part starts at its first structure
+                for index, structure in enumerate(reader, getattr(reader, 'first_index', 0)):
                     writer.add(coercer(structure, index))
                     if bar is not None:
                         bar.update(1)

@@ -131,7 +131,8 @@ class ShardedWriter(StructureWriter):
         self._shard_open = False
 
     def _shard_name(self, number: int) -> str:
-        return f"shard_{number:05d}{self.shard_extension}"
+        # numbered from first_shard: the parts of a partitioned conversion never collide
+        return f"shard_{self.options.first_shard + number:05d}{self.shard_extension}"
 
     def _add(self, structure: Structure) -> None:
         if not self._shard_open:
@@ -167,6 +168,7 @@ class ShardedWriter(StructureWriter):
             "shard_format": self.shard_format,
             "created_at_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **self._manifest_extras(),
+            **({"part": dict(self.options.part)} if self.options.part else {}),
         }
         text = json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
         (self.tmp_path / MANIFEST_NAME).write_text(text, encoding="utf-8")

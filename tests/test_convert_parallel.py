@@ -1,0 +1,168 @@
+"""Parallel (``--workers``) and partitioned (``--part`` + ``merge``) conversion.
+
+The command line runs as real subprocesses with real worker processes. Outputs are
+compared byte for byte with a single-process conversion of the same source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyg_atompack.convert.parallel import RANGE_SIZE, Part, index_extxyz, plan_part
+
+N_FRAMES = 700  # three ranges of RANGE_SIZE: both workers get some
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyg_atompack.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_extxyz(path: Path, count: int, *, bad: int | None = None) -> Path:
+    """An extxyz file of small molecules (energy, forces, a per-frame tag, VEC-free)."""
+    rng = np.random.default_rng(1)
+    lines = []
+    for i in range(count):
+        n = 2 + i % 4
+        energy = "not-a-number" if i == bad else f"{rng.normal():.10f}"
+        lines += [str(n), f"Properties=species:S:1:pos:R:3:forces:R:3 energy={energy} "
+                          f'tag={i} pbc="F F F"']
+        for row in rng.normal(size=(n, 6)):
+            lines.append("H " + " ".join(f"{v:.8f}" for v in row))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_extxyz(tmp_path_factory.mktemp("parallel") / "frames.extxyz", N_FRAMES)
+
+
+def _manifest(directory: Path) -> dict:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest.pop("created_at_utc")
+    return manifest
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name != "manifest.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert _manifest(a) == _manifest(b)
+
+
+def test_index_matches_ase_frames(source: Path) -> None:
+    import ase.io
+
+    offsets = index_extxyz(source)
+    assert len(offsets) == N_FRAMES + 1 and offsets[-1] == source.stat().st_size
+    assert len(list(ase.io.iread(source, index=":"))) == N_FRAMES
+
+
+@pytest.mark.parametrize("extra", [[], ["--shard-size", "90"]])
+def test_two_workers_write_what_one_writes(source: Path, tmp_path: Path, extra) -> None:
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / (f"w{workers}.atp" if not extra else f"w{workers}")
+        result = run("convert", source, out, "--workers", workers, *extra)
+        assert result.returncode == 0, result.stderr
+        assert f"wrote {N_FRAMES} structures" in result.stdout
+        outputs.append(out)
+    if extra:
+        _same_tree(*outputs)
+    else:
+        assert outputs[0].read_bytes() == outputs[1].read_bytes()
+
+
+def test_generic_sources_convert_in_parallel_too(source: Path, tmp_path: Path) -> None:
+    atp_file = tmp_path / "all.atp"
+    assert run("convert", source, atp_file).returncode == 0
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, workers in ((one, 1), (two, 2)):
+        result = run("convert", atp_file, out, "--shard-size", "100", "--workers", workers)
+        assert result.returncode == 0, result.stderr
+    _same_tree(one, two)
+
+
+def test_parts_and_merge_equal_one_conversion(source: Path, tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    assert run("convert", source, whole, "--shard-size", "90").returncode == 0
+    parts = []
+    for index in range(3):
+        part = tmp_path / f"part{index}"
+        result = run("convert", source, part, "--shard-size", "90", "--part", f"{index}/3",
+                     "--workers", 2 if index == 1 else 1)
+        assert result.returncode == 0, result.stderr
+        parts.append(part)
+    names = [sorted(p.name for p in part.glob("*.atp")) for part in parts]
+    assert not set(names[0]) & set(names[1]) and not set(names[1]) & set(names[2])
+    merged = tmp_path / "merged"
+    result = run("merge", merged, *reversed(parts))  # any order
+    assert result.returncode == 0, result.stderr
+    assert f"{N_FRAMES} structures" in result.stdout
+    _same_tree(whole, merged)
+    assert run("verify", merged).returncode == 0
+
+    missing = run("merge", tmp_path / "m2", parts[0], parts[2])
+    assert missing.returncode == 2 and "missing part(s) 1/3" in missing.stderr
+    # a damaged copy of part 2 (merged/ shares the part's files: hard links)
+    copy = tmp_path / "part2-damaged"
+    shutil.copytree(parts[2], copy)
+    damaged = bytearray((copy / names[2][0]).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (copy / names[2][0]).write_bytes(bytes(damaged))
+    broken = run("merge", tmp_path / "m3", parts[0], parts[1], copy)
+    assert broken.returncode == 2 and names[2][0] in broken.stderr
+    assert not (tmp_path / "m2").exists() and not (tmp_path / "m3").exists()
+
+
+def test_part_planning_covers_whole_shards() -> None:
+    for total, count, size in ((700, 3, 90), (5, 4, 2), (1000, 7, 1000)):
+        spans = [plan_part(total, Part(i, count), size) for i in range(count)]
+        assert spans[0][0] == 0 and spans[-1][1] == total
+        for (start, stop, first), (following, _, _) in zip(spans, spans[1:]):
+            assert stop == following and start == first * size
+    with pytest.raises(ValueError, match="I/N"):
+        Part.parse("3/3")
+
+
+def test_bad_structure_in_a_worker_stops_everything(tmp_path: Path) -> None:
+    bad = RANGE_SIZE + 7  # in the second range: read by the second worker
+    source = write_extxyz(tmp_path / "bad.extxyz", N_FRAMES, bad=bad)
+    out = tmp_path / "out"
+    result = run("convert", source, out, "--shard-size", "50", "--workers", "2")
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert str(source) in line and f"structure {bad}" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.extxyz"]
+
+
+def test_ctrl_c_stops_all_workers_and_leaves_nothing(tmp_path: Path) -> None:
+    source = write_extxyz(tmp_path / "big.extxyz", 60_000)
+    out = tmp_path / "big.atp"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pyg_atompack.cli", "convert", source, out, "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # interrupt once the writer has started (its hidden temporary output exists)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".big.atp.partial") for p in tmp_path.iterdir()):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.extxyz"]
