@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_convert.py [--structures 2000] [--atoms 21] [--repeats 3]
+                                       [--workers 1,2] [--parallel-structures 20000]
 
 Builds an MD-like dataset (one molecule of ``--atoms`` atoms jiggled around a
 fixed geometry, float64 positions, energy, forces) as extxyz and as a metatrain
@@ -11,6 +12,11 @@ memmap directory, then measures:
 * extxyz -> `.atp` structures/s, next to a plain ``ase.io.iread`` pass over the
   same file (the floor set by ASE's parser) as a ratio;
 * memmap -> `.atp` structures/s;
+* extxyz -> `.atp` with ``--workers`` processes (``convert(..., workers=N)``) on a
+  larger file (``--parallel-structures``), as a ratio against one process, paired
+  and interleaved (each repeat runs every arm once, in rotating order), next to the
+  ceiling of ASE's parser: ``ase.io.iread`` alone, in one process and in N
+  processes each parsing 1/N of the frames at the same time;
 * bytes per structure of `.pt` shards (``list[Data]``, 1000 per shard), `.atp`
   (none and zstd-3), the memmap layout, and, for reference, what ``torch.save``
   writes for shards of views into a collated ``InMemoryDataset`` (the mistake
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
+import os
 import platform
 import statistics
 import tempfile
@@ -80,6 +88,49 @@ def timed(function, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _parse_frames(path: Path, start: int, stop: int) -> None:
+    import ase.io
+
+    for _ in ase.io.iread(path, index=slice(start, stop)):
+        pass
+
+
+def ase_parse_s(path: Path, processes: int, total: int) -> float:
+    """Wall time of ``processes`` processes each parsing 1/processes of the frames."""
+    bounds = [total * i // processes for i in range(processes + 1)]
+    context = multiprocessing.get_context("fork")
+    start = time.perf_counter()
+    children = [context.Process(target=_parse_frames, args=(path, lo, hi))
+                for lo, hi in zip(bounds, bounds[1:])]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join()
+    return time.perf_counter() - start
+
+
+def paired_parallel(extxyz: Path, root: Path, workers: list[int],
+                    repeats: int) -> dict[str, list[float]]:
+    """Seconds per arm and repeat; arms rotate their order from one repeat to the next."""
+    import ase.io
+
+    total = sum(1 for _ in ase.io.iread(extxyz, index=":"))
+    over = WriteOptions(overwrite=True)
+    arms = {f"convert w{w}": (lambda w=w: convert(extxyz, root / f"p{w}.atp",
+                                                  write_options=over, workers=w))
+            for w in workers}
+    arms.update({f"ase x{w}": (lambda w=w: ase_parse_s(extxyz, w, total)) for w in workers})
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            start = time.perf_counter()
+            arms[name]()
+            times[name].append(time.perf_counter() - start)
+    times["total"] = [float(total)]
+    return times
+
+
 def tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -108,11 +159,16 @@ def main() -> None:
     parser.add_argument("--structures", type=int, default=2000)
     parser.add_argument("--atoms", type=int, default=21)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="1,2",
+                        help="comma-separated worker counts of the parallel rows")
+    parser.add_argument("--parallel-structures", type=int, default=20000,
+                        help="structures of the file the parallel rows convert")
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).parent / "results" / "convert.md")
     args = parser.parse_args()
     n = args.structures
     structures = make_structures(n, args.atoms)
+    load_before = os.getloadavg()
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -138,14 +194,32 @@ def main() -> None:
         sizes["memmap directory (float32)"] = tree_bytes(memmap)
         sizes["extxyz text"] = tree_bytes(extxyz)
         view_bytes = collated_view_shard_bytes(structures, root, min(1000, n))
+        workers = [int(w) for w in args.workers.split(",")]
+        big = root / "big"
+        big.mkdir()
+        big_xyz, _ = write_sources(make_structures(args.parallel_structures, args.atoms), big)
+        parallel = paired_parallel(big_xyz, root, workers, args.repeats)
+        load_after = os.getloadavg()
 
     raw = args.atoms * 3 * 8 * 2 + 8 + args.atoms  # f64 positions + forces, energy, Z
+    big_n = parallel.pop("total")[0]
+    one = parallel[f"convert w{workers[0]}"]
+    parallel_rows = []
+    for w in workers:
+        mine = parallel[f"convert w{w}"]
+        ratios = sorted(a / b for a, b in zip(one, mine))
+        ase_rate = big_n / statistics.median(parallel[f"ase x{w}"])
+        parallel_rows.append(
+            f"| {w} | {big_n / statistics.median(mine):,.0f} | "
+            f"{statistics.median(ratios):.2f}× [{ratios[0]:.2f}, {ratios[-1]:.2f}] | "
+            f"{ase_rate:,.0f} | {big_n / statistics.median(mine) / ase_rate:.2f} |")
     lines = [
         "# Conversion benchmark",
         "",
         f"Run {datetime.datetime.now().isoformat(timespec='minutes')} on "
         f"{platform.machine()} / Python {platform.python_version()}; "
-        f"`python benchmarks/bench_convert.py --structures {n} --atoms {args.atoms}`.",
+        f"`python benchmarks/bench_convert.py --structures {n} --atoms {args.atoms} "
+        f"--workers {args.workers} --parallel-structures {args.parallel_structures}`.",
         f"Data: {n} structures × {args.atoms} atoms (MD-like: one geometry jiggled, float64 "
         "positions, energy, forces; forces random so they barely compress).",
         "Throughput is the median of "
@@ -156,6 +230,16 @@ def main() -> None:
         f"| extxyz → .atp | {n / from_xyz:,.0f} | plain `ase.io.iread` pass alone: "
         f"{n / ase_only:,.0f}/s (conversion takes {from_xyz / ase_only:.2f}× the parse) |",
         f"| memmap → .atp | {n / from_memmap:,.0f} | |",
+        "",
+        f"extxyz → .atp with worker processes ({big_n:,.0f} structures; "
+        f"{os.cpu_count()} cores; load average before / after: "
+        f"{load_before[0]:.2f} / {load_after[0]:.2f}). Speed-up: median and range over "
+        f"{args.repeats} paired repeats of the one-worker time over this row's. ASE "
+        "ceiling: `ase.io.iread` alone in as many processes, each parsing its share.",
+        "",
+        "| workers | structures/s | speed-up vs 1 | ASE parse ceiling /s | fraction of it |",
+        "|---:|---:|---:|---:|---:|",
+        *parallel_rows,
         "",
         f"| format | bytes / structure | vs raw payload ({raw} B) |",
         "|---|---:|---:|",

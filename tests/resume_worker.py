@@ -10,6 +10,10 @@ Cases: ``AtompackLoader(shuffle=True)`` over an ``.atp`` file, ``StatefulLoader`
 ``ShardStreamDataset`` (samples collated the PyG way) and a plain torchdata
 ``StatefulDataLoader`` over a ``ShardStreamDataset`` that batches itself, each with 0
 and 2 DataLoader workers.
+
+With ``--distributed`` the script runs under ``torchrun``: every rank joins a gloo
+group (the sampler and the stream split themselves between ranks) and writes
+``<case>.<phase>.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import json
 import pickle
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,7 +46,7 @@ def build(case: str, atp_path: str, shards: str):
     kind, workers = case.rsplit("-w", 1)
     workers = int(workers)
     if kind == "atp":
-        loader = AtompackLoader(AtompackDataset(atp_path), batch_size=4, shuffle=True,
+        loader = AtompackLoader(AtompackDataset(atp_path), batch_size=3, shuffle=True,
                                 seed=SEED, num_workers=workers)
         return loader, loader.set_epoch
     if kind == "stream":
@@ -61,10 +67,16 @@ def main() -> None:
     parser.add_argument("--atp", required=True)
     parser.add_argument("--shards", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--distributed", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
-    for case in CASES:
-        state_path = out / f"{case}.state"
+    suffix = ""
+    if args.distributed:
+        dist.init_process_group("gloo")
+        suffix = f".rank{dist.get_rank()}"
+    for case in args.cases.split(","):
+        state_path = out / f"{case}{suffix}.state"
         if args.phase == "save":
             loader, set_epoch = build(case, args.atp, args.shards)
             full = []
@@ -88,7 +100,11 @@ def main() -> None:
                 set_epoch(epoch)
                 epochs.append([i for batch in loader for i in ids(batch)])
             report = {"tail": epochs[0], "next_epoch": epochs[1]}
-        (out / f"{case}.{args.phase}.json").write_text(json.dumps(report), encoding="utf-8")
+        (out / f"{case}.{args.phase}{suffix}.json").write_text(json.dumps(report),
+                                                                 encoding="utf-8")
+    if args.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

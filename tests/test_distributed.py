@@ -162,3 +162,52 @@ def test_epochs_reshuffle_deterministically(launch: dict, scenario: str) -> None
         rerun = [epochs[(1, e)][rank]["ids"] for e in (0, 1)]
         assert first == rerun, f"{scenario}: rank {rank} order differs on rerun with the seed"
         assert first[0] != first[1], f"{scenario}: rank {rank} epoch 1 repeats epoch 0"
+
+
+# ----------------------------------------------------------------------------- resume
+
+RESUME_WORKER = Path(__file__).resolve().parent / "resume_worker.py"
+RESUME_CASES = ("atp-w2", "stream-w2")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two torchrun launches of ``resume_worker.py``: save mid-epoch, then resume."""
+    from pyg_atompack import convert
+    from test_resume import N_MOLECULES as count
+    from test_resume import SHARD_SIZE, write_atp
+
+    root = tmp_path_factory.mktemp("ddp-resume")
+    atp_path = write_atp(root / "train.atp")
+    convert.shard(atp_path, root / "shards", SHARD_SIZE)
+    out = root / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for phase in ("save", "load"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={WORLD_SIZE}", str(RESUME_WORKER), phase,
+                   "--atp", str(atp_path), "--shards", str(root / "shards"), "--out", str(out),
+                   "--cases", ",".join(RESUME_CASES), "--distributed"]
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=LAUNCH_TIMEOUT_S, cwd=root)
+        assert result.returncode == 0, f"torchrun {phase} failed:\n{result.stderr}"
+    reports = {}
+    for case in RESUME_CASES:
+        reports[case] = [
+            {**json.loads((out / f"{case}.save.rank{r}.json").read_text()),
+             **json.loads((out / f"{case}.load.rank{r}.json").read_text())}
+            for r in range(WORLD_SIZE)]
+    return {"reports": reports, "count": count}
+
+
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_each_rank_resumes_exactly_in_a_new_launch(resumed: dict, case: str) -> None:
+    ranks = resumed["reports"][case]
+    for rank, run in enumerate(ranks):
+        epoch0, epoch1 = run["full"]
+        assert run["head"] and run["tail"], rank
+        assert run["head"] + run["tail"] == epoch0, f"rank {rank}"
+        assert run["next_epoch"] == epoch1, f"rank {rank}"
+    for epoch in (0, 1):  # the ranks split every epoch: each sample exactly once
+        seen = [i for run in ranks for i in run["full"][epoch]]
+        assert sorted(seen) == list(range(resumed["count"]))

@@ -28,11 +28,11 @@ from pyg_atompack import AtompackDataset, AtompackLoader, atp, convert
 from pyg_atompack.pyg.resume import ResumableSampler, StatefulLoader
 
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
-N_MOLECULES = 38  # not a multiple of the batch sizes: the last batch is short
-SHARD_SIZE = 5
+N_MOLECULES = 40  # not a multiple of the batch size (3): the last batch is short
+SHARD_SIZE = 5  # 8 equal shards: they split evenly over 2 ranks x 2 workers
 
 
-def _write_atp(path: Path, count: int = N_MOLECULES) -> Path:
+def write_atp(path: Path, count: int = N_MOLECULES) -> Path:
     rng = np.random.default_rng(0)
     with atp.Writer(path) as writer:
         for i in range(count):
@@ -46,7 +46,7 @@ def _write_atp(path: Path, count: int = N_MOLECULES) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("resume")
-    atp_path = _write_atp(root / "train.atp")
+    atp_path = write_atp(root / "train.atp")
     convert.shard(atp_path, root / "shards", SHARD_SIZE)
     out = root / "out"
     out.mkdir()
@@ -73,7 +73,7 @@ def test_resumed_run_continues_the_epoch_exactly(runs: dict, case: str) -> None:
 
 
 def test_resume_checks_the_worker_count(tmp_path: Path) -> None:
-    dataset = AtompackDataset(_write_atp(tmp_path / "w.atp"))
+    dataset = AtompackDataset(write_atp(tmp_path / "w.atp"))
     loader = AtompackLoader(dataset, batch_size=4, shuffle=True, seed=1, num_workers=0)
     next(iter(loader))
     state = loader.state_dict()
