@@ -17,6 +17,8 @@ _LAZY_ATTRIBUTES = {
     "AtompackDataset": "pyg_atompack.data.dataset",
     "AtompackLoader": "pyg_atompack.data.loader",
     "MemmapDataset": "pyg_atompack.data.memmap",
+    "ResumableSampler": "pyg_atompack.pyg.resume",
+    "StatefulLoader": "pyg_atompack.pyg.resume",
     "ShardStreamDataset": "pyg_atompack.stream.dataset",
 }
 _LAZY_MODULES = ("atp", "convert", "stream", "graph", "hub", "data")

@@ -11,11 +11,18 @@ writer that consumes them, registered by name in :mod:`.registry`::
 
 Formats: ``atp``, ``atp-shards``, ``pt``, ``pt-shards``, ``memmap``,
 ``diskdataset`` (read only), ``ase``/``extxyz``.
+
+``convert(..., workers=N)`` reads and parses the source in ``N`` processes and
+writes in order (the same output); ``convert(..., part=Part(I, N))`` converts one
+part of a source into a shard directory and :func:`merge_parts` combines the parts
+(:mod:`.parallel`, :mod:`.merge`).
 """
 
 from .base import StructureReader, StructureWriter
 from .errors import ConversionNote, ConvertError
+from .merge import merge_parts
 from .options import ReadOptions, WriteOptions, parse_casts, parse_key_map
+from .parallel import Part
 from .pipeline import convert, shard
 from .registry import (
     FORMATS,
@@ -38,6 +45,7 @@ __all__ = [
     "Format",
     "LENGTH_UNITS_ANGSTROM",
     "MANIFEST_FORMAT",
+    "Part",
     "ReadOptions",
     "Structure",
     "StructureReader",
@@ -49,6 +57,7 @@ __all__ = [
     "convert",
     "detect_destination_format",
     "detect_source_format",
+    "merge_parts",
     "open_reader",
     "open_writer",
     "parse_casts",

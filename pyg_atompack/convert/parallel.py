@@ -30,6 +30,7 @@ same order, same shard boundaries; byte-identical for codec none).
 
 from __future__ import annotations
 
+import array
 import io
 import itertools
 import multiprocessing
@@ -217,7 +218,7 @@ def index_extxyz(path: str | os.PathLike) -> np.ndarray | None:
         last one; :obj:`None` when a count line is not a number (ASE then reports
         the problem when it reads the file).
     """
-    offsets = [0]
+    offsets = array.array("q", [0])  # 8 bytes a frame, not a Python int each
     with open(path, "rb") as handle:
         readline = handle.readline
         while True:
@@ -238,7 +239,7 @@ def index_extxyz(path: str | os.PathLike) -> np.ndarray | None:
                 end = handle.tell()
             handle.seek(end)
             offsets.append(end)
-    return np.asarray(offsets, dtype=np.int64)
+    return np.frombuffer(offsets, dtype=np.int64)
 
 
 def source_ranges(path: str | os.PathLike, format: str | None,

@@ -235,8 +235,11 @@ class ShardStreamDataset(IterableDataset):
     def state_dict(self) -> dict:
         """Position of this process's iteration, JSON-serialisable.
 
-        Captures the samples handed out so far in the current epoch (by this process:
-        with DataLoader workers, call it inside each worker, or use ``num_workers=0``).
+        Captures the samples handed out so far in the current epoch by this process.
+        With DataLoader workers, let torchdata's ``StatefulDataLoader`` (or
+        :class:`~pyg_atompack.StatefulLoader`) call it inside every worker: its own
+        ``state_dict()`` then holds every worker's position, and a loader with the same
+        ``num_workers`` resumes exactly (a state of another stream is refused).
 
         Returns:
             The state, to pass to :meth:`load_state_dict`.
