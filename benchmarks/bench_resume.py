@@ -140,8 +140,9 @@ def main() -> None:
         "sampler position in the main process, each worker's dataset state as it sends",
         "its batch), so its cost does not grow with the epoch. Resuming costs one",
         "permutation of the dataset (shuffled `AtompackLoader`) or the skipped records'",
-        "indices in the shard being read (stream); with workers it is within the noise",
-        "of starting them.",
+        "indices in the shard being read (stream); with workers the first batch waits",
+        "for the workers to start either way, and the difference is read against the",
+        "spread of that start-up (the range column).",
         "",
     ]
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -173,9 +173,10 @@ RESUME_CASES = ("atp-w2", "stream-w2")
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Two torchrun launches of ``resume_worker.py``: save mid-epoch, then resume."""
-    from pyg_atompack import convert
     from test_resume import N_MOLECULES as count
     from test_resume import SHARD_SIZE, write_atp
+
+    from pyg_atompack import convert
 
     root = tmp_path_factory.mktemp("ddp-resume")
     atp_path = write_atp(root / "train.atp")
