@@ -36,6 +36,7 @@ import itertools
 import multiprocessing
 import os
 import queue
+import signal
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -272,6 +273,11 @@ def source_ranges(path: str | os.PathLike, format: str | None,
 
 
 def _worker(ranges: SourceRanges, mine: list[tuple[int, int]], out: Any) -> None:
+    # Ctrl-C is the main process's to handle (it terminates the workers); a worker
+    # starts with SIGINT blocked (see OrderedStructures) and ignores it from here on
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         for structures in ranges.read(mine):
             out.put(("ok", structures))
@@ -323,8 +329,17 @@ class OrderedStructures:
                             name=f"pyg-atompack-convert-{w}", daemon=True)
             for w in range(count)
         ]
-        for process in self._processes:
-            process.start()
+        # A Ctrl-C that lands inside fork() is swallowed by the at-fork hooks (in the
+        # parent and in the child); held back until every worker has started, it
+        # interrupts the parent at a clean point instead
+        masking = hasattr(signal, "pthread_sigmask")
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masking else None
+        try:
+            for process in self._processes:
+                process.start()
+        finally:
+            if masking:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for number in range(len(self._spans)):
             worker = number % count
             yield from self._receive(queues[worker], worker)
