@@ -156,8 +156,11 @@ def test_ctrl_c_stops_all_workers_and_leaves_nothing(tmp_path: Path) -> None:
         [sys.executable, "-m", "pyg_atompack.cli", "convert", source, out, "--workers", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # interrupt once the writer has started (its hidden temporary output exists)
+    # and both workers are running
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
     deadline = time.monotonic() + 120
-    while not any(p.name.startswith(".big.atp.partial") for p in tmp_path.iterdir()):
+    while not (any(p.name.startswith(".big.atp.partial") for p in tmp_path.iterdir())
+               and len(children.read_text().split()) >= 2):
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -332,6 +333,7 @@ class OrderedStructures:
         # A Ctrl-C that lands inside fork() is swallowed by the at-fork hooks (in the
         # parent and in the child); held back until every worker has started, it
         # interrupts the parent at a clean point instead
+        self._catch_interrupts()
         masking = hasattr(signal, "pthread_sigmask")
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masking else None
         try:
@@ -342,11 +344,31 @@ class OrderedStructures:
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for number in range(len(self._spans)):
             worker = number % count
-            yield from self._receive(queues[worker], worker)
+            structures = self._receive(queues[worker], worker)
+            self._check_interrupted()
+            yield from structures
+
+    def _catch_interrupts(self) -> None:
+        # Remember every Ctrl-C: one that lands while Python runs an at-fork hook
+        # raises KeyboardInterrupt inside the hook, which swallows it
+        self._interrupted = False
+        self._previous_handler = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            def on_interrupt(signum: int, frame: Any) -> None:
+                self._interrupted = True
+                raise KeyboardInterrupt
+
+            self._previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+
+    def _check_interrupted(self) -> None:
+        if getattr(self, "_interrupted", False):
+            raise KeyboardInterrupt
 
     def _receive(self, source: Any, worker: int) -> list[Structure]:
         process = self._processes[worker]
         while True:
+            self._check_interrupted()
             try:
                 kind, payload = source.get(timeout=POLL_S)
                 break
@@ -363,11 +385,15 @@ class OrderedStructures:
 
     def close(self) -> None:
         """Stop the workers (they hold no output: nothing is left to clean up)."""
+        if getattr(self, "_previous_handler", None) is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
         for process in self._processes:
             if process.is_alive():
                 process.terminate()
         for process in self._processes:
-            process.join()
+            if process.pid is not None:  # an interrupt may come before all have started
+                process.join()
         self._processes = []
 
     def __enter__(self) -> OrderedStructures:
