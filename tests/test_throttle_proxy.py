@@ -44,9 +44,10 @@ def test_forwards_errors(proxied):
 
 
 def test_s3_round_trip_through_proxy_to_moto():
-    boto3 = pytest.importorskip("boto3")
-    moto_server = pytest.importorskip("moto.server")
-    moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    import boto3  # the bench extra, installed by `make venv`
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
     proxy = ThrottleProxy(f"http://{host}:{port}", bandwidth=50e6).start()
