@@ -707,8 +707,8 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
         "",
         "## Streaming from remote storage",
         "",
-        "| D/C | k / conc. | ours .atp (its time / .pt's) | LitData | MosaicML | WebDataset | WebDataset, 2 "
-        "workers | FoldPipe |",
+        "| D/C | k / conc. | ours .atp (its time / .pt's) | LitData | MosaicML | WebDataset "
+        "| WebDataset, 2 workers | FoldPipe |",
         "|---|---|---|---|---|---|---|---|",
     ]
     peers = ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2", "foldpipe")
