@@ -12,7 +12,7 @@ limit and C the compute time of its batches):
   over ``.atp`` shards of the same structures (``ours_atp``), prefetch and concurrency as
   in ``stream_overlap.py``; from the throttled HTTP server (``tests/servers/http_server.py``);
 * LitData: ``litdata.optimize`` chunks on an S3 bucket of a ``moto`` server behind the
-  throttling reverse proxy ``tests/servers/throttle_proxy.py`` (``AWS_ENDPOINT_URL``),
+  paced TCP relay ``tests/servers/tcp_proxy.py`` (``AWS_ENDPOINT_URL``),
   read with ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``;
 * MosaicML streaming: ``MDSWriter`` shards on the same bucket,
   ``StreamingDataset(remote=s3://..., local=<fresh dir>, shuffle=True)`` + ``DataLoader``,
@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from paired_stats import summarize_pairs  # noqa: E402
 from servers.http_server import ShardServer, write_manifest  # noqa: E402
-from servers.throttle_proxy import ThrottleProxy  # noqa: E402
+from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
 from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
 from torch_geometric.data import Batch, Data  # noqa: E402
 
@@ -190,9 +190,9 @@ def _serve_s3(bandwidth: float, port_queue) -> None:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
-    host, port = moto.get_host_and_port()
-    proxy = ThrottleProxy(f"http://{host}:{port}", bandwidth=bandwidth).start()
-    port_queue.put((port, proxy.server_address[1]))
+    _, port = moto.get_host_and_port()
+    proxy = ThrottlingProxy(port, bandwidth=bandwidth).start()
+    port_queue.put((port, proxy.port))
     threading.Event().wait()
 
 
