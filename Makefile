@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/stream_overlap.py
 	$(PY) benchmarks/stream_memory.py
 	$(PY) benchmarks/paired_schnet.py
+	$(PY) benchmarks/peers.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs

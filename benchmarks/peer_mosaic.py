@@ -1,0 +1,152 @@
+"""The MosaicML ``streaming`` arm of ``benchmarks/peers.py``, run in the peer's own venv.
+
+``mosaicml-streaming`` 0.13 pins ``numpy<2.2`` and ``transformers<5`` (which needs
+``huggingface_hub<1.0``) and imports ``torchvision`` from ``streaming.vision``; none of
+that can live next to the project's numpy 2.4, huggingface_hub 2.x and CPU torch, so
+``peers.py`` builds a separate virtual environment (``benchmarks/_work/mosaic-venv``)
+and runs this file there as a child process. It talks JSON over stdin/stdout (answers
+prefixed with ``@@``), one command per line, so the parent can interleave its runs with
+the other arms:
+
+* ``{"op": "convert", "source": npz, "out": dir, "size_limit": bytes}``: write MDS
+  shards from the structures in ``source`` with ``MDSWriter``;
+* ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n}``: one pass of
+  ``StreamingDataset(remote=..., local=<fresh dir>)`` through a ``DataLoader``, the
+  consumer sleeping ``compute`` seconds per batch;
+* ``{"op": "quit"}``.
+
+The S3 endpoint comes from ``S3_ENDPOINT_URL``, as streaming's documentation says.
+Only numpy, torch and streaming are imported: no project code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import types
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _import_streaming():
+    # streaming/__init__.py imports its image and video dataset subpackages, which need
+    # torchvision; the index only has CUDA builds of it, which fail to load next to the
+    # CPU torch. They are not used here, so empty modules stand in for them.
+    for name in ("streaming.vision", "streaming.multimodal"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    import streaming
+
+    return streaming
+
+
+class Sampler:
+    """Peak RSS growth and peak bytes under a directory, sampled every 10 ms."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.baseline = self._rss()
+        self.peak_rss = self.baseline
+        self.peak_disk = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * PAGE
+
+    def _disk(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.directory):
+            for name in files:
+                with contextlib.suppress(OSError):  # removed while we looked
+                    total += os.stat(os.path.join(root, name)).st_size
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_rss = max(self.peak_rss, self._rss())
+            self.peak_disk = max(self.peak_disk, self._disk())
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_disk = max(self.peak_disk, self._disk())
+
+
+def convert(source: str, out: str, size_limit: int) -> dict:
+    import numpy as np
+
+    streaming = _import_streaming()
+    arrays = np.load(source)
+    count = len(arrays["energy"])
+    columns = {"z": "ndarray:int64", "pos": "ndarray:float32", "forces": "ndarray:float32",
+               "energy": "float32"}
+    started = time.perf_counter()
+    with streaming.MDSWriter(out=out, columns=columns, size_limit=size_limit) as writer:
+        for i in range(count):
+            writer.write({"z": arrays["z"][i], "pos": arrays["pos"][i],
+                          "forces": arrays["forces"][i], "energy": np.float32(arrays["energy"][i])})
+    elapsed = time.perf_counter() - started
+    files = [os.path.join(out, n) for n in os.listdir(out)]
+    return {"seconds": elapsed, "bytes": sum(os.path.getsize(f) for f in files),
+            "files": len(files)}
+
+
+def read(remote: str, compute: float, batch_size: int) -> dict:
+    import torch
+
+    streaming = _import_streaming()
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    local = tempfile.mkdtemp(prefix="mosaic-local-")
+    try:
+        with Sampler(local) as sampler:
+            started = time.perf_counter()
+            dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True,
+                                                 batch_size=batch_size)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
+                                                 num_workers=0)
+            first, samples = None, 0
+            for batch in loader:
+                if first is None:
+                    first = time.perf_counter() - started
+                samples += len(batch["energy"])
+                time.sleep(compute)  # stands in for a training step
+            elapsed = time.perf_counter() - started
+        del loader, dataset
+        return {"seconds": elapsed, "first_batch_s": first, "samples": samples,
+                "rss_growth": sampler.peak_rss - sampler.baseline,
+                "disk_peak": sampler.peak_disk}
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def main() -> None:
+    streaming = _import_streaming()
+    print("@@" + json.dumps({"ready": True, "version": streaming.__version__}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "quit":
+            break
+        try:
+            result = convert(**command) if op == "convert" else read(**command)
+        except Exception as exc:  # reported to the parent, which records why
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        print("@@" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,897 @@
+"""Side by side with what users would pick instead: LitData, MosaicML streaming,
+WebDataset, FoldPipe and PyG's ``OnDiskDataset``.
+
+Part 1, streaming from remote storage. The same 64-atom structures are stored in each
+tool's own format and read the way its documentation recommends, all shards behind the
+same per-connection bandwidth limit, by a consumer sleeping a fixed compute time per
+batch of 32 (D/C = 0.5, 1, 3, where D is the download time of one ``.pt`` shard at the
+limit and C the compute time of its batches):
+
+* ours: ``ShardStreamDataset(HTTPSource(manifest), prefetch, concurrency, shuffle=True,
+  batch_size=32)`` over the ``.pt`` shards (``ours_pt``, the reference of every ratio) and
+  over ``.atp`` shards of the same structures (``ours_atp``), prefetch and concurrency as
+  in ``stream_overlap.py``; from the throttled HTTP server (``tests/servers/http_server.py``);
+* LitData: ``litdata.optimize`` chunks on an S3 bucket of a ``moto`` server behind the
+  paced TCP relay ``tests/servers/tcp_proxy.py`` (``AWS_ENDPOINT_URL``),
+  read with ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``;
+* MosaicML streaming: ``MDSWriter`` shards on the same bucket,
+  ``StreamingDataset(remote=s3://..., local=<fresh dir>, shuffle=True)`` + ``DataLoader``,
+  run in its own virtual environment (``peer_mosaic.py``, see there why);
+* WebDataset: tar shards on the throttled HTTP server, ``wds.WebDataset(urls,
+  shardshuffle=...).shuffle(1000).decode()`` + ``DataLoader``;
+* FoldPipe: ``AsyncFoldPipeLoader`` over the ``.pt`` shards, as in ``stream_overlap.py``.
+
+Every pair runs each arm once, the order rotated from pair to pair; ratios are
+``theirs / ours`` wall time (> 1: ours faster), summarised by the geometric mean and a
+percentile-bootstrap 95% interval (``paired_stats.py``). Also recorded: time to first
+batch, peak RSS growth, peak local disk, and the conversion each tool needs.
+
+Part 2, random access for a PyG training loop: ``AtompackDataset`` + ``AtompackLoader``
+(and + PyG ``DataLoader``) against ``torch_geometric.data.OnDiskDataset`` (SQLite) holding
+the same structures, batches of 32, shuffled, 0 and 2 workers; plus store build time and
+bytes.
+
+Part 3 (the issue's finding): ours against WebDataset with ``DataLoader(num_workers=2)``.
+
+Run: ``.venv/bin/python benchmarks/peers.py [--pairs 5] [--quick]``. The last line
+printed is a JSON object of ours ÷ theirs at D/C = 1 and for the shuffled loop. Writes
+``benchmarks/results/peers.md`` (+ ``peers.json``) and ``benchmarks/figures/peers.png``.
+The MosaicML venv is built on first use under ``benchmarks/_work/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from paired_stats import summarize_pairs  # noqa: E402
+from servers.http_server import ShardServer, write_manifest  # noqa: E402
+from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
+from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
+from torch_geometric.data import Batch, Data  # noqa: E402
+
+from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
+from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+WORK = HERE / "_work"
+BATCH = 32
+BUCKET = "peers"
+#: The peers' versions this benchmark was written against (also in pyproject's ``bench``).
+PINS = {"litdata": "0.2.76", "webdataset": "1.0.2", "moto": "5.2.5", "foldpipe": "0.3.2",
+        "mosaicml-streaming": "0.13.0"}
+#: The MosaicML venv: streaming without its dependency pins, plus what it imports.
+MOSAIC_REQUIREMENTS = [
+    "mosaicml-streaming==0.13.0", "numpy==2.1.3", "brotli==1.1.0", "python-snappy==0.7.3",
+    "cramjam==2.14.0", "zstd==1.5.6.1", "xxhash==3.5.0", "catalogue==2.0.10",
+    "transformers==4.57.1", "huggingface_hub==0.36.0", "tokenizers==0.22.1",
+    "safetensors==0.8.0", "regex", "pyyaml", "packaging", "tqdm", "filelock",
+]
+REGIMES = [(0.5, 2, 2), (1.0, 2, 2), (3.0, 4, 3)]  # (D/C, prefetch, concurrency)
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+# ------------------------------------------------------------------ data in every format
+def make_structures(shard: int, count: int, atoms: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(shard)
+    return {"z": rng.integers(1, 10, (count, atoms)).astype(np.int64),
+            "pos": rng.normal(size=(count, atoms, 3)).astype(np.float32),
+            "forces": rng.normal(size=(count, atoms, 3)).astype(np.float32),
+            "energy": rng.normal(size=count).astype(np.float32)}
+
+
+def as_data(arrays: dict[str, np.ndarray], i: int) -> Data:
+    return Data(z=torch.from_numpy(arrays["z"][i]), pos=torch.from_numpy(arrays["pos"][i]),
+                forces=torch.from_numpy(arrays["forces"][i]),
+                energy=torch.tensor([float(arrays["energy"][i])], dtype=torch.float64))
+
+
+def timed(function, *args) -> float:
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _litdata_item(item):  # module level: litdata.optimize pickles it into workers
+    return item
+
+
+def write_formats(www: Path, lit_dir: Path, mds_source: Path, shards: int, per_shard: int,
+                  atoms: int) -> tuple[dict, dict]:
+    """Write .pt, .atp, tar and LitData stores; returns (names, conversion figures)."""
+    import litdata
+    import webdataset as wds
+
+    parts = [make_structures(s, per_shard, atoms) for s in range(shards)]
+    names = {"pt": [], "atp": [], "tar": []}
+    convert = {}
+    started = time.perf_counter()
+    for s, arrays in enumerate(parts):  # the reference: a training set already in .pt
+        name = f"shard-{s:04d}.pt"
+        torch.save([as_data(arrays, i) for i in range(per_shard)], www / "pt" / name)
+        names["pt"].append(name)
+    convert["pt (source)"] = {"seconds": time.perf_counter() - started,
+                              "bytes": dir_bytes(www / "pt")}
+    write_manifest(www / "pt", names["pt"], [per_shard] * shards)
+
+    started = time.perf_counter()
+    for s, arrays in enumerate(parts):
+        name = f"shard-{s:04d}.atp"
+        with atp.Writer(www / "atp" / name, overwrite=True) as writer:
+            writer.add_batch(arrays["pos"], arrays["z"].astype(np.uint8),
+                             energy=arrays["energy"].astype(np.float64), forces=arrays["forces"])
+        names["atp"].append(name)
+    convert["ours .atp"] = {"seconds": time.perf_counter() - started,
+                            "bytes": dir_bytes(www / "atp")}
+    write_manifest(www / "atp", names["atp"], [per_shard] * shards)
+
+    started = time.perf_counter()
+    for s, arrays in enumerate(parts):
+        name = f"shard-{s:04d}.tar"
+        with wds.TarWriter(str(www / "tar" / name)) as sink:
+            for i in range(per_shard):  # one pickled member per sample, as in the issue
+                sink.write({"__key__": f"{s:04d}{i:06d}",
+                            "pyd": {k: v[i:i + 1] if k == "energy" else v[i]
+                                    for k, v in arrays.items()}})
+        names["tar"].append(name)
+    convert["webdataset"] = {"seconds": time.perf_counter() - started,
+                             "bytes": dir_bytes(www / "tar")}
+
+    items = [{k: v[i] for k, v in arrays.items()} for arrays in parts for i in range(per_shard)]
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        litdata.optimize(fn=_litdata_item, inputs=items, output_dir=str(lit_dir),
+                         chunk_size=per_shard, num_workers=1, mode="overwrite",
+                         start_method="fork")  # spawn would re-import this script
+    convert["litdata"] = {"seconds": time.perf_counter() - started, "bytes": dir_bytes(lit_dir)}
+    np.savez(mds_source, **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    return names, convert
+
+
+# ------------------------------------------------------------------ servers
+def _serve_http(root: str, bandwidth: float, port_queue) -> None:
+    server = ShardServer(root, bandwidth=bandwidth)
+    port_queue.put(server.server_address[1])
+    server.serve_forever(poll_interval=0.05)
+
+
+def _serve_s3(bandwidth: float, port_queue) -> None:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    _, port = moto.get_host_and_port()
+    proxy = ThrottlingProxy(port, bandwidth=bandwidth).start()
+    port_queue.put((port, proxy.port))
+    threading.Event().wait()
+
+
+class Child:
+    """A server in a child process, so its pacing never competes for our GIL."""
+
+    def __init__(self, target, *args):
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        self.process = context.Process(target=target, args=(*args, queue), daemon=True)
+        self.process.start()
+        self.ports = queue.get(timeout=60)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(5)
+
+
+def upload(moto_url: str, directory: Path, prefix: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto_url, **_boto_keys())
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=BUCKET)
+    for path in sorted(directory.iterdir()):
+        client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+
+
+def _boto_keys() -> dict:
+    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+            "region_name": "us-east-1"}
+
+
+# ------------------------------------------------------------------ peer environments
+def ensure_litdata() -> str:
+    """Install the pinned LitData into this venv without its torchvision requirement."""
+    try:
+        installed = metadata.version("litdata")
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed != PINS["litdata"]:
+        # litdata's wheel requires torchvision, which the index only has as CUDA builds
+        # that fail next to the CPU torch; litdata imports fine without it, and its other
+        # requirements are in the project's ``bench`` extra
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        f"litdata=={PINS['litdata']}"], check=True)
+    return PINS["litdata"]
+
+
+def mosaic_python() -> Path:
+    """The MosaicML venv's interpreter, built on first use (streaming's pins, no torch)."""
+    venv = WORK / "mosaic-venv"
+    python = venv / "bin" / "python"
+    marker = venv / ".peers-ready"
+    if marker.exists():
+        return python
+    WORK.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
+                    *MOSAIC_REQUIREMENTS], check=True)
+    # torch (CPU) and boto3 come from the project's venv: appended to sys.path after the
+    # venv's own site-packages, so the venv's numpy 2.1 shadows the project's
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    project_site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
+    (site / "zz_project_site.pth").write_text(f"{project_site}\n", encoding="utf-8")
+    marker.write_text("ok\n", encoding="utf-8")
+    return python
+
+
+class MosaicArm:
+    """``peer_mosaic.py`` in the MosaicML venv, answering one JSON command per line."""
+
+    def __init__(self, endpoint: str | None = None):
+        env = {**os.environ, **S3_ENV}
+        if endpoint:
+            env["S3_ENDPOINT_URL"] = endpoint
+        self.process = subprocess.Popen([str(mosaic_python()), str(HERE / "peer_mosaic.py")],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True, env=env)
+        self.version = self._answer()["version"]
+
+    def _answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError("the MosaicML child exited")
+
+    def ask(self, **command) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        answer = self._answer()
+        if "error" in answer:
+            raise RuntimeError(f"MosaicML arm: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.write('{"op": "quit"}\n')
+            self.process.stdin.close()
+        self.process.wait(30)
+
+
+# ------------------------------------------------------------------ measurement
+class Sampler:
+    """Peak RSS growth of this process and peak bytes under ``directory`` (10 ms)."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory
+        self.baseline = self._rss()
+        self.peak_rss = self.baseline
+        self.peak_disk = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * PAGE
+
+    def _disk(self) -> int:
+        if self.directory is None:
+            return 0
+        total = 0
+        for root, _, files in os.walk(self.directory):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(root, name)).st_size
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_rss = max(self.peak_rss, self._rss())
+            self.peak_disk = max(self.peak_disk, self._disk())
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def consume(make_batches, compute: float, directory: Path | None = None,
+            arrivals: bool = False) -> dict:
+    """One pass: ``make_batches()`` builds the loader (timed), the consumer sleeps per batch.
+
+    With ``arrivals``, the result also lists when each batch reached the consumer.
+    """
+    times = []
+    with Sampler(directory) as sampler:
+        started = time.perf_counter()
+        first, samples = None, 0
+        for batch in make_batches():
+            now = time.perf_counter() - started
+            if first is None:
+                first = now
+            times.append(now)
+            samples += _batch_len(batch)
+            time.sleep(compute)  # stands in for a training step
+        elapsed = time.perf_counter() - started
+    result = {"seconds": elapsed, "first_batch_s": first, "samples": samples,
+              "rss_growth": sampler.peak_rss - sampler.baseline,
+              "disk_peak": sampler.peak_disk}
+    if arrivals:
+        result["arrivals"] = times
+    return result
+
+
+def _batch_len(batch) -> int:
+    if isinstance(batch, Batch):
+        return batch.num_graphs
+    if isinstance(batch, dict):
+        return len(batch["energy"])
+    return len(batch[-1])  # a tuple / list of collated columns
+
+
+def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int = 0):
+    def build():
+        source = HTTPSource(f"{base_url}/{kind}/manifest.json")
+        if workers == 0:
+            return ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
+                                      shuffle=True, batch_size=BATCH)
+        from torch_geometric.loader import DataLoader
+
+        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
+                                     shuffle=True)
+        return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+    return build
+
+
+def litdata_arm(cache: Path):
+    def build():
+        import litdata
+
+        shutil.rmtree(cache, ignore_errors=True)  # every pass downloads afresh
+        dataset = litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=str(cache),
+                                           shuffle=True)
+        return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=0)
+    return build
+
+
+def webdataset_arm(base_url: str, names: list[str], workers: int = 0):
+    def build():
+        import webdataset as wds
+
+        urls = [f"{base_url}/tar/{n}" for n in names]
+        dataset = (wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
+                   .shuffle(1000).decode().map(_sample_dict))
+        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+    return build
+
+
+def _sample_dict(sample: dict) -> dict:
+    return sample["pyd"]
+
+
+def foldpipe_arm(base_url: str, names: list[str]):
+    def build():
+        from foldpipe import AsyncFoldPipeLoader
+
+        def batches(chunk):
+            order = np.random.permutation(len(chunk))
+            for start in range(0, len(chunk), BATCH):
+                yield Batch.from_data_list([chunk[i] for i in order[start:start + BATCH]])
+
+        source = _FoldPipeHTTPSource(f"{base_url}/pt", names)
+        return AsyncFoldPipeLoader(source, batch_fn=batches)
+    return build
+
+
+# ------------------------------------------------------------------ part 1
+def run_pairs(arms: dict, pairs: int) -> dict[str, list]:
+    """One warm-up call of every arm, then ``pairs`` rounds, the order rotated each round."""
+    for arm in arms.values():  # imports, page cache, first connections
+        arm()
+    runs = {name: [] for name in arms}
+    order = list(arms)
+    for pair in range(pairs):
+        turn = pair % len(order)
+        for name in order[turn:] + order[:turn]:
+            runs[name].append(arms[name]())
+    return runs
+
+
+def streaming_arms(base: str, names: dict, cache: Path, mosaic: MosaicArm | None,
+                   prefetch: int, concurrency: int, compute: float) -> dict:
+    arms = {
+        "ours_pt": lambda: consume(ours(base, "pt", prefetch, concurrency), compute),
+        "ours_atp": lambda: consume(ours(base, "atp", prefetch, concurrency), compute),
+        "litdata": lambda: consume(litdata_arm(cache), compute, cache),
+        "webdataset": lambda: consume(webdataset_arm(base, names["tar"]), compute),
+        "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute),
+        "foldpipe": lambda: consume(foldpipe_arm(base, names["pt"]), compute),
+    }
+    if mosaic is not None:
+        arms["mosaic"] = lambda: mosaic.ask(op="read", remote=f"s3://{BUCKET}/mds",
+                                            compute=compute, batch_size=BATCH)
+    return arms
+
+
+def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path,
+                   shard_bytes: int, compute_batch: float, regimes, log) -> dict:
+    compute_shard = compute_batch * args.per_shard / BATCH
+    results = {}
+    for ratio, prefetch, concurrency in regimes:
+        bandwidth = shard_bytes / (ratio * compute_shard)
+        http = Child(_serve_http, str(www), bandwidth)
+        s3 = Child(_serve_s3, bandwidth)
+        base = f"http://127.0.0.1:{http.ports}"
+        moto_url, proxy_url = (f"http://127.0.0.1:{p}" for p in s3.ports)
+        mosaic = None
+        try:
+            upload(moto_url, lit_dir, "litdata")
+            upload(moto_url, mosaic_dir, "mds")
+            os.environ.update(S3_ENV, AWS_ENDPOINT_URL=proxy_url)
+            try:
+                mosaic = MosaicArm(proxy_url)
+            except Exception as exc:  # recorded, never silently dropped
+                log(f"MosaicML arm unavailable: {exc}")
+            cache = Path(tempfile.mkdtemp(prefix="litdata-cache-"))
+            arms = streaming_arms(base, names, cache, mosaic, prefetch, concurrency,
+                                  compute_batch)
+            runs = run_pairs(arms, args.pairs)
+            shutil.rmtree(cache, ignore_errors=True)
+        finally:
+            if mosaic is not None:
+                mosaic.close()
+            http.stop()
+            s3.stop()
+        expected = args.shards * args.per_shard
+        for name, passes in runs.items():
+            counts = {p["samples"] for p in passes}
+            if counts != {expected}:
+                log(f"D/C={ratio} {name}: samples per pass {sorted(counts)} != {expected}")
+        summary = {
+            name: summarize_pairs([p["seconds"] for p in passes],
+                                  [p["seconds"] for p in runs["ours_pt"]]).to_dict()
+            for name, passes in runs.items() if name != "ours_pt"
+        }
+        results[f"{ratio}"] = {"prefetch": prefetch, "concurrency": concurrency,
+                               "bandwidth_Bps": bandwidth, "runs": runs,
+                               "ours_pt_vs": summary}
+        log(f"D/C={ratio}: " + ", ".join(f"{n} {fmt(s)}" for n, s in summary.items()))
+    return results
+
+
+# ------------------------------------------------------------------ part 2
+def ondisk_class():
+    from torch_geometric.data import OnDiskDataset
+
+    class StructureStore(OnDiskDataset):
+        """Structures in PyG's SQLite-backed ``OnDiskDataset``, typed columns as PCQM4Mv2."""
+
+        def __init__(self, root: str):
+            schema = {"z": {"dtype": torch.int64, "size": (-1,)},
+                      "pos": {"dtype": torch.float32, "size": (-1, 3)},
+                      "forces": {"dtype": torch.float32, "size": (-1, 3)},
+                      "energy": float}
+            super().__init__(root, schema=schema)
+
+        def serialize(self, data: Data) -> dict:
+            return {"z": data.z, "pos": data.pos, "forces": data.forces,
+                    "energy": float(data.energy)}
+
+        def deserialize(self, row: dict) -> Data:
+            return Data(z=row["z"], pos=row["pos"], forces=row["forces"],
+                        energy=torch.tensor([row["energy"]], dtype=torch.float64))
+
+    return StructureStore
+
+
+def random_access_part(args, scratch: Path, log) -> dict:
+    from torch_geometric.loader import DataLoader
+
+    count = args.ra_structures
+
+    def epoch(loader) -> float:
+        started = time.perf_counter()
+        seen = sum(batch.num_graphs for batch in loader)
+        if seen != count:
+            raise RuntimeError(f"an epoch yielded {seen} structures, expected {count}")
+        return time.perf_counter() - started
+
+    arrays = make_structures(99, count, args.atoms)
+    path = scratch / "all.atp"
+
+    def build_atp():
+        with atp.Writer(path, overwrite=True) as writer:
+            writer.add_batch(arrays["pos"], arrays["z"].astype(np.uint8),
+                             energy=arrays["energy"].astype(np.float64), forces=arrays["forces"])
+
+    def build_ondisk():
+        store = ondisk_class()(str(scratch / "ondisk"))
+        store.extend([as_data(arrays, i) for i in range(count)], batch_size=1000)
+        return store
+
+    build = {"atp": {"seconds": timed(build_atp), "bytes": path.stat().st_size}}
+    started = time.perf_counter()
+    store = build_ondisk()
+    build["ondisk"] = {"seconds": time.perf_counter() - started,
+                       "bytes": dir_bytes(scratch / "ondisk" / "processed")}
+    dataset = AtompackDataset(path, fields=["pos", "z", "energy", "forces"], log=False)
+    store = ondisk_class()(str(scratch / "ondisk"))
+    assert len(store) == len(dataset) == count
+    results = {"build": build}
+    for workers in (0, 2):
+        kwargs = {"batch_size": BATCH, "shuffle": True, "num_workers": workers}
+
+        arms = {"atompack_loader": lambda kw=kwargs: epoch(AtompackLoader(dataset, **kw)),
+                "atompack_pyg_loader": lambda kw=kwargs: epoch(DataLoader(dataset, **kw)),
+                "ondisk": lambda kw=kwargs: epoch(DataLoader(store, **kw))}
+        times = run_pairs(arms, args.pairs)
+        summary = {name: summarize_pairs(times[name], times["atompack_loader"]).to_dict()
+                   for name in ("atompack_pyg_loader", "ondisk")}
+        summary["pyg_loader_vs_ondisk"] = summarize_pairs(
+            times["ondisk"], times["atompack_pyg_loader"]).to_dict()
+        results[f"workers={workers}"] = {"times": times, "ours_vs": summary}
+        log(f"random access, {workers} workers: AtompackLoader vs OnDisk "
+            f"{fmt(summary['ondisk'])}, vs PyG DataLoader(AtompackDataset) "
+            f"{fmt(summary['atompack_pyg_loader'])}; DataLoader(AtompackDataset) vs OnDisk "
+            f"{fmt(summary['pyg_loader_vs_ondisk'])}")
+    return results
+
+
+# ------------------------------------------------------------------ part 3
+def worker_arms(base: str, names: dict, compute: float, traces: dict) -> dict:
+    def ours_workers(prefetch: int, concurrency: int, key: str):
+        def run():
+            build = ours(base, "pt", prefetch, concurrency, workers=2)
+            holder = {}
+
+            def make():
+                holder["loader"] = build()
+                return holder["loader"]
+            result = consume(make, compute, arrivals=True)
+            dataset = holder["loader"].dataset
+            traces[key] = {"stats": dataset.stats(), "records": dataset.trace}
+            return result
+        return run
+
+    return {"ours_w2_k2c2": ours_workers(2, 2, "ours_w2_k2c2"),
+            "ours_w2_k1c1": ours_workers(1, 1, "ours_w2_k1c1"),
+            "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute,
+                                             arrivals=True),
+            "ours_w0_k2c2": lambda: consume(ours(base, "pt", 2, 2), compute, arrivals=True),
+            "webdataset_w0": lambda: consume(webdataset_arm(base, names["tar"]), compute,
+                                             arrivals=True)}
+
+
+def workers_part(args, www: Path, names: dict, shard_bytes: int, compute_batch: float,
+                 ratios, log) -> dict:
+    """Ours vs WebDataset through ``DataLoader(num_workers=2)`` (the issue's finding)."""
+    compute_shard = compute_batch * args.per_shard / BATCH
+    results = {}
+    for ratio in ratios:
+        bandwidth = shard_bytes / (ratio * compute_shard)
+        http = Child(_serve_http, str(www), bandwidth)
+        base = f"http://127.0.0.1:{http.ports}"
+        traces: dict = {}
+        try:
+            runs = run_pairs(worker_arms(base, names, compute_batch, traces), args.pairs)
+        finally:
+            http.stop()
+        summary = {
+            "w2_k2c2_vs_wds_w2": summarize_pairs([r["seconds"] for r in runs["webdataset_w2"]],
+                                                 [r["seconds"] for r in runs["ours_w2_k2c2"]]),
+            "w2_k1c1_vs_wds_w2": summarize_pairs([r["seconds"] for r in runs["webdataset_w2"]],
+                                                 [r["seconds"] for r in runs["ours_w2_k1c1"]]),
+            "w0_vs_wds_w0": summarize_pairs([r["seconds"] for r in runs["webdataset_w0"]],
+                                            [r["seconds"] for r in runs["ours_w0_k2c2"]]),
+        }
+        results[f"{ratio}"] = {"runs": runs, "traces": traces,
+                               "summary": {k: v.to_dict() for k, v in summary.items()}}
+        log(f"workers=2, D/C={ratio}: " + ", ".join(f"{k} {fmt(v.to_dict())}"
+                                                   for k, v in summary.items()))
+    return results
+
+
+# ------------------------------------------------------------------ reporting
+def fmt(summary: dict) -> str:
+    low, high = summary["speedup_ci"]
+    return f"{summary['speedup_geomean']:.2f}x [{low:.2f}, {high:.2f}]"
+
+
+def median(values) -> float:
+    return float(np.median([v for v in values if v is not None])) if values else float("nan")
+
+
+def versions(mosaic_version: str | None) -> dict:
+    found = {}
+    for name in ("torch", "torch_geometric", "numpy", "litdata", "webdataset", "moto",
+                 "foldpipe", "boto3", "obstore"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    found["mosaicml-streaming"] = mosaic_version or "not run"
+    return found
+
+
+def draw(streaming: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = list(streaming)
+    peers = [p for p in ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2",
+                         "foldpipe")
+             if p in streaming[ratios[0]]["ours_pt_vs"]]
+    figure, axis = plt.subplots(figsize=(8, 3.4))
+    width = 0.8 / len(peers)
+    for k, peer in enumerate(peers):
+        means = [streaming[r]["ours_pt_vs"][peer]["speedup_geomean"] for r in ratios]
+        lows = [m - streaming[r]["ours_pt_vs"][peer]["speedup_ci"][0]
+                for m, r in zip(means, ratios)]
+        highs = [streaming[r]["ours_pt_vs"][peer]["speedup_ci"][1] - m
+                 for m, r in zip(means, ratios)]
+        axis.bar(np.arange(len(ratios)) + k * width, means, width, yerr=[lows, highs],
+                 capsize=2, label=peer)
+    axis.axhline(1.0, color="k", lw=0.8)
+    axis.set_xticks(np.arange(len(ratios)) + width * (len(peers) - 1) / 2)
+    axis.set_xticklabels([f"D/C={r}" for r in ratios])
+    axis.set_ylabel("their time / ours (.pt)")
+    axis.set_title("ShardStreamDataset (.pt) vs peers: > 1 means ours is faster", fontsize=9)
+    axis.legend(fontsize=7, ncol=3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def report(args, streaming, random_access, workers, convert, shard_sizes, meta, out) -> None:
+    lines = [
+        "# Peers: LitData, MosaicML streaming, WebDataset, FoldPipe, OnDiskDataset "
+        "(`benchmarks/peers.py`)",
+        "",
+        f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
+        f"{meta['load_start']} / {meta['load_end']} (the machine was shared by ~7 "
+        "engineers: **rerun on a quiet machine** before quoting absolute figures; ratios "
+        f"are paired, arms interleaved). Versions: "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
+        "",
+        f"{args.shards} shards x {args.per_shard} structures of {args.atoms} atoms (z, pos, "
+        f"forces, energy); consumer: {args.compute * 1e3:.0f} ms sleep per batch of {BATCH}; "
+        f"per-connection bandwidth set so that one `.pt` shard ({shard_sizes['pt'] / 1024:.0f} "
+        f"KiB) takes D = ratio x C. {args.pairs} pairs per regime, order rotated. Ratios: "
+        "their wall time / ours (`ShardStreamDataset` over `.pt`), geometric mean "
+        "[bootstrap 95% CI]; **> 1 means ours is faster**. Shard bytes: "
+        + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in shard_sizes.items()) + ".",
+        "",
+        "## Streaming from remote storage",
+        "",
+        "| D/C | k / conc. | ours .atp (its time / .pt's) | LitData | MosaicML | WebDataset "
+        "| WebDataset, 2 workers | FoldPipe |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    peers = ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2", "foldpipe")
+    for ratio, row in streaming.items():
+        cells = [fmt(row["ours_pt_vs"][p]) if p in row["ours_pt_vs"] else "did not run"
+                 for p in peers]
+        lines.append(f"| {ratio} | {row['prefetch']} / {row['concurrency']} | "
+                     + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Median time to first batch (s) / peak RSS growth (MiB) / peak local disk (MiB):",
+        "",
+        "| D/C | ours .pt | ours .atp | LitData | MosaicML | WebDataset | WebDataset, 2 "
+        "workers | FoldPipe |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for ratio, row in streaming.items():
+        cells = []
+        for arm in ("ours_pt", *peers):
+            passes = row["runs"].get(arm)
+            if not passes:
+                cells.append("–")
+                continue
+            cells.append(f"{median([p['first_batch_s'] for p in passes]):.2f} / "
+                         f"{median([p['rss_growth'] for p in passes]) / 2**20:.0f} / "
+                         f"{median([p['disk_peak'] for p in passes]) / 2**20:.1f}")
+        lines.append(f"| {ratio} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Conversion before training (from the structures in memory; ours reads existing "
+        "`.pt` / `.atp` shards as they are):",
+        "",
+        "| format | seconds | bytes |",
+        "|---|---:|---:|",
+    ]
+    for name, figures in convert.items():
+        lines.append(f"| {name} | {figures['seconds']:.2f} | {figures['bytes']:,} |")
+    lines += ["", "## Random access (PyG training loop, batches of 32, shuffled)", "",
+              "| workers | AtompackLoader vs OnDiskDataset | AtompackLoader vs "
+              "DataLoader(AtompackDataset) | DataLoader(AtompackDataset) vs OnDiskDataset |",
+              "|---|---|---|---|"]
+    for key in ("workers=0", "workers=2"):
+        row = random_access[key]["ours_vs"]
+        lines.append(f"| {key[-1]} | {fmt(row['ondisk'])} | {fmt(row['atompack_pyg_loader'])} "
+                     f"| {fmt(row['pyg_loader_vs_ondisk'])} |")
+    build = random_access["build"]
+    lines += ["", f"Store build from the same arrays: `.atp` {build['atp']['seconds']:.2f} s, "
+              f"{build['atp']['bytes']:,} bytes; OnDiskDataset (SQLite) "
+              f"{build['ondisk']['seconds']:.2f} s, {build['ondisk']['bytes']:,} bytes.", ""]
+    if workers:
+        lines += ["## DataLoader workers (the issue's finding)", "",
+                  "| D/C | ours w=2 k2c2 vs WDS w=2 | ours w=2 k1c1 vs WDS w=2 | ours w=0 vs "
+                  "WDS w=0 | first batch s (ours w2 / WDS w2 / ours w0 / WDS w0) |",
+                  "|---|---|---|---|---|"]
+        for ratio, row in workers.items():
+            s = row["summary"]
+            firsts = " / ".join(
+                f"{median([p['first_batch_s'] for p in row['runs'][a]]):.2f}"
+                for a in ("ours_w2_k2c2", "webdataset_w2", "ours_w0_k2c2", "webdataset_w0"))
+            lines.append(f"| {ratio} | {fmt(s['w2_k2c2_vs_wds_w2'])} | "
+                         f"{fmt(s['w2_k1c1_vs_wds_w2'])} | {fmt(s['w0_vs_wds_w0'])} | "
+                         f"{firsts} |")
+        lines.append("")
+    lines += meta.get("notes", [])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines), flush=True)
+
+
+NOTES = [
+    "## How each peer was run, and what had to be worked around",
+    "",
+    "* **LitData** 0.2.76 fetches chunks with obstore when it is installed, and builds "
+    "that `S3Store` with fixed client options that do not allow plain HTTP: against an "
+    "`http://` S3 endpoint every chunk GET fails (`reqwest` `BadScheme`; `AWS_ALLOW_HTTP` "
+    "is not consulted). The arm sets `litdata.streaming.downloader._OBSTORE_AVAILABLE = "
+    "False`, so LitData uses its boto3 path (`index.json` already goes through boto3). "
+    "`litdata.optimize` spawns its workers, which re-import the calling script.",
+    "* **MosaicML streaming** 0.13.0 runs in `benchmarks/_work/mosaic-venv` "
+    "(`peer_mosaic.py`): its pins (`numpy<2.2`, `transformers<5` -> "
+    "`huggingface_hub<1.0`) conflict with the project, and `import streaming` imports "
+    "`streaming.vision`, which needs `torchvision` (the index only has CUDA builds, "
+    "which fail to load next to the CPU torch); empty modules stand in for "
+    "`streaming.vision` / `streaming.multimodal`, which are not used. torch and boto3 "
+    "come from the project venv via a `.pth` file. `S3_ENDPOINT_URL` points it at the "
+    "proxy. Its times are measured inside the child (after imports), like the others'.",
+    "* **WebDataset** 1.0.2 reads `http://` URLs through a `curl` subprocess per shard "
+    "(its `gopen`), `shardshuffle` = number of shards, `.shuffle(1000)`, default "
+    "`.decode()` of `.npy` members, torch `DataLoader` default collate.",
+    "* **OnDiskDataset**: typed columns (`schema` with tensor dtypes and sizes, as "
+    "PyG's `PCQM4Mv2` does) so rows are raw tensor bytes, not pickles; filled with "
+    "`extend(..., batch_size=1000)`.",
+    "* Every pass of LitData / MosaicML starts from an empty local cache (else the "
+    "second pass would read from disk).",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=12)
+    parser.add_argument("--per-shard", type=int, default=256)
+    parser.add_argument("--atoms", type=int, default=64)
+    parser.add_argument("--ra-structures", type=int, default=8192,
+                        help="structures in the random-access stores")
+    parser.add_argument("--compute", type=float, default=0.02, help="compute s per batch")
+    parser.add_argument("--quick", action="store_true",
+                        help="D/C = 1 only, 2 pairs, 6 shards (smoke run, < 5 min)")
+    parser.add_argument("--no-workers", action="store_true", help="skip part 3")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "peers.md")
+    args = parser.parse_args()
+    regimes, worker_ratios = REGIMES, [1.0, 3.0]
+    if args.quick:
+        args.pairs, args.shards, args.per_shard, args.ra_structures = 2, 6, 128, 2048
+        regimes, worker_ratios = [REGIMES[1]], []
+        args.out = Path(tempfile.mkdtemp(prefix="peers-quick-")) / "peers.md"
+    torch.set_num_threads(1)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPU, Linux {platform.release()}, "
+                       f"Python {platform.python_version()}",
+            "load_start": os.getloadavg()[0].__round__(1)}
+    ensure_litdata()
+    scratch = Path(tempfile.mkdtemp(prefix="peers-"))
+    begun = time.perf_counter()
+    try:
+        www = scratch / "www"
+        for sub in ("pt", "atp", "tar"):
+            (www / sub).mkdir(parents=True)
+        lit_dir, mds_dir = scratch / "litdata", scratch / "mds"
+        names, convert = write_formats(www, lit_dir, scratch / "mds.npz", args.shards,
+                                       args.per_shard, args.atoms)
+        mosaic_version = None
+        try:
+            converter = MosaicArm()
+            mosaic_version = converter.version
+            pt_shard = (www / "pt" / names["pt"][0]).stat().st_size
+            convert["mosaicml (MDSWriter)"] = converter.ask(
+                op="convert", source=str(scratch / "mds.npz"), out=str(mds_dir),
+                size_limit=pt_shard)
+            converter.close()
+        except Exception as exc:
+            log(f"MosaicML venv or conversion failed: {exc}")
+            mds_dir.mkdir(exist_ok=True)
+        shard_sizes = {kind: (www / kind / names[kind][0]).stat().st_size
+                       for kind in ("pt", "atp", "tar")}
+        shard_sizes["litdata"] = max(p.stat().st_size for p in lit_dir.glob("*.bin"))
+        if any(mds_dir.glob("*.mds")):
+            shard_sizes["mds"] = max(p.stat().st_size for p in mds_dir.glob("*.mds"))
+        import litdata.streaming.downloader as litdata_downloader
+
+        litdata_downloader._OBSTORE_AVAILABLE = False  # see NOTES: obstore refuses http://
+        log(f"[{time.perf_counter() - begun:.0f} s] formats written; streaming part")
+        streaming = streaming_part(args, www, names, lit_dir, mds_dir, shard_sizes["pt"],
+                                   args.compute, regimes, log)
+        log(f"[{time.perf_counter() - begun:.0f} s] random-access part")
+        random_access = random_access_part(args, scratch, log)
+        log(f"[{time.perf_counter() - begun:.0f} s] workers part")
+        workers = {} if args.no_workers else workers_part(
+            args, www, names, shard_sizes["pt"], args.compute, worker_ratios, log)
+        meta["load_end"] = os.getloadavg()[0].__round__(1)
+        meta["versions"] = versions(mosaic_version)
+        meta["notes"] = NOTES
+        report(args, streaming, random_access, workers, convert, shard_sizes, meta, args.out)
+        details = {"meta": meta, "convert": convert, "shard_bytes": shard_sizes,
+                   "streaming": streaming, "random_access": random_access, "workers": workers}
+        args.out.with_suffix(".json").write_text(json.dumps(details, indent=1, default=str),
+                                                 encoding="utf-8")
+        if not args.quick:
+            draw(streaming, HERE / "figures" / "peers.png")
+        one = streaming["1.0"]["ours_pt_vs"]
+        last = {name: round(one[name]["speedup_geomean"], 3) if name in one else None
+                for name in ("litdata", "mosaic", "foldpipe")}
+        # WebDataset as its documentation recommends: behind DataLoader workers
+        last["webdataset"] = round(one["webdataset_w2"]["speedup_geomean"], 3)
+        last = {k: last[k] for k in ("litdata", "mosaic", "webdataset", "foldpipe")}
+        last["ondisk"] = round(
+            random_access["workers=0"]["ours_vs"]["ondisk"]["speedup_geomean"], 3)
+        log(f"[{time.perf_counter() - begun:.0f} s] done")
+        print(json.dumps(last), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
