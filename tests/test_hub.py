@@ -272,7 +272,7 @@ def test_fetch_bytes_in_memory(server, files, tmp_path):
     with pytest.raises(hub.HubIntegrityError, match=r"train/b/part_0\.atp.*sha256"):
         hub.fetch_bytes(target)
     assert hub.fetch_bytes(target, verify=False) == bytes(wrong)
-    with pytest.raises(hub.HubIntegrityError, match="received 3 bytes"):
+    with pytest.raises(hub.HubIntegrityError, match="received size 3 bytes"):
         hub.check_bytes(target, b"abc", verify=False)
 
 
