@@ -203,6 +203,7 @@ def download(
     *,
     token: str | bool | None = None,
     verify: bool = True,
+    policy: RetryPolicy | None = None,
 ) -> Path:
     """Download a remote file into the cache, verified, and return its local path.
 
@@ -216,6 +217,7 @@ def download(
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         verify: Check the sha256 (LFS files) or git blob id (plain files)
             against the listing. The size is always checked. (default: ``True``)
+        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
 
     Returns:
         Path of the local copy (treat it as read-only; it may be shared).
@@ -241,7 +243,7 @@ def download(
             return final
         temp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.incomplete")
         try:
-            _stream_to(remote_file, temp, token=token)
+            _stream_to(remote_file, temp, token=token, policy=policy)
             _check_integrity(remote_file, temp, verify=verify)
             os.replace(temp, final)
         finally:
