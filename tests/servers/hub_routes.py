@@ -36,6 +36,7 @@ class RecordedRequest:
     body_bytes: int = 0  # bytes of body sent back
     fault: str | None = None  # the injected fault, if any
     origin: str = "hub"  # "hub" or "cdn": which server answered
+    started: float = 0.0  # time.monotonic() when the request arrived
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
@@ -70,7 +71,7 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         record = RecordedRequest(
             method=self.command, path=unquote(split.path), query=parse_qs(split.query),
-            headers={k.lower(): v for k, v in self.headers.items()},
+            headers={k.lower(): v for k, v in self.headers.items()}, started=time.monotonic(),
         )
         self.server.record_request(record)
         return record
