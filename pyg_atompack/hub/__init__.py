@@ -102,6 +102,7 @@ from pyg_atompack.hub.transfer import (
     fetch_range,
 )
 from pyg_atompack.hub.uri import HubLocation, parse_hf_uri
+from pyg_atompack.hub.url_files import list_url_files, open_remote_atp, open_url_atp
 
 __all__ = [
     "HubAtpReader",
@@ -129,7 +130,10 @@ __all__ = [
     "fetch_range",
     "is_commit_sha",
     "list_remote_files",
+    "list_url_files",
     "open_hub_atp",
+    "open_remote_atp",
+    "open_url_atp",
     "parse_hf_uri",
     "pull",
     "push",

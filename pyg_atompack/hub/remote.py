@@ -67,7 +67,8 @@ class RemoteFile:
         revision: The revision the listing was made at (a commit sha when the
             listing was pinned, which :func:`list_remote_files` callers should do).
         repo_id: The repository, for error messages (``""`` when unknown).
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``; ``"url"`` for a file listed
+            from a plain HTTP(S) URL (no repository, no Hub token).
         blob_id: The git blob id (sha1 of ``"blob {size}\\0" + content``), which
             lets plain git files be verified too; ``None`` when unknown.
     """
@@ -82,7 +83,11 @@ class RemoteFile:
     blob_id: str | None = None
 
     def describe(self) -> str:
-        """Human-readable ``repo @ revision, path`` string for messages."""
+        """Human-readable ``repo @ revision, path`` string (the URL, for plain URLs)."""
+        if self.repo_type == "url":
+            from pyg_atompack.transport.redact import redact_url
+
+            return redact_url(self.url)
         return describe_remote(self.repo_id or None, self.revision, self.path or self.url)
 
 

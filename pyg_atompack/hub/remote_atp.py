@@ -27,6 +27,8 @@ def _header_info(header: Any) -> dict[str, int]:
 
 def shard_uri(shard: RemoteFile) -> str:
     """``hf://{type}s/{repo}@{sha}/{path}``: how messages of the format layer name a shard."""
+    if shard.repo_type == "url":
+        return shard.describe()
     return f"hf://{shard.repo_type}s/{shard.repo_id}@{shard.revision}/{shard.path}"
 
 

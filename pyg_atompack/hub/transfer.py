@@ -59,13 +59,15 @@ def default_cache_dir() -> Path:
 
 
 def _translate(remote_file: RemoteFile):
+    if remote_file.repo_type == "url":
+        return translate_errors(None, None, remote_file.describe())
     return translate_errors(remote_file.repo_id, remote_file.revision, remote_file.path,
                             repo_type=remote_file.repo_type)
 
 
 def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str]:
     # files listed from a plain URL (no repository) get no Hub token
-    return hub_headers(token if remote_file.repo_id else False)
+    return hub_headers(False if remote_file.repo_type == "url" else token)
 
 
 def fetch_range(

@@ -38,13 +38,16 @@ class HubSource(URLShardSource):
         token: Hub token (``None``: the saved token, ``False``: none).
         endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint, i.e.
             ``HF_ENDPOINT``).
-        retry: Retry and timeout policy for downloads. (default: :class:`RetryPolicy()`)
+        retry: Retry and timeout policy for downloads, and for the listing and the revision
+            lookup. (default: :class:`RetryPolicy()`)
+        suffixes: Keep only shard paths ending in one of these (``None``: every match of
+            ``pattern``). (default: :obj:`None`)
     """
 
     def __init__(self, repo_id: str, path_in_repo: str = "", *, revision: str = "main",
                  pattern: str = "*.pt", repo_type: str = "dataset",
                  token: str | bool | None = None, endpoint: str | None = None,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, suffixes: tuple[str, ...] | None = None):
         from huggingface_hub.utils import build_hf_headers
 
         from pyg_atompack import hub
@@ -57,9 +60,9 @@ class HubSource(URLShardSource):
         self.headers = dict(build_hf_headers(token=token, library_name="pyg_atompack"))
         self.headers["Accept-Encoding"] = "identity"
         common = {"repo_type": repo_type, "token": token, "endpoint": endpoint}
-        self.revision = hub.resolve_revision(repo_id, revision, **common)
+        self.revision = hub.resolve_revision(repo_id, revision, policy=self.retry, **common)
         files = hub.list_remote_files(repo_id, self.path_in_repo, revision=self.revision,
-                                      pattern="*", **common)
+                                      pattern="*", policy=self.retry, **common)
         root = self.path_in_repo
 
         def relative(path: str) -> str:
@@ -71,6 +74,8 @@ class HubSource(URLShardSource):
         for remote in files:
             name = relative(remote.path)
             if name == MANIFEST_NAME or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            if suffixes is not None and not name.endswith(tuple(suffixes)):
                 continue
             entry = manifest.get(name, {})
             shards.append(ShardInfo(name=name, size=remote.size,

@@ -62,7 +62,7 @@ from pyg_atompack.transport.retry import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "fetch", "fetch_in_parts",
-           "fetch_range", "fetch_to_file", "open_response", "request_json"]
+           "fetch_range", "fetch_to_file", "open_response", "probe_size", "request_json"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -567,6 +567,36 @@ def _cancelled_error(token: Any) -> BaseException:
 
 class _NotCancelled(Exception):
     pass
+
+
+def probe_size(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = None
+               ) -> int | None:
+    """The size of the body at ``url``, from a one-byte range request.
+
+    Args:
+        url: The address.
+        policy: Retries and timeouts.
+        headers: Request headers.
+
+    Returns:
+        The total from ``Content-Range`` (or ``Content-Length`` of a server that ignores
+        ranges; the body is not read), or ``None`` when the server does not say.
+    """
+    def attempt() -> int | None:
+        with open_response(url, headers=headers, range_header="bytes=0-0",
+                           policy=policy) as response:
+            status = response.status_code
+            if status == 206:
+                total = (response.headers.get("Content-Range") or "").rpartition("/")[2]
+                return int(total) if total.isdigit() else None
+            if status == 416:  # an empty file
+                return 0
+            if status != 200:
+                raise permanent_error(status, response.headers, redact_url(url))
+            length = response.headers.get("Content-Length") or ""
+            return int(length) if length.isdigit() else None
+
+    return with_retries(attempt, url=url, policy=policy)
 
 
 def request_json(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
