@@ -180,7 +180,7 @@ def _remote_verify(args: argparse.Namespace) -> int:
         except RemoteIntegrityError as error:
             problems.append(str(error))
             continue
-        shard_count, shard_problems = verify_source(local)
+        shard_count, shard_problems = verify_source(local, src_format="atp")
         count += shard_count
         problems += [f"{name}: {problem}" for problem in shard_problems]
     return _verify_report(args.path, count, problems)
