@@ -176,3 +176,25 @@ def test_unreachable_hub_is_bounded(tmp_path):
     with pytest.raises(hub.HubTransferError, match="after 4 attempts") as caught:
         hub.resolve_revision(REPO, endpoint=endpoint, policy=FAST)
     assert isinstance(caught.value.__cause__, RemoteUnavailableError)
+
+
+def test_pickled_hub_source_holds_no_token_and_still_streams(server):
+    import io
+    import pickle
+
+    import torch
+    from servers.http_server import make_samples
+
+    from pyg_atompack.stream import HubSource, ShardStreamDataset
+
+    buffer = io.BytesIO()
+    torch.save(make_samples(7, 3), buffer)
+    server.commit("org/streamed", {"s/a.pt": buffer.getvalue()})
+    source = HubSource("org/streamed", "s", endpoint=server.endpoint, retry=FAST)
+    blob = pickle.dumps(source)
+    assert TOKEN.encode() not in blob  # the logged-in token is read when needed
+    clone = pickle.loads(blob)
+    assert [int(s.sample_id) for s in ShardStreamDataset(clone)] == [7000, 7001, 7002]
+    downloads = server.requests_to("/s/a.pt")
+    assert downloads[-1].headers["authorization"] == f"Bearer {TOKEN}"
+    assert all("authorization" not in r.headers for r in server.requests_to("/cdn/"))

@@ -48,8 +48,6 @@ class HubSource(URLShardSource):
                  pattern: str = "*.pt", repo_type: str = "dataset",
                  token: str | bool | None = None, endpoint: str | None = None,
                  retry: RetryPolicy | None = None, suffixes: tuple[str, ...] | None = None):
-        from huggingface_hub.utils import build_hf_headers
-
         from pyg_atompack import hub
 
         self.repo_id = repo_id
@@ -57,8 +55,7 @@ class HubSource(URLShardSource):
         self.requested_revision = revision
         self.pattern = pattern
         self.retry = retry or RetryPolicy()
-        self.headers = dict(build_hf_headers(token=token, library_name="pyg_atompack"))
-        self.headers["Accept-Encoding"] = "identity"
+        self.token = token
         common = {"repo_type": repo_type, "token": token, "endpoint": endpoint}
         self.revision = hub.resolve_revision(repo_id, revision, policy=self.retry, **common)
         files = hub.list_remote_files(repo_id, self.path_in_repo, revision=self.revision,
@@ -88,6 +85,15 @@ class HubSource(URLShardSource):
                 f"{pattern!r}"
             )
         self._shards = tuple(shards)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Request headers, built when needed: a token found in ``HF_TOKEN`` or the saved
+        login is never stored in the source, so it is not in a pickled copy either (an
+        explicit ``token=`` is, so that DataLoader workers can download)."""
+        from pyg_atompack.hub.remote import hub_headers
+
+        return hub_headers(self.token)
 
     def _read_manifest(self, remote) -> dict[str, dict]:
         body = fetch_url(remote.url, name=remote.path, policy=self.retry, cancel=CancelToken(),
