@@ -45,6 +45,8 @@ from pyg_atompack.transport.errors import (
     RemoteOfflineError,
     TransportError,
 )
+from pyg_atompack.transport.http import permanent_error
+from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -194,6 +196,42 @@ def hub_error(error: TransportError, where: str, *, page: str | None = None) -> 
     return result
 
 
+def make_api(endpoint: str | None):
+    """An :class:`huggingface_hub.HfApi` for ``endpoint`` (``None``: the client's default).
+
+    Used for what the transport does not do itself: uploads (``hub.push``) and whoami.
+
+    Args:
+        endpoint: Base URL of the Hub, e.g. ``"http://127.0.0.1:8123"``.
+
+    Returns:
+        The client object.
+    """
+    from huggingface_hub import HfApi
+
+    from pyg_atompack import __version__
+
+    return HfApi(endpoint=endpoint.rstrip("/") if endpoint else None,
+                 library_name="pyg_atompack", library_version=__version__)
+
+
+def _from_huggingface_hub(exc: BaseException, where: str, page: str | None) -> HubError | None:
+    """The Hub-layer error for an exception of huggingface_hub's client (``HfApi`` calls)."""
+    from huggingface_hub import errors as hf_errors
+
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    url = str(getattr(getattr(response, "request", None), "url", "")) or None
+    if isinstance(exc, hf_errors.HfHubHTTPError) and response is not None:
+        error = permanent_error(status, response.headers, redact_url(url or ""))
+        return hub_error(error, where, page=page)
+    if isinstance(exc, hf_errors.OfflineModeIsEnabled):
+        return HubOfflineError(f"{where}: {exc}")
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0].startswith("httpx"):
+        return HubTransferError(f"{where}: cannot reach the Hub: {exc}")
+    return None
+
+
 @contextmanager
 def translate_errors(repo_id: str, revision: str | None, path: str | None, *,
                      repo_type: str = "dataset",
@@ -207,13 +245,19 @@ def translate_errors(repo_id: str, revision: str | None, path: str | None, *,
         repo_type: For the repository page named when it is gated.
         endpoint: For the repository page named when it is gated.
     """
+    where = describe_remote(repo_id, revision, path)
+    page = repo_page(repo_id, repo_type, endpoint) if repo_id else None
     try:
         yield
     except HubError:
         raise
     except TransportError as exc:
-        raise hub_error(exc, describe_remote(repo_id, revision, path),
-                        page=repo_page(repo_id, repo_type, endpoint)) from exc
+        raise hub_error(exc, where, page=page) from exc
+    except Exception as exc:  # HfApi calls (uploads) raise huggingface_hub's errors
+        translated = _from_huggingface_hub(exc, where, page)
+        if translated is None:
+            raise
+        raise translated from exc
 
 
 def _api_url(endpoint: str | None, repo_type: str, repo_id: str, *tail: str) -> str:
