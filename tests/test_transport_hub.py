@@ -198,3 +198,34 @@ def test_pickled_hub_source_holds_no_token_and_still_streams(server):
     downloads = server.requests_to("/s/a.pt")
     assert downloads[-1].headers["authorization"] == f"Bearer {TOKEN}"
     assert all("authorization" not in r.headers for r in server.requests_to("/cdn/"))
+
+
+def test_http_source_credentials_stay_at_their_origin(server):
+    """Any Authorization header given to a source (not only the Hub token) stops at the
+    origin it was given for: the CDN, which refuses requests carrying one, serves the
+    redirected download."""
+    from pyg_atompack.stream import CancelToken, HTTPSource
+
+    target = hub.list_remote_files(REPO, "train/part_0.atp", revision="main",
+                                   endpoint=server.endpoint, policy=FAST)[0]
+    source = HTTPSource([target.url], headers={"Authorization": "Bearer site-secret"},
+                        retry=FAST)
+    server.clear_requests()
+    body = source.fetch(source.list_shards()[0], CancelToken())
+    assert len(body) == target.size
+    resolve, cdn = server.requests
+    assert resolve.headers["authorization"] == "Bearer site-secret" and resolve.status == 302
+    assert "authorization" not in cdn.headers and cdn.status == 200
+
+
+def test_a_file_too_large_for_memory_is_a_project_error(server):
+    from pyg_atompack.stream import CancelToken, ShardFetchError
+    from pyg_atompack.stream.http import fetch_url_in_parts
+    from pyg_atompack.transport import RemoteTooLargeError
+
+    target = hub.list_remote_files(REPO, "train/part_0.atp", revision="main",
+                                   endpoint=server.endpoint, policy=FAST)[0]
+    with pytest.raises(ShardFetchError, match=r"part_0\.atp.*cannot be held in memory") as caught:
+        fetch_url_in_parts(target.url, size=1 << 62, parts=2, name="part_0.atp", policy=FAST,
+                           cancel=CancelToken())
+    assert isinstance(caught.value.__cause__, RemoteTooLargeError)
