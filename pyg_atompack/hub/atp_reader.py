@@ -72,6 +72,8 @@ class HubAtpReader:
         policy: Retries and timeouts of range reads and downloads (a ``RetryPolicy``).
             (default: the Hub default)
         name: How messages and ``repr`` name the source (default: its ``hf://`` URI).
+        store: The object-store handle that listed the shards (object-store URLs only;
+            picklable, without secrets).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class HubAtpReader:
         access: str = "mmap",
         policy: Any = None,
         name: str | None = None,
+        store: Any = None,
     ) -> None:
         if len(shards) != len(headers):
             raise ValueError("one header per shard is required")
@@ -98,6 +101,7 @@ class HubAtpReader:
         self.access = access
         self.policy = policy
         self.name = name
+        self.store = store
         counts = np.array([h["num_molecules"] for h in self.headers], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._init_runtime()
@@ -164,7 +168,7 @@ class HubAtpReader:
                 return reader
             remote = self.shards[shard]
             path = download(remote, self.cache_dir, token=self.token, verify=self.verify,
-                            policy=self.policy)
+                            policy=self.policy, store=self.store)
             reader = atp.open(path, access=self.access)
             expected = self.headers[shard]["num_molecules"]
             if len(reader) != expected:
@@ -188,7 +192,7 @@ class HubAtpReader:
         """
         def fetch(shard: RemoteFile) -> Path:
             return download(shard, self.cache_dir, token=self.token, verify=self.verify,
-                            policy=self.policy)
+                            policy=self.policy, store=self.store)
 
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
             return list(pool.map(fetch, self.shards))
@@ -303,7 +307,7 @@ class HubAtpReader:
                     pieces.append(np.asarray(reader.n_atoms, dtype=np.int64))
                     continue
                 pieces.append(remote_n_atoms(remote, self.headers[shard], token=self.token,
-                                             policy=self.policy))
+                                             policy=self.policy, store=self.store))
             self._n_atoms = (
                 np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
             )
@@ -332,7 +336,7 @@ class HubAtpReader:
         reader = self._readers.get(shard)
         if reader is None:
             parsed = remote_fields(self.shards[shard], self.headers[shard], token=self.token,
-                                   policy=self.policy)
+                                   policy=self.policy, store=self.store)
             if parsed is not None:
                 return parsed
             reader = self.shard_reader(shard)

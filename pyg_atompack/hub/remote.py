@@ -70,7 +70,8 @@ class RemoteFile:
             listing was pinned, which :func:`list_remote_files` callers should do).
         repo_id: The repository, for error messages (``""`` when unknown).
         repo_type: ``"dataset"``, ``"model"`` or ``"space"``; ``"url"`` for a file listed
-            from a plain HTTP(S) URL (no repository, no Hub token).
+            from a plain HTTP(S) URL (no repository, no Hub token), ``"object"`` for one
+            listed from an object store (``blob_id`` then holds its ETag).
         blob_id: The git blob id (sha1 of ``"blob {size}\\0" + content``), which
             lets plain git files be verified too; ``None`` when unknown.
     """
@@ -86,7 +87,7 @@ class RemoteFile:
 
     def describe(self) -> str:
         """Human-readable ``repo @ revision, path`` string (the URL, for plain URLs)."""
-        if self.repo_type == "url":
+        if self.repo_type in ("url", "object"):
             from pyg_atompack.transport.redact import redact_url
 
             return redact_url(self.url)

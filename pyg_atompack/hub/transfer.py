@@ -58,6 +58,14 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "pyg_atompack" / "hub"
 
 
+def object_info(remote_file: RemoteFile):
+    """The object-store backend's description of a file it listed."""
+    from pyg_atompack.transport.objectstore import ObjectInfo
+
+    return ObjectInfo(name=remote_file.path, url=remote_file.url, size=remote_file.size,
+                      etag=remote_file.blob_id, sha256=remote_file.sha256)
+
+
 def _translate(remote_file: RemoteFile):
     if remote_file.repo_type == "url":
         return translate_errors(None, None, remote_file.describe())
@@ -72,7 +80,7 @@ def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str
 
 def fetch_range(
     remote_file: RemoteFile, start: int, length: int, *, token: str | bool | None = None,
-    policy: RetryPolicy | None = None,
+    policy: RetryPolicy | None = None, store=None,
 ) -> bytes:
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
@@ -83,6 +91,8 @@ def fetch_range(
             ``remote_file.size``.
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        store: For a file listed from an object store (``repo_type="object"``): the
+            backend's handle that listed it, which reads the range.
 
     Returns:
         Exactly ``length`` bytes.
@@ -103,6 +113,8 @@ def fetch_range(
         )
     if length == 0:
         return b""
+    if remote_file.repo_type == "object":
+        return store.read_range(object_info(remote_file), start, length)
     with _translate(remote_file):
         return transport.fetch_range(remote_file.url, start, length,
                                      headers=_headers(remote_file, token),
@@ -206,6 +218,7 @@ def download(
     token: str | bool | None = None,
     verify: bool = True,
     policy: RetryPolicy | None = None,
+    store=None,
 ) -> Path:
     """Download a remote file into the cache, verified, and return its local path.
 
@@ -220,6 +233,8 @@ def download(
         verify: Check the sha256 (LFS files) or git blob id (plain files)
             against the listing. The size is always checked. (default: ``True``)
         policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        store: For a file listed from an object store: the backend's handle, which keeps
+            its own verified cache (``verify`` is then always on).
 
     Returns:
         Path of the local copy (treat it as read-only; it may be shared).
@@ -231,6 +246,8 @@ def download(
     """
     from filelock import FileLock
 
+    if remote_file.repo_type == "object":
+        return store.download(object_info(remote_file), cache_dir)
     hashed = bool(remote_file.sha256 or remote_file.blob_id)
     final = cached_path(remote_file, cache_dir, verified=verify and hashed)
     if _is_complete(final, remote_file):

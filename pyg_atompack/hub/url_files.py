@@ -174,10 +174,43 @@ def open_remote_atp(url: str, **options):
                             **options)
     if scheme in ("http", "https"):
         return open_url_atp(url, **options)
-    backend = object_store(url)
-    opener = getattr(backend, "open_atp", None)
-    if opener is None:
-        raise UnsupportedURLError(
-            f"{url!r}: the {scheme}:// backend ({backend.__name__}) streams shards "
-            f"(stream.open_source) but offers no open_atp for AtompackDataset", url=url)
-    return opener(url, **options)
+    object_store(url)  # the backend is installed (else: what to install)
+    return open_object_store_atp(url, **options)
+
+
+def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
+                          access: str = "mmap", policy: RetryPolicy | None = None,
+                          max_workers: int = 8, **storage_options):
+    """Open the ``.atp`` objects below an object-store URL, without downloading them.
+
+    The backend (:mod:`pyg_atompack.transport.objectstore`) lists them (sizes, ETags, and
+    sha256 from a ``manifest.json``), reads each header with a range read and keeps the
+    verified downloads in its cache; its handle travels with the reader (no secrets).
+
+    Args:
+        url: ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
+        cache_dir: Download cache root (default: the backend's).
+        verify: Kept for the signature of the other openers; the backend always verifies.
+        access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
+        policy: Unused: the backend has its own retry options (``retries=``, ...).
+        max_workers: Parallel header reads. (default: ``8``)
+        **storage_options: The backend's options (``endpoint_url``, ``profile``, ...).
+
+    Returns:
+        A :class:`~pyg_atompack.hub.HubAtpReader` named by the URL.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyg_atompack.hub.atp_reader import HubAtpReader
+    from pyg_atompack.hub.remote_atp import read_shard_header
+    from pyg_atompack.transport.objectstore import list_objects
+
+    store, objects = list_objects(url, suffixes=(".atp",), **storage_options)
+    shards = [RemoteFile(path=o.name, size=o.size, sha256=o.sha256, url=o.url, revision="",
+                         repo_id="", repo_type="object", blob_id=o.etag) for o in objects]
+    if not shards:
+        raise HubNoShardsError(f"{redact_url(url)}: no .atp object below this URL")
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
+        headers = list(pool.map(lambda s: read_shard_header(s, store=store), shards))
+    return HubAtpReader(shards, headers, path_in_repo="", cache_dir=cache_dir, token=False,
+                        verify=verify, access=access, store=store, name=redact_url(url))

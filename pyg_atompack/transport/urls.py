@@ -27,10 +27,11 @@ class Backend:
     """An object-store backend.
 
     Attributes:
-        module: The module serving the scheme. It provides ``ObjectStoreSource(url,
-            **storage_options)`` (a stream :class:`~pyg_atompack.stream.Source`) and,
-            for ``AtompackDataset`` and the command line, ``open_atp(url, **options)``
-            returning a reader with the ``atp`` reader interface.
+        module: The module serving the scheme: it provides ``ObjectStoreSource(url,
+            **storage_options)`` (a stream :class:`~pyg_atompack.stream.Source`);
+            ``AtompackDataset`` and the command line read through
+            :mod:`pyg_atompack.transport.objectstore` (``list_objects``, ``read_range``,
+            ``download``).
         install: What to install for it, e.g. ``"pip install s3fs"``.
     """
 
