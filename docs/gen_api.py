@@ -34,6 +34,7 @@ PUBLIC_MODULES = (
     "pyg_atompack.stream",
     "pyg_atompack.graph",
     "pyg_atompack.hub",
+    "pyg_atompack.transport",
 )
 
 

@@ -143,10 +143,93 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _is_url(path: str) -> bool:
+    from pyg_atompack.transport.urls import url_scheme
+
+    return url_scheme(path) is not None
+
+
+def _open_remote(url: str) -> Any:
+    """The lazy reader of a remote ``.atp`` source (nothing downloaded yet)."""
+    from pyg_atompack import hub
+
+    return hub.open_remote_atp(url)
+
+
+def _remote_head(args: argparse.Namespace) -> int:
+    """The first structures of a remote source: only the shards holding them are fetched."""
+    from pyg_atompack.convert import open_reader
+    from pyg_atompack.convert.summary import summarize_structure
+
+    remote = _open_remote(args.path)
+    index = 0
+    for shard in range(len(remote.shards)):
+        if index >= args.n:
+            break
+        local = remote.shard_reader(shard).path
+        with open_reader(local, "atp", _read_options(args)) as reader:
+            for structure in reader:
+                if index >= args.n:
+                    break
+                print(summarize_structure(index, structure))
+                index += 1
+    return EXIT_OK
+
+
+def _remote_info(args: argparse.Namespace) -> int:
+    """Counts and fields of a remote source from header, index and schema range reads."""
+    remote = _open_remote(args.path)
+    lines = [f"path: {args.path}", "format: atp (remote)",
+             f"size: {sum(s.size for s in remote.shards)} bytes",
+             f"shards: {len(remote.shards)}"]
+    lines += [f"  {shard.path}: {count} records, {shard.size} bytes"
+              for shard, count in zip(remote.shards, remote.shard_lengths.tolist())]
+    lines += [f"structures: {len(remote)}", f"atoms: {int(remote.n_atoms.sum())}", "fields:"]
+    for name, info in remote.fields.items():
+        dtype = "str" if info.dtype is None else str(info.dtype)
+        shape = "" if not info.shape else "[" + ",".join(map(str, info.shape)) + "]"
+        where = "per atom" if info.per_atom else "per structure"
+        lines.append(f"  {name}: {dtype}{shape} ({where})")
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _remote_verify(args: argparse.Namespace) -> int:
+    """Download every shard (verified against the listing), then check each one fully."""
+    from pyg_atompack.convert.summary import verify_source
+    from pyg_atompack.transport import RemoteIntegrityError
+
+    remote = _open_remote(args.path)
+    count, problems = 0, []
+    for shard in range(len(remote.shards)):
+        name = remote.shards[shard].path
+        try:
+            local = remote.shard_reader(shard).path
+        except RemoteIntegrityError as error:
+            problems.append(str(error))
+            continue
+        shard_count, shard_problems = verify_source(local, src_format="atp")
+        count += shard_count
+        problems += [f"{name}: {problem}" for problem in shard_problems]
+    return _verify_report(args.path, count, problems)
+
+
+def _verify_report(path: str, count: int, problems: list[str]) -> int:
+    if problems:
+        for problem in problems:
+            print(f"FAIL {problem}")
+        print(f"{path}: {len(problems)} problem(s)")
+        return EXIT_PROBLEMS
+    print(f"OK {path}: {count} structures decoded, all checks passed")
+    return EXIT_OK
+
+
 def _cmd_head(args: argparse.Namespace) -> int:
     from pyg_atompack.convert import open_reader
     from pyg_atompack.convert.summary import summarize_structure
 
+    if _is_url(args.path):
+        return _remote_head(args)
     with open_reader(args.path, args.src_format, _read_options(args)) as reader:
         for index, structure in enumerate(reader):
             if index >= args.n:
@@ -159,6 +242,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from pyg_atompack.convert import detect_source_format, read_manifest
     from pyg_atompack.convert.summary import directory_size, scan
 
+    if _is_url(args.path):
+        return _remote_info(args)
     path = Path(args.path)
     fmt = detect_source_format(path)
     lines = [f"path: {path}", f"format: {fmt}", f"size: {directory_size(path)} bytes"]
@@ -205,14 +290,10 @@ def _atp_info_lines(path: Path, list_shards: bool) -> list[str]:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from pyg_atompack.convert.summary import verify_source
 
+    if _is_url(args.path):
+        return _remote_verify(args)
     count, problems = verify_source(args.path, progress=_progress_factory(args.quiet))
-    if problems:
-        for problem in problems:
-            print(f"FAIL {problem}")
-        print(f"{args.path}: {len(problems)} problem(s)")
-        return EXIT_PROBLEMS
-    print(f"OK {args.path}: {count} structures decoded, all checks passed")
-    return EXIT_OK
+    return _verify_report(args.path, count, problems)
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
@@ -312,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="counts, fields, codec, size, shard list",
                                description="Describe a dataset in any readable format.")
-    info.add_argument("path", help="file or directory")
+    info.add_argument("path", help="file, directory or URL (hf://, http(s)://, s3:// ...)")
     info.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     info.set_defaults(run=_cmd_info)
 
@@ -321,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Verify a dataset: for .atp both header slots, the schema and index; "
                     "manifest checksums of shard directories; then decode every record. "
                     "Exit status 1 with one line per problem.")
-    verify.add_argument("path", help="file or directory")
+    verify.add_argument("path", help="file, directory or URL (hf://, http(s)://, s3:// ...)")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     verify.set_defaults(run=_cmd_verify)
 
@@ -339,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = commands.add_parser("head", help="print the first structures",
                                description="Print one line per structure for the first N.")
-    head.add_argument("path", help="file or directory")
+    head.add_argument("path", help="file, directory or URL (hf://, http(s)://, s3:// ...)")
     head.add_argument("-n", type=int, default=5, metavar="N",
                       help="number of structures (default: 5)")
     _add_key_options(head)
@@ -428,8 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     from pyg_atompack.convert import ConvertError
+    from pyg_atompack.hub import HubError
+    from pyg_atompack.transport import TransportError
 
-    expected: tuple[type[BaseException], ...] = (ConvertError, _Fail)
+    expected: tuple[type[BaseException], ...] = (ConvertError, _Fail, HubError, TransportError)
     try:
         from pyg_atompack.atp import AtpError
 

@@ -15,8 +15,10 @@ import pytest
 from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub, write_reference_shard
 
 from pyg_atompack import hub
+from pyg_atompack.transport import RetryPolicy
 
 REPO = "org/mols"
+FAST = RetryPolicy(retries=2, backoff=0.01, max_backoff=0.05, timeout=2.0, connect_timeout=2.0)
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -115,8 +117,8 @@ def test_unreachable_endpoint_is_a_transfer_error():
     spare = FakeHub()
     endpoint = spare.endpoint
     spare.server_close()  # nothing listens on that port any more
-    with pytest.raises(hub.HubTransferError, match="org/mols"):
-        hub.resolve_revision(REPO, endpoint=endpoint)
+    with pytest.raises(hub.HubTransferError, match="org/mols.*after 3 attempts.*ConnectError"):
+        hub.resolve_revision(REPO, endpoint=endpoint, policy=FAST)
 
 
 # ---------------------------------------------------------------------- listing
@@ -193,10 +195,15 @@ def test_fetch_range_reads_only_the_range(server, files):
     assert hub.fetch_range(target, 100, 50) == data[100:150]
     assert hub.fetch_range(target, len(data) - 7, 7) == data[-7:]
     assert hub.fetch_range(target, 5, 0) == b""
+    ranges = ["bytes=100-149", f"bytes={len(data) - 7}-{len(data) - 1}"]
+    # the Hub redirects (302, the Range kept) to the CDN, which sends exactly those bytes
     seen = server.requests_to("/resolve/")
-    assert [r.headers["range"] for r in seen] == [
-        "bytes=100-149", f"bytes={len(data) - 7}-{len(data) - 1}"]
-    assert [(r.status, r.body_bytes) for r in seen] == [(206, 50), (206, 7)]
+    assert [(r.headers["range"], r.status) for r in seen] == [(ranges[0], 302),
+                                                              (ranges[1], 302)]
+    cdn = server.requests_to("/cdn/")
+    assert [(r.headers["range"], r.status, r.body_bytes) for r in cdn] == [
+        (ranges[0], 206, 50), (ranges[1], 206, 7)]
+    assert all("authorization" not in r.headers for r in cdn)
 
 
 def test_fetch_range_bounds(server):
@@ -218,7 +225,11 @@ def test_private_repo_needs_token(fake_hub, files):
     with pytest.raises(hub.HubRepositoryNotFoundError, match="org/private"):
         hub.fetch_range(target, 0, 4, token=False)
     assert hub.fetch_range(target, 0, 4, token="s3cret") == b"ATPK"
-    assert fake_hub.requests[-1].headers["authorization"] == "Bearer s3cret"
+    resolve, cdn = fake_hub.requests[-2:]
+    assert (resolve.origin, resolve.status) == ("hub", 302)
+    assert resolve.headers["authorization"] == "Bearer s3cret"
+    assert (cdn.origin, cdn.status) == ("cdn", 206)
+    assert "authorization" not in cdn.headers  # the token never left the Hub's origin
 
 
 # ---------------------------------------------------------------------- downloads
@@ -272,12 +283,11 @@ def test_fetch_bytes_in_memory(server, files, tmp_path):
     with pytest.raises(hub.HubIntegrityError, match=r"train/b/part_0\.atp.*sha256"):
         hub.fetch_bytes(target)
     assert hub.fetch_bytes(target, verify=False) == bytes(wrong)
-    with pytest.raises(hub.HubIntegrityError, match="received 3 bytes"):
+    with pytest.raises(hub.HubIntegrityError, match="received size 3 bytes"):
         hub.check_bytes(target, b"abc", verify=False)
 
 
 def test_download_follows_cdn_redirect(server, files, tmp_path):
-    server.redirect_lfs = True
     target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
                                    endpoint=server.endpoint)[0]
     assert hub.fetch_range(target, 0, 4) == b"ATPK"
@@ -316,7 +326,8 @@ def test_open_reads_only_headers(server, shard_dir, tmp_path):
     file_requests = server.requests_to("/resolve/")
     assert len(file_requests) == 3
     assert all(r.headers.get("range") == "bytes=0-8191" for r in file_requests)
-    assert sum(r.body_bytes for r in file_requests) == 3 * 8192
+    cdn = server.requests_to("/cdn/")
+    assert sum(r.body_bytes for r in file_requests + cdn) == 3 * 8192
     assert reader.downloaded_shards() == []
     assert "molecules=9" in repr(reader)
 
@@ -574,4 +585,5 @@ def test_pinned_and_cached_dataset_opens_without_server(fake_hub, files, tmp_pat
     again = hub.open_hub_atp(REPO, "train", revision=sha, cache_dir=tmp_path, endpoint=endpoint)
     assert [float(again[i].energy) for i in (0, 2, -1)] == [100.0, 200.0, 303.0]
     with pytest.raises(hub.HubTransferError, match="org/mols"):
-        hub.open_hub_atp(REPO, "train", revision="main", cache_dir=tmp_path, endpoint=endpoint)
+        hub.open_hub_atp(REPO, "train", revision="main", cache_dir=tmp_path, endpoint=endpoint,
+                         policy=FAST)

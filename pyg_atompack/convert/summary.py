@@ -194,7 +194,8 @@ def directory_size(path: Path) -> int:
 
 
 def verify_source(path: str | os.PathLike,
-                  progress: Callable[[int | None], Any] | None = None) -> tuple[int, list[str]]:
+                  progress: Callable[[int | None], Any] | None = None,
+                  src_format: str | None = None) -> tuple[int, list[str]]:
     """Check a source thoroughly: format-level checks, manifest checksums, every record.
 
     For `.atp` sources the format layer's ``atp.verify`` checks both header
@@ -203,12 +204,14 @@ def verify_source(path: str | os.PathLike,
     Args:
         path: Any readable source.
         progress: Optional progress bar factory.
+        src_format: The format when the name does not tell (e.g. ``"atp"`` for a cached
+            download named by its checksum). (default: detected from the path)
 
     Returns:
         ``(structures decoded, problems)``; no problems means the source is sound.
     """
     path = Path(path)
-    fmt = detect_source_format(path)
+    fmt = src_format or detect_source_format(path)
     problems: list[str] = []
     if path.is_dir() and read_manifest(path) is not None:
         problems += check_manifest(path)

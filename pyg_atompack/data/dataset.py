@@ -14,6 +14,7 @@ from torch_geometric.data import Data, Dataset
 
 from pyg_atompack import atp
 from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields, resolve_names
+from pyg_atompack.transport.urls import url_scheme
 
 __all__ = ["AtompackDataset"]
 
@@ -37,10 +38,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _is_hub_uri(source: Any) -> bool:
-    return isinstance(source, str) and source.startswith("hf://")
-
-
 def _is_reader(source: Any) -> bool:
     return hasattr(source, "read_batch") and hasattr(source, "fields")
 
@@ -57,14 +54,10 @@ def _open_source(source: Any, access: str) -> Any:
     """Opens whatever ``source`` names as one reader with the `.atp` reader interface."""
     if _is_reader(source):
         return source
-    if _is_hub_uri(source):
+    if url_scheme(source) is not None:  # never a local path: the one URL rule
         from pyg_atompack import hub
 
-        location = hub.parse_hf_uri(source)
-        return hub.open_hub_atp(
-            location.repo_id, location.path_in_repo, revision=location.revision,
-            repo_type=location.repo_type, access=access,
-        )
+        return hub.open_remote_atp(source, access=access)
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("AtompackDataset needs at least one .atp file, got an empty list")
@@ -76,7 +69,8 @@ def _open_source(source: Any, access: str) -> Any:
         return atp.open(path, access=access)
     raise TypeError(
         "AtompackDataset source must be a .atp path, a directory of shards, a list of "
-        f"paths, an 'hf://datasets/...' URI or an open reader, got {type(source).__name__}"
+        "paths, a URL (hf://, http(s)://, an object store) or an open reader, got "
+        f"{type(source).__name__}"
     )
 
 
@@ -112,8 +106,12 @@ class AtompackDataset(Dataset):
     Args:
         source (str or os.PathLike or list): A `.atp` file, a directory of `.atp`
             shards (ordered by POSIX path), a list of `.atp` files (in the given
-            order), an ``"hf://datasets/{repo_id}@{revision}/{path}"`` URI (see
-            :meth:`from_hub`), or an already open reader.
+            order), a URL: ``"hf://datasets/{repo_id}@{revision}/{path}"`` (see
+            :meth:`from_hub`), ``"http(s)://.../manifest.json"`` (or a ``.atp`` file, or a
+            directory URL ending in ``/``), an object-store URL (``"s3://..."``) where its
+            backend is installed; remote shards are downloaded lazily and verified into
+            the cache (see :func:`pyg_atompack.hub.open_remote_atp`). Or an already open
+            reader.
         fields (list[str], optional): The fields to materialise, e.g.
             ``["pos", "z", "energy", "forces"]``. Builtins may be named by field
             (``"positions"``) or attribute (``"pos"``); custom properties by key

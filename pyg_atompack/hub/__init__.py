@@ -45,8 +45,12 @@ Every remote failure raises a :class:`HubError` subclass whose message names the
 repository, revision and path: :class:`HubRepositoryNotFoundError`,
 :class:`HubRevisionNotFoundError`, :class:`HubPathNotFoundError`,
 :class:`HubNoShardsError`, :class:`HubIntegrityError` (size/checksum mismatch),
-:class:`HubTransferError` (network/HTTP), :class:`HubURIError` (bad ``hf://``),
-:class:`HubPublishError` (``push``/``pull`` refused their input before any transfer).
+:class:`HubGatedRepoError` (terms not accepted: the message says where to accept them),
+:class:`HubAuthError` (401/403 otherwise), :class:`HubOfflineError` (``HF_HUB_OFFLINE=1``
+and the cache cannot answer), :class:`HubTransferError` (network/HTTP after retries),
+:class:`HubURIError` (bad ``hf://``), :class:`HubPublishError` (``push``/``pull`` refused
+their input before any transfer). All but HubNoShardsError, HubURIError and
+HubPublishError are also :class:`pyg_atompack.transport.TransportError` subclasses.
 
 Endpoint selection. huggingface_hub reads ``HF_ENDPOINT`` once, when it is first
 imported, into ``huggingface_hub.constants.ENDPOINT``. Setting the environment
@@ -69,9 +73,12 @@ from __future__ import annotations
 
 from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp
 from pyg_atompack.hub.errors import (
+    HubAuthError,
     HubError,
+    HubGatedRepoError,
     HubIntegrityError,
     HubNoShardsError,
+    HubOfflineError,
     HubPathNotFoundError,
     HubRepositoryNotFoundError,
     HubRevisionNotFoundError,
@@ -95,13 +102,17 @@ from pyg_atompack.hub.transfer import (
     fetch_range,
 )
 from pyg_atompack.hub.uri import HubLocation, parse_hf_uri
+from pyg_atompack.hub.url_files import list_url_files, open_remote_atp, open_url_atp
 
 __all__ = [
     "HubAtpReader",
+    "HubAuthError",
     "HubError",
+    "HubGatedRepoError",
     "HubIntegrityError",
     "HubLocation",
     "HubNoShardsError",
+    "HubOfflineError",
     "HubPathNotFoundError",
     "HubPublishError",
     "HubRepositoryNotFoundError",
@@ -119,7 +130,10 @@ __all__ = [
     "fetch_range",
     "is_commit_sha",
     "list_remote_files",
+    "list_url_files",
     "open_hub_atp",
+    "open_remote_atp",
+    "open_url_atp",
     "parse_hf_uri",
     "pull",
     "push",

@@ -29,8 +29,19 @@ from typing import Any
 import numpy as np
 
 from pyg_atompack.hub._reorder import reorder_flat
-from pyg_atompack.hub.errors import HubIntegrityError, HubNoShardsError, describe_remote
-from pyg_atompack.hub.listing_cache import listing_file, load_listing, store_listing
+from pyg_atompack.hub.errors import (
+    HubIntegrityError,
+    HubNoShardsError,
+    HubOfflineError,
+    describe_remote,
+)
+from pyg_atompack.hub.listing_cache import (
+    listing_file,
+    load_listing,
+    load_ref,
+    store_listing,
+    store_ref,
+)
 from pyg_atompack.hub.remote import (
     RemoteFile,
     is_commit_sha,
@@ -58,6 +69,11 @@ class HubAtpReader:
         token: Hub token used for downloads.
         verify: Verify each downloaded shard's sha256. (default: ``True``)
         access: Passed to ``atp.open`` for downloaded shards. (default: ``"mmap"``)
+        policy: Retries and timeouts of range reads and downloads (a ``RetryPolicy``).
+            (default: the Hub default)
+        name: How messages and ``repr`` name the source (default: its ``hf://`` URI).
+        store: The object-store handle that listed the shards (object-store URLs only;
+            picklable, without secrets).
     """
 
     def __init__(
@@ -70,6 +86,9 @@ class HubAtpReader:
         token: str | bool | None = None,
         verify: bool = True,
         access: str = "mmap",
+        policy: Any = None,
+        name: str | None = None,
+        store: Any = None,
     ) -> None:
         if len(shards) != len(headers):
             raise ValueError("one header per shard is required")
@@ -80,6 +99,9 @@ class HubAtpReader:
         self.token = token
         self.verify = verify
         self.access = access
+        self.policy = policy
+        self.name = name
+        self.store = store
         counts = np.array([h["num_molecules"] for h in self.headers], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._init_runtime()
@@ -145,7 +167,8 @@ class HubAtpReader:
             if reader is not None:
                 return reader
             remote = self.shards[shard]
-            path = download(remote, self.cache_dir, token=self.token, verify=self.verify)
+            path = download(remote, self.cache_dir, token=self.token, verify=self.verify,
+                            policy=self.policy, store=self.store)
             reader = atp.open(path, access=self.access)
             expected = self.headers[shard]["num_molecules"]
             if len(reader) != expected:
@@ -168,7 +191,8 @@ class HubAtpReader:
             The local path of each shard, in shard order.
         """
         def fetch(shard: RemoteFile) -> Path:
-            return download(shard, self.cache_dir, token=self.token, verify=self.verify)
+            return download(shard, self.cache_dir, token=self.token, verify=self.verify,
+                            policy=self.policy, store=self.store)
 
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
             return list(pool.map(fetch, self.shards))
@@ -262,6 +286,8 @@ class HubAtpReader:
 
     @property
     def _name(self) -> str:
+        if self.name:
+            return self.name
         return f"hf://{self.shards[0].repo_type}s/{self.repo_id}@{self.revision}/{self.path_in_repo}"
 
     # ------------------------------------------------------------------ metadata
@@ -280,7 +306,8 @@ class HubAtpReader:
                 if reader is not None:
                     pieces.append(np.asarray(reader.n_atoms, dtype=np.int64))
                     continue
-                pieces.append(remote_n_atoms(remote, self.headers[shard], token=self.token))
+                pieces.append(remote_n_atoms(remote, self.headers[shard], token=self.token,
+                                             policy=self.policy, store=self.store))
             self._n_atoms = (
                 np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
             )
@@ -308,7 +335,8 @@ class HubAtpReader:
     def _shard_fields(self, shard: int) -> dict:
         reader = self._readers.get(shard)
         if reader is None:
-            parsed = remote_fields(self.shards[shard], self.headers[shard], token=self.token)
+            parsed = remote_fields(self.shards[shard], self.headers[shard], token=self.token,
+                                   policy=self.policy, store=self.store)
             if parsed is not None:
                 return parsed
             reader = self.shard_reader(shard)
@@ -351,6 +379,7 @@ def open_hub_atp(
     verify: bool = True,
     access: str = "mmap",
     max_workers: int = 8,
+    policy: Any = None,
 ) -> HubAtpReader:
     """Open a remote ``.atp`` file or directory of shards without downloading it.
 
@@ -367,6 +396,13 @@ def open_hub_atp(
         verify: Verify each shard's sha256 when it is downloaded. (default: ``True``)
         access: ``atp.open`` access mode for downloaded shards. (default: ``"mmap"``)
         max_workers: Parallel header range reads when opening. (default: ``8``)
+        policy: Retries and timeouts of every request (a ``RetryPolicy``).
+            (default: the Hub default)
+
+    With ``HF_HUB_OFFLINE=1`` nothing is asked of the Hub: a commit sha, or a branch or
+    tag resolved online before with this cache, is answered from the cache (listing,
+    headers and the shards downloaded so far); anything else raises
+    :class:`~pyg_atompack.hub.HubOfflineError`.
 
     Returns:
         A :class:`HubAtpReader`.
@@ -376,31 +412,48 @@ def open_hub_atp(
         HubError: Any other remote problem (see :mod:`pyg_atompack.hub`).
         pyg_atompack.atp.AtpError: A shard header is not a valid ``.atp`` header.
     """
+    from huggingface_hub import constants
+
     path = normalize_path_in_repo(path_in_repo)
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    offline = constants.is_offline_mode()
     if is_commit_sha(revision):
         sha = revision
+    elif offline:
+        sha = load_ref(cache_root, repo_id, repo_type, revision, endpoint)
+        if sha is None:
+            raise HubOfflineError(
+                f"{describe_remote(repo_id, revision or 'the default branch', path or '/')}: "
+                f"HF_HUB_OFFLINE=1 is set and this revision was never resolved with the cache "
+                f"{cache_root}; pass a commit sha, or open it once online"
+            )
     else:
-        sha = resolve_revision(
-            repo_id, revision, repo_type=repo_type, token=token, endpoint=endpoint
-        )
+        sha = resolve_revision(repo_id, revision, repo_type=repo_type, token=token,
+                               endpoint=endpoint, policy=policy)
+        store_ref(cache_root, repo_id, repo_type, revision, endpoint, sha)
     cache_file = listing_file(cache_root, repo_id, repo_type, sha, path)
     cached = load_listing(cache_file, endpoint)
     if cached is not None:
         shards, headers = cached
+    elif offline:
+        raise HubOfflineError(
+            f"{describe_remote(repo_id, sha, path or '/')}: HF_HUB_OFFLINE=1 is set and the "
+            f"listing of this commit is not in the cache {cache_root}"
+        )
     else:
         shards = list_remote_files(
             repo_id, path, revision=sha, pattern="*.atp", repo_type=repo_type,
-            token=token, endpoint=endpoint, allow_empty=True,
+            token=token, endpoint=endpoint, allow_empty=True, policy=policy,
         )
         if not shards:
             raise HubNoShardsError(
                 f"{describe_remote(repo_id, sha, path or '/')}: no .atp file under this path"
             )
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
-            headers = list(pool.map(lambda s: read_shard_header(s, token=token), shards))
+            headers = list(pool.map(
+                lambda s: read_shard_header(s, token=token, policy=policy), shards))
         store_listing(cache_file, shards, headers)
     return HubAtpReader(
         shards, headers, path_in_repo=path, cache_dir=cache_root, token=token,
-        verify=verify, access=access,
+        verify=verify, access=access, policy=policy,
     )

@@ -8,20 +8,45 @@ wrong, not only that something was.
 
 from __future__ import annotations
 
+from pyg_atompack.transport.errors import (
+    RemoteAuthError,
+    RemoteIntegrityError,
+    RemoteNotFoundError,
+    RemoteOfflineError,
+    TransportError,
+)
+
 
 class HubError(Exception):
-    """Base class of every error raised by :mod:`pyg_atompack.hub`."""
+    """Base class of every error raised by :mod:`pyg_atompack.hub`.
+
+    Errors about remote objects are also :class:`~pyg_atompack.transport.TransportError`
+    subclasses (not-found, auth, integrity, unavailable), the project's one error family
+    for remote reads.
+    """
 
 
-class HubRepositoryNotFoundError(HubError, FileNotFoundError):
-    """The repository does not exist or the token does not grant access to it."""
+class HubRepositoryNotFoundError(HubError, RemoteNotFoundError):
+    """The repository does not exist, or is private and the token does not grant access."""
 
 
-class HubRevisionNotFoundError(HubError, FileNotFoundError):
+class HubGatedRepoError(HubError, RemoteAuthError):
+    """The repository is gated: its terms must be accepted on the Hub by the token's user."""
+
+
+class HubAuthError(HubError, RemoteAuthError):
+    """The Hub refused the credentials (HTTP 401 / 403) for another reason than a gate."""
+
+
+class HubOfflineError(HubError, RemoteOfflineError):
+    """``HF_HUB_OFFLINE=1`` is set and the cache cannot answer without the Hub."""
+
+
+class HubRevisionNotFoundError(HubError, RemoteNotFoundError):
     """The repository exists but the branch, tag or commit does not."""
 
 
-class HubPathNotFoundError(HubError, FileNotFoundError):
+class HubPathNotFoundError(HubError, RemoteNotFoundError):
     """The revision exists but the path inside the repository does not."""
 
 
@@ -29,11 +54,11 @@ class HubNoShardsError(HubError, FileNotFoundError):
     """The path exists but holds no file matching the requested pattern (e.g. no ``.atp``)."""
 
 
-class HubIntegrityError(HubError):
+class HubIntegrityError(HubError, RemoteIntegrityError):
     """Downloaded bytes do not match the size or checksum announced by the listing."""
 
 
-class HubTransferError(HubError, OSError):
+class HubTransferError(HubError, TransportError):
     """An HTTP transfer failed or the server answered in a way the client cannot use."""
 
 

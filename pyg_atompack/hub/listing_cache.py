@@ -1,10 +1,16 @@
-"""On-disk cache of shard listings and header facts, keyed by commit sha.
+"""On-disk cache of shard listings and header facts, keyed by commit sha, and of refs.
 
 A commit never changes, so a listing made at a commit sha is valid forever:
 reopening a pinned dataset (a second training run, a restarted job) then costs
 no API call and no header range read. Files live under
 ``{cache_dir}/{repo_type}s--{owner}--{name}/listings/{sha}/{hash of path}.json``
 and are written atomically (temporary name, then rename).
+
+Each time a branch or tag is resolved online, the commit it pointed at is recorded in
+``{repo folder}/refs/{hash of endpoint and revision}.json``; with ``HF_HUB_OFFLINE=1`` a
+revision resolved before is answered from there, so a cached dataset opened by branch
+name works on a node without network (the commit recorded last is used, as
+huggingface_hub's own cache does with its ``refs/`` files).
 """
 
 from __future__ import annotations
@@ -87,3 +93,53 @@ def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, 
         temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
         temp.write_text(json.dumps(payload), encoding="utf-8")
         os.replace(temp, file)
+
+
+def _ref_file(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
+              endpoint: str | None) -> Path:
+    key = hashlib.sha256(f"{_endpoint_prefix(endpoint)}\n{revision or ''}".encode()).hexdigest()
+    return repo_cache_folder(cache_dir, repo_id, repo_type) / "refs" / f"{key[:16]}.json"
+
+
+def store_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
+              endpoint: str | None, sha: str) -> None:
+    """Record that ``revision`` (``None``: the default branch) resolved to ``sha``.
+
+    Args:
+        cache_dir: Cache root.
+        repo_id: ``owner/name``.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        revision: The branch or tag that was resolved.
+        endpoint: The endpoint it was resolved through (``None``: the client's default).
+        sha: The commit.
+    """
+    file = _ref_file(cache_dir, repo_id, repo_type, revision, endpoint)
+    payload = {"revision": revision, "endpoint": _endpoint_prefix(endpoint), "sha": sha}
+    with contextlib.suppress(OSError):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(payload), encoding="utf-8")
+        os.replace(temp, file)
+
+
+def load_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
+             endpoint: str | None) -> str | None:
+    """The commit ``revision`` resolved to when it was last resolved online, or ``None``.
+
+    Args:
+        cache_dir: Cache root.
+        repo_id: ``owner/name``.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        revision: The branch or tag (``None``: the default branch).
+        endpoint: The endpoint (``None``: the client's default).
+
+    Returns:
+        The commit sha, or ``None`` when never recorded.
+    """
+    try:
+        data = json.loads(_ref_file(cache_dir, repo_id, repo_type, revision,
+                                    endpoint).read_text(encoding="utf-8"))
+        sha = data["sha"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return sha if isinstance(sha, str) and len(sha) == 40 else None

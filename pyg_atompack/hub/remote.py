@@ -1,13 +1,19 @@
-"""Revision resolution and file listing through the real ``huggingface_hub`` client.
+"""Revision resolution and file listing: the Hub API, called through the one transport.
 
-Requests made here (all through :class:`huggingface_hub.HfApi`, so tokens,
-proxies, user agent and the ``HF_ENDPOINT`` setting of the client apply):
+Requests made here (all through :mod:`pyg_atompack.transport.http`, so timeouts, retries
+with backoff on 429 / 5xx / connection errors, proxies, the trust store, offline mode and
+the token headers of huggingface_hub's ``build_hf_headers`` apply):
 
 * :func:`resolve_revision`: one ``GET /api/{type}s/{repo}/revision/{rev}``.
 * :func:`list_remote_files`: one ``GET /api/{type}s/{repo}/tree/{sha}/{path}?recursive=true``
   (followed through ``Link: rel="next"`` pages for trees of more than a
   thousand entries). Only when the path is a file, not a directory, a second
   call ``POST /api/{type}s/{repo}/paths-info/{sha}`` describes that file.
+
+The answers are read the way huggingface_hub reads them (``X-Error-Code`` tells a gated
+repository, a missing repository, revision or file apart), but the requests are made
+here so that every remote read of the project shares one retry policy and one error
+family.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from pyg_atompack.hub.errors import (
+    HubAuthError,
     HubError,
+    HubGatedRepoError,
     HubNoShardsError,
+    HubOfflineError,
     HubPathNotFoundError,
     HubRepositoryNotFoundError,
     HubRevisionNotFoundError,
@@ -28,6 +38,16 @@ from pyg_atompack.hub.errors import (
     describe_remote,
 )
 from pyg_atompack.hub.uri import normalize_path_in_repo
+from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.errors import (
+    RemoteAuthError,
+    RemoteNotFoundError,
+    RemoteOfflineError,
+    TransportError,
+)
+from pyg_atompack.transport.http import permanent_error
+from pyg_atompack.transport.redact import redact_url
+from pyg_atompack.transport.retry import RetryPolicy
 
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 _REPO_TYPES = ("dataset", "model", "space")
@@ -49,7 +69,9 @@ class RemoteFile:
         revision: The revision the listing was made at (a commit sha when the
             listing was pinned, which :func:`list_remote_files` callers should do).
         repo_id: The repository, for error messages (``""`` when unknown).
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``; ``"url"`` for a file listed
+            from a plain HTTP(S) URL (no repository, no Hub token), ``"object"`` for one
+            listed from an object store (``blob_id`` then holds its ETag).
         blob_id: The git blob id (sha1 of ``"blob {size}\\0" + content``), which
             lets plain git files be verified too; ``None`` when unknown.
     """
@@ -64,7 +86,11 @@ class RemoteFile:
     blob_id: str | None = None
 
     def describe(self) -> str:
-        """Human-readable ``repo @ revision, path`` string for messages."""
+        """Human-readable ``repo @ revision, path`` string (the URL, for plain URLs)."""
+        if self.repo_type in ("url", "object"):
+            from pyg_atompack.transport.redact import redact_url
+
+            return redact_url(self.url)
         return describe_remote(self.repo_id or None, self.revision, self.path or self.url)
 
 
@@ -86,13 +112,98 @@ def _check_repo_type(repo_type: str) -> None:
         raise ValueError(f"repo_type must be one of {_REPO_TYPES}, got {repo_type!r}")
 
 
+#: Retry and timeout policy of Hub requests when none is given.
+HUB_POLICY = RetryPolicy()
+
+
+def endpoint_url(endpoint: str | None) -> str:
+    """The Hub base URL: ``endpoint``, else huggingface_hub's ``HF_ENDPOINT`` setting.
+
+    Args:
+        endpoint: Base URL, e.g. ``"http://127.0.0.1:8123"``, or ``None``.
+
+    Returns:
+        The base URL without a trailing ``/``.
+    """
+    from huggingface_hub import constants
+
+    return (endpoint or constants.ENDPOINT).rstrip("/")
+
+
+def hub_headers(token: str | bool | None) -> dict[str, str]:
+    """Request headers for the Hub: user agent and, unless ``token=False``, the token.
+
+    Args:
+        token: ``None``: the saved login / ``HF_TOKEN``; ``False``: none; a string: itself.
+
+    Returns:
+        The headers (the transport sends ``Authorization`` to the Hub's origin only).
+    """
+    from huggingface_hub.utils import build_hf_headers
+
+    from pyg_atompack import __version__
+
+    return dict(build_hf_headers(token=token, library_name="pyg_atompack",
+                                 library_version=__version__))
+
+
+def repo_page(repo_id: str, repo_type: str, endpoint: str | None = None) -> str:
+    """The web page of a repository (where a gated repository's terms are accepted)."""
+    prefix = {"dataset": "datasets/", "space": "spaces/"}.get(repo_type, "")
+    return f"{endpoint_url(endpoint)}/{prefix}{repo_id}"
+
+
+def hub_error(error: TransportError, where: str, *, page: str | None = None) -> HubError:
+    """The Hub-layer error for a failed transport request about ``where``.
+
+    Args:
+        error: What the transport raised (``error_code`` is the Hub's ``X-Error-Code``).
+        where: ``repo @ revision, path`` for the message.
+        page: The repository's web page, named in the message of a gated repository.
+
+    Returns:
+        A :class:`HubError` subclass, also a transport error of the matching kind.
+    """
+    code = getattr(error, "error_code", None)
+    status = error.status
+    if isinstance(error, HubError):
+        return error
+    if isinstance(error, RemoteOfflineError):
+        kind, text = HubOfflineError, f"{where}: {error}"
+    elif code == "GatedRepo":
+        login = ("the request carried no token" if status == 401
+                 else "the token's user has not been granted access")
+        kind, text = HubGatedRepoError, (
+            f"{where}: the repository is gated (HTTP {status}: {login}). Accept its terms or "
+            f"request access at {page or 'its page on the Hub'}, then log in with "
+            f"`hf auth login` or set HF_TOKEN to a token of that account")
+    elif code == "RevisionNotFound":
+        kind, text = HubRevisionNotFoundError, f"{where}: revision not found"
+    elif code == "EntryNotFound":
+        kind, text = HubPathNotFoundError, f"{where}: path not found in the repository"
+    elif code == "RepoNotFound" or status == 401:
+        why = ("HTTP 401: it may be private, and the request carried no valid token"
+               if status == 401 else f"HTTP {status}, or not visible with this token")
+        kind, text = HubRepositoryNotFoundError, f"{where}: repository not found ({why})"
+    elif isinstance(error, RemoteAuthError):
+        kind, text = HubAuthError, (f"{where}: access refused (HTTP {status}); the token "
+                                    f"lacks the permission to read this repository")
+    elif isinstance(error, RemoteNotFoundError):
+        kind, text = HubPathNotFoundError, f"{where}: not found (HTTP {status})"
+    else:
+        kind, text = HubTransferError, f"{where}: Hub request failed: {error}"
+    result = kind(text, url=error.url, status=status)
+    result.error_code = code
+    return result
+
+
 def make_api(endpoint: str | None):
     """An :class:`huggingface_hub.HfApi` for ``endpoint`` (``None``: the client's default).
 
+    Used for what the transport does not do itself: uploads (``hub.push``) and whoami.
+
     Args:
-        endpoint: Base URL of the Hub, e.g. ``"http://127.0.0.1:8123"``. ``None``
-            uses ``huggingface_hub.constants.ENDPOINT``, i.e. ``HF_ENDPOINT`` as
-            read when huggingface_hub was first imported.
+        endpoint: Base URL of the Hub, e.g. ``"http://127.0.0.1:8123"``.
 
     Returns:
         The client object.
@@ -101,45 +212,57 @@ def make_api(endpoint: str | None):
 
     from pyg_atompack import __version__
 
-    return HfApi(
-        endpoint=endpoint.rstrip("/") if endpoint else None,
-        library_name="pyg_atompack",
-        library_version=__version__,
-    )
+    return HfApi(endpoint=endpoint.rstrip("/") if endpoint else None,
+                 library_name="pyg_atompack", library_version=__version__)
+
+
+def _from_huggingface_hub(exc: BaseException, where: str, page: str | None) -> HubError | None:
+    """The Hub-layer error for an exception of huggingface_hub's client (``HfApi`` calls)."""
+    from huggingface_hub import errors as hf_errors
+
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    url = str(getattr(getattr(response, "request", None), "url", "")) or None
+    if isinstance(exc, hf_errors.HfHubHTTPError) and response is not None:
+        error = permanent_error(status, response.headers, redact_url(url or ""))
+        return hub_error(error, where, page=page)
+    if isinstance(exc, hf_errors.OfflineModeIsEnabled):
+        return HubOfflineError(f"{where}: {exc}")
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0].startswith("httpx"):
+        return HubTransferError(f"{where}: cannot reach the Hub: {exc}")
+    return None
 
 
 @contextmanager
-def translate_errors(repo_id: str, revision: str | None, path: str | None) -> Iterator[None]:
-    """Turn huggingface_hub / HTTP exceptions into :class:`HubError` subclasses.
+def translate_errors(repo_id: str, revision: str | None, path: str | None, *,
+                     repo_type: str = "dataset",
+                     endpoint: str | None = None) -> Iterator[None]:
+    """Turn transport errors into :class:`HubError` subclasses naming the remote object.
 
     Args:
         repo_id: Repository named in messages.
         revision: Revision named in messages.
         path: Path inside the repository named in messages.
+        repo_type: For the repository page named when it is gated.
+        endpoint: For the repository page named when it is gated.
     """
-    from huggingface_hub import errors as hf_errors
-
     where = describe_remote(repo_id, revision, path)
+    page = repo_page(repo_id, repo_type, endpoint) if repo_id else None
     try:
         yield
     except HubError:
         raise
-    except hf_errors.RepositoryNotFoundError as exc:
-        raise HubRepositoryNotFoundError(
-            f"{where}: repository not found (or not accessible with this token)"
-        ) from exc
-    except hf_errors.RevisionNotFoundError as exc:
-        raise HubRevisionNotFoundError(f"{where}: revision not found") from exc
-    except hf_errors.EntryNotFoundError as exc:
-        raise HubPathNotFoundError(f"{where}: path not found in the repository") from exc
-    except hf_errors.HfHubHTTPError as exc:
-        raise HubTransferError(f"{where}: Hub request failed: {exc}") from exc
-    except OSError as exc:  # connection refused, timeouts, DNS, ...
-        raise HubTransferError(f"{where}: cannot reach the Hub: {exc}") from exc
-    except Exception as exc:  # httpx errors do not all derive from OSError
-        if type(exc).__module__.split(".")[0].startswith("httpx"):
-            raise HubTransferError(f"{where}: HTTP error: {exc}") from exc
-        raise
+    except TransportError as exc:
+        raise hub_error(exc, where, page=page) from exc
+    except Exception as exc:  # HfApi calls (uploads) raise huggingface_hub's errors
+        translated = _from_huggingface_hub(exc, where, page)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+def _api_url(endpoint: str | None, repo_type: str, repo_id: str, *tail: str) -> str:
+    return "/".join((endpoint_url(endpoint), "api", f"{repo_type}s", repo_id, *tail))
 
 
 def resolve_revision(
@@ -149,6 +272,7 @@ def resolve_revision(
     repo_type: str = "dataset",
     token: str | bool | None = None,
     endpoint: str | None = None,
+    policy: RetryPolicy | None = None,
 ) -> str:
     """Resolve a branch, tag or commit to the 40-hex commit sha it points at now.
 
@@ -162,6 +286,7 @@ def resolve_revision(
         repo_type: ``"dataset"`` (default), ``"model"`` or ``"space"``.
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         endpoint: Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
+        policy: Retries and timeouts. (default: :data:`HUB_POLICY`)
 
     Returns:
         The commit sha.
@@ -172,11 +297,12 @@ def resolve_revision(
         HubTransferError: Network or server failure.
     """
     _check_repo_type(repo_type)
-    with translate_errors(repo_id, revision, None):
-        info = make_api(endpoint).repo_info(
-            repo_id, revision=revision, repo_type=repo_type, token=token, expand=["sha"]
-        )
-    sha = getattr(info, "sha", None)
+    tail = ("revision", quote(revision, safe="")) if revision else ()
+    with translate_errors(repo_id, revision, None, repo_type=repo_type, endpoint=endpoint):
+        info, _ = transport.request_json(
+            _api_url(endpoint, repo_type, repo_id, *tail) + "?expand=sha",
+            headers=hub_headers(token), policy=policy or HUB_POLICY)
+    sha = info.get("sha") if isinstance(info, dict) else None
     if not is_commit_sha(sha):
         raise HubTransferError(
             f"{describe_remote(repo_id, revision, None)}: the Hub answered without a commit "
@@ -185,29 +311,47 @@ def resolve_revision(
     return sha
 
 
-def _remote_file(entry, *, repo_id, revision, repo_type, endpoint) -> RemoteFile:
-    from huggingface_hub import hf_hub_url
+def file_url(repo_id: str, path: str, *, revision: str, repo_type: str,
+             endpoint: str | None) -> str:
+    """The ``resolve`` URL of a file at a revision (what ``hf_hub_url`` builds).
 
-    lfs = getattr(entry, "lfs", None)
-    sha256 = None
-    if lfs is not None:
-        sha256 = lfs["sha256"] if isinstance(lfs, dict) else getattr(lfs, "sha256", None)
+    Args:
+        repo_id: ``owner/name``.
+        path: Path in the repository.
+        revision: Branch, tag or commit.
+        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        endpoint: Hub base URL, or ``None``.
+
+    Returns:
+        ``{endpoint}/[datasets/|spaces/]{repo}/resolve/{revision}/{path}``.
+    """
+    prefix = {"dataset": "datasets/", "space": "spaces/"}.get(repo_type, "")
+    return (f"{endpoint_url(endpoint)}/{prefix}{repo_id}/resolve/{quote(revision, safe='')}/"
+            f"{quote(path)}")
+
+
+def _remote_file(entry: dict, *, repo_id, revision, repo_type, endpoint) -> RemoteFile:
+    lfs = entry.get("lfs") or None
+    sha256 = lfs.get("oid") or lfs.get("sha256") if isinstance(lfs, dict) else None
     return RemoteFile(
-        path=entry.path,
-        size=int(entry.size),
+        path=entry["path"],
+        size=int(entry["size"]),
         sha256=sha256,
-        url=hf_hub_url(
-            repo_id,
-            entry.path,
-            repo_type=repo_type,
-            revision=revision,
-            endpoint=endpoint.rstrip("/") if endpoint else None,
-        ),
+        url=file_url(repo_id, entry["path"], revision=revision, repo_type=repo_type,
+                     endpoint=endpoint),
         revision=revision,
         repo_id=repo_id,
         repo_type=repo_type,
-        blob_id=getattr(entry, "blob_id", None),
+        blob_id=entry.get("oid"),
     )
+
+
+def _next_link(headers) -> str | None:
+    for part in (headers.get("Link") or "").split(","):
+        target, _, params = part.partition(";")
+        if 'rel="next"' in params.replace(" ", ""):
+            return target.strip().strip("<>")
+    return None
 
 
 def _relative(path: str, root: str) -> str:
@@ -224,6 +368,7 @@ def list_remote_files(
     token: str | bool | None = None,
     endpoint: str | None = None,
     allow_empty: bool = False,
+    policy: RetryPolicy | None = None,
 ) -> list[RemoteFile]:
     """List the files under ``path_in_repo`` with sizes and checksums, in one listing call.
 
@@ -241,6 +386,7 @@ def list_remote_files(
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         endpoint: Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
         allow_empty: Return ``[]`` instead of raising when nothing matches.
+        policy: Retries and timeouts. (default: :data:`HUB_POLICY`)
 
     Returns:
         The matching files sorted by POSIX path string (the shard order of
@@ -252,29 +398,31 @@ def list_remote_files(
         HubRepositoryNotFoundError, HubRevisionNotFoundError, HubTransferError:
             As for :func:`resolve_revision`.
     """
-    from huggingface_hub import errors as hf_errors
-
     _check_repo_type(repo_type)
     root = normalize_path_in_repo(path_in_repo)
-    api = make_api(endpoint)
     common = {"repo_id": repo_id, "revision": revision, "repo_type": repo_type}
-    with translate_errors(repo_id, revision, root):
+    headers = hub_headers(token)
+    policy = policy or HUB_POLICY
+    rev = quote(revision, safe="")
+    with translate_errors(repo_id, revision, root, repo_type=repo_type, endpoint=endpoint):
+        url = _api_url(endpoint, repo_type, repo_id, "tree", rev, *([quote(root)] if root else []))
+        url += "?recursive=true&expand=false"
         try:
-            entries = list(
-                api.list_repo_tree(
-                    repo_id, root or None, recursive=True, revision=revision,
-                    repo_type=repo_type, token=token,
-                )
-            )
-            files = [e for e in entries if hasattr(e, "size")]
-        except (hf_errors.EntryNotFoundError, hf_errors.BadRequestError):
+            files = []
+            while url:
+                page, page_headers = transport.request_json(url, headers=headers, policy=policy)
+                files += [e for e in page if isinstance(e, dict) and e.get("type") == "file"]
+                url = _next_link(page_headers)
+        except TransportError as error:
             # The tree route only lists directories: the path may name one file.
-            if not root:
+            if not root or getattr(error, "error_code", None) != "EntryNotFound" and \
+                    error.status != 400:
                 raise
-            infos = api.get_paths_info(
-                repo_id, [root], revision=revision, repo_type=repo_type, token=token
-            )
-            files = [e for e in infos if hasattr(e, "size") and e.path == root]
+            infos, _ = transport.request_json(
+                _api_url(endpoint, repo_type, repo_id, "paths-info", rev), method="POST",
+                form={"paths": [root], "expand": "false"}, headers=headers, policy=policy)
+            files = [e for e in infos if isinstance(e, dict) and e.get("type") == "file"
+                     and e.get("path") == root]
             if not files:
                 raise HubPathNotFoundError(
                     f"{describe_remote(repo_id, revision, root)}: path not found in the repository"
@@ -283,7 +431,7 @@ def list_remote_files(
     result = [
         _remote_file(e, endpoint=endpoint, **common)
         for e in files
-        if fnmatch.fnmatchcase(_relative(e.path, root), pattern)
+        if fnmatch.fnmatchcase(_relative(e["path"], root), pattern)
     ]
     result.sort(key=lambda f: f.path)
     if not result and not allow_empty:

@@ -27,15 +27,20 @@ def _header_info(header: Any) -> dict[str, int]:
 
 def shard_uri(shard: RemoteFile) -> str:
     """``hf://{type}s/{repo}@{sha}/{path}``: how messages of the format layer name a shard."""
+    if shard.repo_type in ("url", "object"):
+        return shard.describe()
     return f"hf://{shard.repo_type}s/{shard.repo_id}@{shard.revision}/{shard.path}"
 
 
-def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None) -> dict[str, int]:
+def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
+                      policy=None, store=None) -> dict[str, int]:
     """Header facts of a remote shard from one range read of its first 8192 bytes.
 
     Args:
         shard: The remote ``.atp`` file.
         token: Hub token.
+        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
+        store: The object-store handle that listed ``shard`` (object-store URLs only).
 
     Returns:
         ``num_molecules``, ``index_offset``, ``index_len``, ``schema_offset``,
@@ -46,12 +51,14 @@ def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None) -> 
     """
     from pyg_atompack.atp.header import select_header
 
-    head = fetch_range(shard, 0, min(HEADER_BYTES, shard.size), token=token)
+    head = fetch_range(shard, 0, min(HEADER_BYTES, shard.size), token=token, policy=policy,
+                       store=store)
     return _header_info(select_header(head, shard.size, shard_uri(shard)))
 
 
 def remote_n_atoms(
-    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None
+    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None,
+    policy=None, store=None,
 ) -> np.ndarray:
     """Atoms per molecule of a remote shard, from one range read of its index block.
 
@@ -59,6 +66,8 @@ def remote_n_atoms(
         shard: The remote ``.atp`` file.
         header: Its facts from :func:`read_shard_header`.
         token: Hub token.
+        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
+        store: The object-store handle that listed ``shard`` (object-store URLs only).
 
     Returns:
         int64 array ``(num_molecules,)``.
@@ -68,12 +77,14 @@ def remote_n_atoms(
     count = header["num_molecules"]
     if count == 0:
         return np.zeros(0, dtype=np.int64)
-    raw = fetch_range(shard, header["index_offset"], header["index_len"], token=token)
+    raw = fetch_range(shard, header["index_offset"], header["index_len"], token=token,
+                      policy=policy, store=store)
     return decode_index(raw, count, shard_uri(shard))["n_atoms"].astype(np.int64)
 
 
 def remote_fields(
-    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None
+    shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None,
+    policy=None, store=None,
 ) -> dict | None:
     """A remote shard's fields from one range read of its schema block.
 
@@ -81,6 +92,8 @@ def remote_fields(
         shard: The remote ``.atp`` file.
         header: Its facts from :func:`read_shard_header`.
         token: Hub token.
+        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
+        store: The object-store handle that listed ``shard`` (object-store URLs only).
 
     Returns:
         ``name -> atp.FieldInfo``, or ``None`` when the file has no schema block
@@ -93,7 +106,8 @@ def remote_fields(
     head = header
     if not head.get("schema_len") or head.get("record_format") not in (2, 3):
         return None  # 0.2.x file: only a scan of the records can tell (format layer does it)
-    raw = fetch_range(shard, head["schema_offset"], head["schema_len"], token=token)
+    raw = fetch_range(shard, head["schema_offset"], head["schema_len"], token=token,
+                      policy=policy, store=store)
     schema = decode_schema(raw, shard_uri(shard))
     if head.get("record_format") == 2:
         pos_dtype = np.dtype("<f4")  # spec §5.1: record format 2 positions are always f32

@@ -1,10 +1,9 @@
 """Byte transfers of listed remote files: HTTP range reads and verified downloads.
 
-Both go through huggingface_hub's shared HTTP client
-(``huggingface_hub.utils.get_session``, via ``http_backoff`` and
-``file_download.http_get``), so the client's headers (user agent, token),
-proxy settings, retries on 429/5xx and redirect handling (the Hub redirects
-LFS files to a CDN) apply unchanged.
+Both go through the project's one transport (:mod:`pyg_atompack.transport.http`):
+timeouts, retries with backoff on connection errors, 408, 429 and 5xx, ``Range``
+resume, proxies and the trust store apply, and the Hub token is sent to the Hub's
+origin only, never to the CDN a large file is redirected to.
 
 What is fetched:
 
@@ -14,10 +13,9 @@ What is fetched:
   body is then read only up to the end of the wanted range and the connection
   closed.
 * :func:`download`: one streamed ``GET`` of the whole file, resumed with a
-  ``Range`` request if the connection drops (``http_get`` does this), into a
-  temporary name next to its destination; then size and checksum are checked
-  and the file is renamed into place. Nothing is fetched when a verified copy
-  is already cached.
+  ``Range`` request if the connection drops, into a temporary name next to its
+  destination; then size and checksum are checked and the file is renamed into
+  place. Nothing is fetched when a verified copy is already cached.
 
 Cache layout under ``cache_dir`` (content-addressed, so a shard unchanged
 between two revisions is downloaded once)::
@@ -34,15 +32,17 @@ or downloaded with ``verify=False``, go to ``unverified/``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from pathlib import Path
 
-from pyg_atompack.hub.errors import HubError, HubIntegrityError, HubTransferError
-from pyg_atompack.hub.remote import RemoteFile, translate_errors
+from pyg_atompack.hub.errors import HubIntegrityError
+from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile, hub_headers, translate_errors
+from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.errors import RemoteRangeError
+from pyg_atompack.transport.integrity import bytes_problem, file_problem
+from pyg_atompack.transport.retry import RetryPolicy
 
-_HASH_CHUNK = 8 * 1024 * 1024
 _CACHE_ENV = "PYG_ATOMPACK_HUB_CACHE"
 
 
@@ -58,32 +58,29 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "pyg_atompack" / "hub"
 
 
-def _request_headers(token: str | bool | None, extra: dict[str, str] | None = None) -> dict:
-    from huggingface_hub.utils import build_hf_headers
+def object_info(remote_file: RemoteFile):
+    """The object-store backend's description of a file it listed."""
+    from pyg_atompack.transport.objectstore import ObjectInfo
 
-    from pyg_atompack import __version__
-
-    headers = build_hf_headers(
-        token=token, library_name="pyg_atompack", library_version=__version__, headers=extra
-    )
-    # Compressed transfer encodings would make byte offsets and sizes meaningless.
-    headers["Accept-Encoding"] = "identity"
-    return headers
+    return ObjectInfo(name=remote_file.path, url=remote_file.url, size=remote_file.size,
+                      etag=remote_file.blob_id, sha256=remote_file.sha256)
 
 
-def _parse_content_range(value: str | None) -> tuple[int, int] | None:
-    """``"bytes 10-19/100"`` -> ``(10, 19)``; ``None`` when absent or malformed."""
-    if not value or not value.startswith("bytes "):
-        return None
-    span = value[len("bytes ") :].split("/", 1)[0]
-    first, sep, last = span.partition("-")
-    if not sep or not first.isdigit() or not last.isdigit():
-        return None
-    return int(first), int(last)
+def _translate(remote_file: RemoteFile):
+    if remote_file.repo_type == "url":
+        return translate_errors(None, None, remote_file.describe())
+    return translate_errors(remote_file.repo_id, remote_file.revision, remote_file.path,
+                            repo_type=remote_file.repo_type)
+
+
+def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str]:
+    # files listed from a plain URL (no repository) get no Hub token
+    return hub_headers(False if remote_file.repo_type == "url" else token)
 
 
 def fetch_range(
-    remote_file: RemoteFile, start: int, length: int, *, token: str | bool | None = None
+    remote_file: RemoteFile, start: int, length: int, *, token: str | bool | None = None,
+    policy: RetryPolicy | None = None, store=None,
 ) -> bytes:
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
@@ -93,69 +90,52 @@ def fetch_range(
         length: Number of bytes (``>= 0``); ``start + length`` must not exceed
             ``remote_file.size``.
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
+        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        store: For a file listed from an object store (``repo_type="object"``): the
+            backend's handle that listed it, which reads the range.
 
     Returns:
         Exactly ``length`` bytes.
 
     Raises:
-        ValueError: The range is negative or extends past the end of the file.
-        HubTransferError: The request failed or the server answered with a
-            different range.
+        RemoteRangeError: The range is negative or extends past the end of the file
+            (also a :class:`ValueError`).
+        HubTransferError: The request failed (after retries for transient causes).
     """
-    from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
-
     start, length = int(start), int(length)
     if start < 0 or length < 0:
-        raise ValueError(f"{remote_file.describe()}: negative range start={start} length={length}")
+        raise RemoteRangeError(
+            f"{remote_file.describe()}: negative range start={start} length={length}")
     if start + length > remote_file.size:
-        raise ValueError(
+        raise RemoteRangeError(
             f"{remote_file.describe()}: range [{start}, {start + length}) exceeds the file "
             f"size {remote_file.size}"
         )
     if length == 0:
         return b""
-    last = start + length - 1
-    headers = _request_headers(token, {"Range": f"bytes={start}-{last}"})
-    where = remote_file.describe()
-    with (
-        translate_errors(remote_file.repo_id, remote_file.revision, remote_file.path),
-        http_stream_backoff("GET", remote_file.url, headers=headers) as response,
-    ):
-            hf_raise_for_status(response)
-            if response.status_code == 206:
-                span = _parse_content_range(response.headers.get("Content-Range"))
-                if span is not None and span[0] != start:
-                    raise HubTransferError(
-                        f"{where}: asked for bytes {start}-{last}, server sent "
-                        f"{response.headers.get('Content-Range')!r}"
-                    )
-                data = response.read()
-            elif response.status_code == 200:
-                data = _prefix_of_stream(response, start + length)[start:]
-            else:
-                raise HubTransferError(
-                    f"{where}: unexpected HTTP {response.status_code} for a range request"
-                )
-    if len(data) != length:
-        raise HubTransferError(
-            f"{where}: range [{start}, {start + length}) returned {len(data)} bytes"
-        )
-    return data
+    if remote_file.repo_type == "object":
+        return store.read_range(object_info(remote_file), start, length)
+    with _translate(remote_file):
+        return transport.fetch_range(remote_file.url, start, length,
+                                     headers=_headers(remote_file, token),
+                                     policy=policy or HUB_POLICY)
 
 
 def fetch_bytes(
-    remote_file: RemoteFile, *, token: str | bool | None = None, verify: bool = True
+    remote_file: RemoteFile, *, token: str | bool | None = None, verify: bool = True,
+    policy: RetryPolicy | None = None,
 ) -> bytes:
     """Fetch a whole remote file into memory, checked against the listing.
 
     Meant for streaming consumers that decode a shard from memory and drop it
-    (nothing is written to disk). One ``GET`` of the file URL.
+    (nothing is written to disk). One ``GET`` of the file URL (resumed after a drop).
 
     Args:
         remote_file: A file from :func:`list_remote_files`.
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         verify: Check the sha256 (LFS files) or git blob id (plain files); the
             size is always checked. (default: ``True``)
+        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
 
     Returns:
         The file's bytes.
@@ -164,17 +144,14 @@ def fetch_bytes(
         HubIntegrityError: Size or checksum differs from the listing.
         HubTransferError: The transfer failed.
     """
-    from huggingface_hub.utils import hf_raise_for_status, http_backoff
-
-    with translate_errors(remote_file.repo_id, remote_file.revision, remote_file.path):
-        response = http_backoff("GET", remote_file.url, headers=_request_headers(token))
-        hf_raise_for_status(response)
-        data = response.content
+    with _translate(remote_file):
+        data = transport.fetch(remote_file.url, headers=_headers(remote_file, token),
+                               policy=policy or HUB_POLICY)
     check_bytes(remote_file, data, verify=verify)
-    return data
+    return bytes(data)
 
 
-def check_bytes(remote_file: RemoteFile, data: bytes, *, verify: bool = True) -> None:
+def check_bytes(remote_file: RemoteFile, data, *, verify: bool = True) -> None:
     """Raise :class:`HubIntegrityError` unless ``data`` matches the listing of ``remote_file``.
 
     Args:
@@ -182,38 +159,11 @@ def check_bytes(remote_file: RemoteFile, data: bytes, *, verify: bool = True) ->
         data: Its supposed content.
         verify: Also compare hashes, not only the size. (default: ``True``)
     """
-    if len(data) != remote_file.size:
-        raise HubIntegrityError(
-            f"{remote_file.describe()}: received {len(data)} bytes, the listing says "
-            f"{remote_file.size}"
-        )
-    if not verify:
-        return
-    if remote_file.sha256:
-        got = hashlib.sha256(data).hexdigest()
-        if got != remote_file.sha256.lower():
-            raise HubIntegrityError(
-                f"{remote_file.describe()}: sha256 mismatch: expected {remote_file.sha256}, "
-                f"received bytes hash to {got}"
-            )
-    elif remote_file.blob_id:
-        got = hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
-        if got != remote_file.blob_id.lower():
-            raise HubIntegrityError(
-                f"{remote_file.describe()}: git blob id mismatch: expected "
-                f"{remote_file.blob_id}, received bytes hash to {got}"
-            )
-
-
-def _prefix_of_stream(response, n_bytes: int) -> bytes:
-    """The first ``n_bytes`` of a streamed body, without reading the rest."""
-    chunks, total = [], 0
-    for chunk in response.iter_bytes(chunk_size=1 << 16):
-        chunks.append(chunk)
-        total += len(chunk)
-        if total >= n_bytes:
-            break
-    return b"".join(chunks)[:n_bytes]
+    problem = bytes_problem(data, size=remote_file.size, sha256=remote_file.sha256,
+                            blob_id=remote_file.blob_id, verify=verify)
+    if problem is not None:
+        raise HubIntegrityError(f"{remote_file.describe()}: received {problem}",
+                                url=transport.redact_url(remote_file.url))
 
 
 def repo_cache_folder(cache_dir: str | os.PathLike | None, repo_id: str, repo_type: str) -> Path:
@@ -253,38 +203,12 @@ def cached_path(
     return folder / "unverified" / remote_file.revision / remote_file.path
 
 
-def _file_digests(path: Path) -> tuple[str, str]:
-    """(sha256, git blob sha1) of a local file, in one read."""
-    size = path.stat().st_size
-    sha256 = hashlib.sha256()
-    git = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            sha256.update(chunk)
-            git.update(chunk)
-    return sha256.hexdigest(), git.hexdigest()
-
-
 def _check_integrity(remote_file: RemoteFile, path: Path, *, verify: bool) -> None:
-    size = path.stat().st_size
-    if size != remote_file.size:
-        raise HubIntegrityError(
-            f"{remote_file.describe()}: downloaded {size} bytes, the listing says "
-            f"{remote_file.size}"
-        )
-    if not verify or not (remote_file.sha256 or remote_file.blob_id):
-        return
-    sha256, git_sha1 = _file_digests(path)
-    if remote_file.sha256 and sha256 != remote_file.sha256.lower():
-        raise HubIntegrityError(
-            f"{remote_file.describe()}: sha256 mismatch: expected {remote_file.sha256}, "
-            f"downloaded bytes hash to {sha256}"
-        )
-    if not remote_file.sha256 and git_sha1 != remote_file.blob_id.lower():
-        raise HubIntegrityError(
-            f"{remote_file.describe()}: git blob id mismatch: expected {remote_file.blob_id}, "
-            f"downloaded bytes hash to {git_sha1}"
-        )
+    problem = file_problem(path, size=remote_file.size, sha256=remote_file.sha256,
+                           blob_id=remote_file.blob_id, verify=verify)
+    if problem is not None:
+        raise HubIntegrityError(f"{remote_file.describe()}: downloaded {problem}",
+                                url=transport.redact_url(remote_file.url))
 
 
 def download(
@@ -293,6 +217,8 @@ def download(
     *,
     token: str | bool | None = None,
     verify: bool = True,
+    policy: RetryPolicy | None = None,
+    store=None,
 ) -> Path:
     """Download a remote file into the cache, verified, and return its local path.
 
@@ -306,6 +232,9 @@ def download(
         token: Hub token; ``None`` uses the locally saved token, ``False`` none.
         verify: Check the sha256 (LFS files) or git blob id (plain files)
             against the listing. The size is always checked. (default: ``True``)
+        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        store: For a file listed from an object store: the backend's handle, which keeps
+            its own verified cache (``verify`` is then always on).
 
     Returns:
         Path of the local copy (treat it as read-only; it may be shared).
@@ -317,6 +246,8 @@ def download(
     """
     from filelock import FileLock
 
+    if remote_file.repo_type == "object":
+        return store.download(object_info(remote_file), cache_dir)
     hashed = bool(remote_file.sha256 or remote_file.blob_id)
     final = cached_path(remote_file, cache_dir, verified=verify and hashed)
     if _is_complete(final, remote_file):
@@ -331,7 +262,7 @@ def download(
             return final
         temp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.incomplete")
         try:
-            _stream_to(remote_file, temp, token=token)
+            _stream_to(remote_file, temp, token=token, policy=policy)
             _check_integrity(remote_file, temp, verify=verify)
             os.replace(temp, final)
         finally:
@@ -346,28 +277,8 @@ def _is_complete(path: Path, remote_file: RemoteFile) -> bool:
         return False
 
 
-def _stream_to(remote_file: RemoteFile, temp: Path, *, token: str | bool | None) -> None:
-    from huggingface_hub.file_download import http_get
-
-    headers = _request_headers(token)
-    with (
-        translate_errors(remote_file.repo_id, remote_file.revision, remote_file.path),
-        open(temp, "wb") as handle,
-    ):
-            try:
-                http_get(
-                    remote_file.url,
-                    handle,
-                    headers=headers,
-                    expected_size=remote_file.size,
-                    displayed_filename=remote_file.path.rpartition("/")[2] or None,
-                )
-            except HubError:
-                raise
-            except OSError as exc:
-                if "Consistency check failed" in str(exc):
-                    raise HubIntegrityError(
-                        f"{remote_file.describe()}: transfer ended with a size different from "
-                        f"the listing's {remote_file.size} bytes"
-                    ) from exc
-                raise
+def _stream_to(remote_file: RemoteFile, temp: Path, *, token: str | bool | None,
+               policy: RetryPolicy | None = None) -> None:
+    with _translate(remote_file), open(temp, "wb") as handle:
+        transport.fetch_to_file(remote_file.url, handle, headers=_headers(remote_file, token),
+                                policy=policy or HUB_POLICY)

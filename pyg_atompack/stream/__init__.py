@@ -1,8 +1,9 @@
 """Streaming remote ``.pt`` / ``.atp`` shards into PyTorch Geometric training.
 
 Sources (:class:`LocalSource`, :class:`HTTPSource`, :class:`HubSource`,
-:class:`ObjectStoreSource` for ``s3://`` prefixes, or your own
-:class:`Source`) list shards once and fetch their bytes; :class:`ShardStreamDataset`
+:class:`ObjectStoreSource` for ``s3://`` prefixes, or your own :class:`Source`;
+:func:`open_source` picks one from a URL) list shards once and fetch their bytes;
+:class:`ShardStreamDataset`
 prefetches and decodes them on background threads with a bounded working set, splits
 them across DataLoader workers and DDP ranks, resumes from a ``state_dict`` and records
 per-shard traces.
@@ -33,6 +34,7 @@ from pyg_atompack.stream.errors import (
 from pyg_atompack.stream.http import HTTPSource
 from pyg_atompack.stream.hub_source import HubSource
 from pyg_atompack.stream.objectstore_source import ObjectStoreSource
+from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS, decode_shard
 from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import CancelToken, LocalSource, ShardInfo, Source
@@ -46,6 +48,7 @@ __all__ = [
     "HTTPSource",
     "HubSource",
     "ObjectStoreSource",
+    "open_source",
     "RetryPolicy",
     "ShardBuffer",
     "decode_shard",

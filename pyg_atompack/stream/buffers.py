@@ -14,190 +14,22 @@ reference goes returns every page immediately, whatever the allocator's state.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 
 import torch
 from torch_geometric.data.data import BaseData
 
+from pyg_atompack.transport.buffers import (
+    RangeIgnoredError,
+    ShardBuffer,
+    ShardPart,
+    WritableBuffer,
+    allocate,
+    is_writable_buffer,
+)
+
 __all__ = ["BufferViewSamples", "RangeIgnoredError", "ShardBuffer", "ShardPart",
            "WritableBuffer", "allocate", "is_writable_buffer"]
-
-WritableBuffer = bytearray | mmap.mmap
-
-
-def allocate(size: int) -> WritableBuffer:
-    """A zero-filled writable buffer of exactly ``size`` bytes, outside the C heap.
-
-    Args:
-        size: Its length.
-
-    Returns:
-        An anonymous :class:`mmap.mmap` (a :class:`bytearray` when ``size`` is 0, which
-        cannot be mapped).
-    """
-    return mmap.mmap(-1, size) if size > 0 else bytearray()
-
-
-def is_writable_buffer(buffer: object) -> bool:
-    """Whether ``buffer`` is a shard buffer decoders may keep as their samples' storage."""
-    return isinstance(buffer, (bytearray, mmap.mmap))
-
-
-class ShardBuffer:
-    """Collects one shard's bytes as they arrive, for a :class:`Source` to return.
-
-    ``len(buffer)`` is the number of bytes received so far, which is where a resumed
-    transfer continues (``Range: bytes=len(buffer)-``).
-
-    Example::
-
-        buffer = ShardBuffer(shard.name)
-        buffer.restart(shard.size)        # None when the size is not known
-        for chunk in response:
-            buffer.append(chunk)
-        return buffer.take()
-
-    Args:
-        name: Shard name for messages.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._data: WritableBuffer = bytearray()
-        self._filled = 0
-
-    def __len__(self) -> int:
-        return self._filled
-
-    @property
-    def position(self) -> int:
-        """Offset in the shard of the next byte expected."""
-        return self._filled
-
-    def range_header(self) -> str | None:
-        """The ``Range`` to request: the rest of the body once some of it arrived."""
-        return f"bytes={self._filled}-" if self._filled else None
-
-    def whole_body(self, size: int | None) -> None:
-        """The server sends the whole body (again): start over.
-
-        Args:
-            size: Its announced length, if any (see :meth:`restart`).
-        """
-        self.restart(size)
-
-    def restart(self, size: int | None) -> None:
-        """Drop what was received and expect a body of ``size`` bytes.
-
-        Args:
-            size: The announced length: the bytes go to an anonymous memory map of
-                exactly this size. :obj:`None` (or 0) collects them in a bytearray.
-        """
-        self._data = allocate(size) if size else bytearray()
-        self._filled = 0
-
-    def append(self, chunk: bytes) -> None:
-        """Add the next bytes of the body.
-
-        Args:
-            chunk: The bytes; more than announced switch to a growable buffer.
-        """
-        end = self._filled + len(chunk)
-        if isinstance(self._data, mmap.mmap):
-            if end <= len(self._data):
-                self._data[self._filled:end] = chunk
-                self._filled = end
-                return
-            # more than announced: carry on in a growable buffer
-            self._data = bytearray(self._data[:self._filled])
-        self._data += chunk
-        self._filled = end
-
-    def take(self) -> WritableBuffer:
-        """The received bytes, handed over (the buffer starts empty again).
-
-        Returns:
-            The body: the memory map itself when it was filled exactly.
-        """
-        data, filled = self._data, self._filled
-        self._data, self._filled = bytearray(), 0
-        if isinstance(data, mmap.mmap) and filled != len(data):
-            data = bytearray(data[:filled])
-        return data
-
-
-class RangeIgnoredError(Exception):
-    """The server answered a byte-range request with the whole body."""
-
-
-class ShardPart:
-    """Receives bytes ``[start, end)`` of a shard straight into the shard's buffer.
-
-    Several parts of one buffer are filled by concurrent range requests
-    (:func:`pyg_atompack.stream.http.fetch_url_in_parts`); each keeps its own count, so
-    a broken part resumes where it stopped.
-
-    Args:
-        buffer: The whole shard's buffer, shared by all its parts.
-        start: First byte of the part.
-        end: One past its last byte.
-    """
-
-    def __init__(self, buffer: WritableBuffer, start: int, end: int) -> None:
-        self.buffer = buffer
-        self.start = start
-        self.end = end
-        self._filled = 0
-
-    def __len__(self) -> int:
-        return self._filled
-
-    @property
-    def complete(self) -> bool:
-        """Whether every byte of the part arrived."""
-        return self.start + self._filled == self.end
-
-    @property
-    def position(self) -> int:
-        """Offset in the shard of the next byte expected."""
-        return self.start + self._filled
-
-    def range_header(self) -> str:
-        """The ``Range`` still to request."""
-        return f"bytes={self.start + self._filled}-{self.end - 1}"
-
-    def whole_body(self, size: int | None) -> None:
-        """A range request answered with the whole body: the server ignores ranges.
-
-        Args:
-            size: The announced length (unused: the part gives up).
-
-        Raises:
-            RangeIgnoredError: Always; the caller downloads the shard in one piece.
-        """
-        raise RangeIgnoredError(f"bytes {self.start}-{self.end - 1} answered with the whole body")
-
-    def restart(self, size: int | None) -> None:
-        """Drop what this part received.
-
-        Args:
-            size: Ignored (a part's size is fixed).
-        """
-        self._filled = 0
-
-    def append(self, chunk: bytes) -> None:
-        """Write the next bytes of the part into the shard buffer.
-
-        Raises:
-            ValueError: The server sent more than the part holds.
-        """
-        at = self.start + self._filled
-        if at + len(chunk) > self.end:
-            raise ValueError(f"server sent past byte {self.end - 1} of a range request")
-        self.buffer[at:at + len(chunk)] = chunk
-        self._filled += len(chunk)
-
 
 class BufferViewSamples(Sequence):
     """The samples of a shard decoded in place, each built from its buffer when taken.

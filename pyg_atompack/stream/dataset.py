@@ -74,7 +74,9 @@ class ShardStreamDataset(IterableDataset):
     Args:
         source: Where shards come from (:class:`~pyg_atompack.stream.LocalSource`,
             :class:`~pyg_atompack.stream.HTTPSource`, :class:`~pyg_atompack.stream.HubSource`
-            or any :class:`~pyg_atompack.stream.Source`). Listed once, here.
+            or any :class:`~pyg_atompack.stream.Source`), or a URL or path that
+            :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
+            ``http(s)://``, object stores, a local directory). Listed once, here.
         prefetch: Shards retrieved and decoded ahead of the one being consumed; ``0``
             loads each shard on demand in the consumer's thread. (default: :obj:`1`)
         concurrency: Maximum downloads in flight (effective up to ``prefetch``).
@@ -136,7 +138,8 @@ class ShardStreamDataset(IterableDataset):
             (default: :obj:`None`)
     """
 
-    def __init__(self, source: Source, *, prefetch: int = 1, concurrency: int = 1,
+    def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
+                 concurrency: int = 1,
                  shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 0,
                  batch_size: int | None = None,
                  transform: Callable[[BaseData], BaseData] | None = None,
@@ -154,6 +157,10 @@ class ShardStreamDataset(IterableDataset):
         check_on_error(on_error)  # at construction, not at the first iteration
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
+        if isinstance(source, (str, os.PathLike)):
+            from pyg_atompack.stream.open import open_source
+
+            source = open_source(source)
         if retries is not None and isinstance(getattr(source, "retry", None), RetryPolicy):
             source = copy.copy(source)
             source.retry = dataclasses.replace(source.retry, retries=retries)

@@ -1,17 +1,24 @@
-"""The exception family of the streaming layer (defined once, raised everywhere in it)."""
+"""The exception family of the streaming layer (defined once, raised everywhere in it).
+
+Failed retrievals are also transport errors (:class:`~pyg_atompack.transport.TransportError`,
+an :class:`OSError`), so one ``except TransportError`` catches every failed remote read of
+the project, whichever layer reported it.
+"""
 
 from __future__ import annotations
+
+from pyg_atompack.transport.errors import RemoteIntegrityError, TransportError
 
 
 class StreamError(Exception):
     """Base class of every error raised by :mod:`pyg_atompack.stream`."""
 
 
-class ShardFetchError(StreamError):
+class ShardFetchError(StreamError, TransportError):
     """A shard could not be retrieved (after all retries), or a source is misconfigured."""
 
 
-class ShardIntegrityError(ShardFetchError):
+class ShardIntegrityError(ShardFetchError, RemoteIntegrityError):
     """A shard's bytes do not match the size or sha256 announced by its source."""
 
 

@@ -1,140 +1,42 @@
 """Shards served over plain HTTP(S), from a list of URLs or a ``manifest.json``.
 
-Transfers use the standard library's :mod:`http.client` so that a transfer can be
-interrupted from another thread (the socket is shut down on cancellation), resumed with a
-``Range`` request after a dropped connection, and retried under a :class:`RetryPolicy`.
+Every byte goes through :mod:`pyg_atompack.transport.http` (one client, retry policy,
+redirect rule and resume logic for the whole project); this module turns its errors
+into the streaming layer's :class:`ShardFetchError` naming the shard.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import posixpath
-import socket
-import threading
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
-from pyg_atompack.stream.buffers import (
-    RangeIgnoredError,
-    ShardBuffer,
-    ShardPart,
-    WritableBuffer,
-    allocate,
-)
-from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
-from pyg_atompack.stream.retry import (
-    RETRYABLE_STATUSES,
-    RetryPolicy,
-    TransientError,
-    parse_retry_after,
-)
+from pyg_atompack.stream.buffers import WritableBuffer
+from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
+from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.errors import TransportError
+from pyg_atompack.transport.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 1 << 16
-_MAX_REDIRECTS = 5
-# timeouts, resets, refused connections, truncated bodies, garbled status lines
-_TRANSIENT_ERRORS = (OSError, http.client.HTTPException)
+#: Smallest byte range worth its own connection when a shard is fetched in parts.
+MIN_PART_BYTES = transport.MIN_PART_BYTES
 
 
-def _shutdown(sock: socket.socket) -> None:
-    # shutting the socket down wakes a thread blocked in recv() at once (close() does not)
-    sock.shutdown(socket.SHUT_RDWR)
+def shard_error(name: str, error: TransportError) -> ShardFetchError:
+    """The streaming error for a failed transfer of shard ``name``.
 
+    Args:
+        name: The shard.
+        error: What the transport raised (its message names the redacted URL).
 
-def _parse_content_range_start(value: str | None) -> int | None:
-    if not value or not value.startswith("bytes "):
-        return None
-    first = value[len("bytes ") :].split("-", 1)[0]
-    return int(first) if first.isdigit() else None
-
-
-def _open_connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ShardFetchError(f"{url}: only http:// and https:// URLs are supported")
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    target = parts.path or "/"
-    if parts.query:
-        target += "?" + parts.query
-    return kind(parts.netloc, timeout=timeout), target
-
-
-def _transfer_once(url: str, buffer: ShardBuffer | ShardPart, *, headers: Mapping[str, str],
-                   name: str, policy: RetryPolicy, cancel: CancelToken) -> None:
-    """One attempt: append the (rest of the) body at ``url`` to ``buffer``.
-
-    A :class:`ShardBuffer` that holds some bytes is resumed with
-    ``Range: bytes=len(buffer)-`` (a server that ignores the range answers 200 and the
-    buffer is restarted); a :class:`ShardPart` always asks for the rest of its range.
+    Returns:
+        A :class:`ShardFetchError` with the transport error's ``url`` and ``status``.
     """
-    for _ in range(_MAX_REDIRECTS + 1):
-        connection, target = _open_connection(url, policy.timeout)
-        request_headers = {"Accept-Encoding": "identity", **headers}
-        range_header = buffer.range_header()
-        if range_header:
-            request_headers["Range"] = range_header
-        unregister = lambda: None  # noqa: E731 - replaced once a socket exists
-        try:
-            cancel.raise_if_cancelled()
-            connection.connect()
-            # keep our own reference: http.client hands the socket to the response object
-            # and forgets it, but shutting it down is what wakes a blocked recv()
-            unregister = cancel.on_cancel(lambda sock=connection.sock: _shutdown(sock))
-            connection.request("GET", target, headers=request_headers)
-            response = connection.getresponse()
-            status = response.status
-            if status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                url = urljoin(url, response.getheader("Location"))
-                continue
-            if status in RETRYABLE_STATUSES:
-                raise TransientError(
-                    f"HTTP {status} {response.reason}",
-                    retry_after=parse_retry_after(response.getheader("Retry-After")),
-                )
-            if status == 416 and range_header:
-                buffer.restart(None)  # our partial copy no longer matches the file: start over
-                raise TransientError("HTTP 416 on resume; restarting the transfer")
-            if status == 206 and range_header:
-                start = _parse_content_range_start(response.getheader("Content-Range"))
-                if start != buffer.position:
-                    expected = buffer.position
-                    buffer.restart(None)
-                    raise TransientError(
-                        f"server resumed at byte {start}, expected {expected}; restarting"
-                    )
-            elif status != 200:
-                raise ShardFetchError(f"shard {name}: HTTP {status} {response.reason} for {url}")
-            declared = response.getheader("Content-Length")
-            declared = int(declared) if declared and declared.isdigit() else None
-            if status == 200:  # the whole body (again): into a buffer of its announced size
-                buffer.whole_body(declared)
-            expected_end = len(buffer) + declared if declared is not None else None
-            # read1 hands over whatever has arrived, so a connection dropped mid-body
-            # loses no received bytes and the resume starts exactly where it broke
-            while chunk := response.read1(_CHUNK):
-                cancel.raise_if_cancelled()
-                try:
-                    buffer.append(chunk)
-                except ValueError as error:  # a part's server sent more than asked for
-                    raise ShardFetchError(f"shard {name}: {error} ({url})") from None
-            cancel.raise_if_cancelled()
-            if expected_end is not None and len(buffer) < expected_end:
-                # read(n) returns b"" on a body cut short instead of raising IncompleteRead
-                raise TransientError(
-                    f"connection closed after {len(buffer)} of {expected_end} bytes"
-                )
-            return
-        except _TRANSIENT_ERRORS as error:
-            cancel.raise_if_cancelled()  # a shut-down socket looks like a reset
-            raise TransientError(f"{type(error).__name__}: {error}") from error
-        finally:
-            unregister()
-            connection.close()
-    raise ShardFetchError(f"shard {name}: more than {_MAX_REDIRECTS} redirects from {url}")
+    return ShardFetchError(f"shard {name}: {error}", url=error.url, status=error.status)
 
 
 def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
@@ -146,7 +48,7 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
         name: Shard name for messages.
         policy: Retry and timeout settings.
         cancel: Stops the transfer (and any backoff wait) when cancelled.
-        headers: Extra request headers (e.g. ``Authorization``).
+        headers: Extra request headers (credentials go to the origin of ``url`` only).
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
@@ -154,38 +56,12 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
 
     Raises:
         ShardFetchError: A permanent error, or transient errors outlasting every retry.
+        StreamCancelled: ``cancel`` was cancelled meanwhile.
     """
-    buffer = ShardBuffer(name)
-    _transfer_with_retries(url, buffer, name=name, policy=policy, cancel=cancel,
-                           headers=headers or {})
-    return buffer.take()
-
-
-def _transfer_with_retries(url: str, buffer: ShardBuffer | ShardPart, *, name: str,
-                           policy: RetryPolicy, cancel: CancelToken,
-                           headers: Mapping[str, str]) -> None:
-    """Fill ``buffer`` from ``url``, retrying transient failures under ``policy``."""
-    for attempt in range(policy.retries + 1):
-        try:
-            _transfer_once(url, buffer, headers=headers, name=name, policy=policy,
-                           cancel=cancel)
-            if isinstance(buffer, ShardPart) and not buffer.complete:
-                raise TransientError(f"range answered short, at byte {buffer.position}")
-            return
-        except TransientError as error:
-            if attempt == policy.retries:
-                raise ShardFetchError(
-                    f"shard {name}: giving up on {url} after {attempt + 1} attempts: {error}"
-                ) from error
-            wait = policy.delay(attempt, error.retry_after)
-            logger.warning("shard %s: %s; retry %d/%d in %.2fs (resuming at byte %d)",
-                           name, error, attempt + 1, policy.retries, wait, buffer.position)
-            cancel.sleep(wait)
-    raise AssertionError("unreachable")
-
-
-#: Smallest byte range worth its own connection when a shard is fetched in parts.
-MIN_PART_BYTES = 32 << 10
+    try:
+        return transport.fetch(url, policy=policy, cancel=cancel, headers=headers)
+    except TransportError as error:
+        raise shard_error(name, error) from error
 
 
 def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: RetryPolicy,
@@ -193,16 +69,12 @@ def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: Re
                        headers: Mapping[str, str] | None = None) -> WritableBuffer:
     """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
 
-    Servers (and CDNs) often cap the bandwidth of each connection; a shard fetched over
-    several connections at once then arrives several times faster. Each part retries
-    and resumes on its own. A server that ignores range requests gets one plain
-    download instead.
+    See :func:`pyg_atompack.transport.http.fetch_in_parts`.
 
     Args:
         url: The address to fetch.
         size: The body's length in bytes (from the listing).
-        parts: Concurrent connections; fewer when parts would be smaller than
-            :data:`MIN_PART_BYTES`.
+        parts: Concurrent connections.
         name: Shard name for messages.
         policy: Retry and timeout settings, for each part.
         cancel: Stops every part (and any backoff wait) when cancelled.
@@ -215,44 +87,12 @@ def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: Re
         ShardFetchError: A part failed permanently or outlasted every retry.
         StreamCancelled: ``cancel`` was cancelled meanwhile.
     """
-    parts = max(1, min(parts, size // MIN_PART_BYTES))
-    if parts == 1:
-        return fetch_url(url, name=name, policy=policy, cancel=cancel, headers=headers)
-    buffer = allocate(size)
-    bounds = [size * number // parts for number in range(parts + 1)]
-    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1]) for n in range(parts)]
-    errors: list[BaseException] = []
-    # one failed part stops its siblings; closing the iteration stops them all
-    siblings = CancelToken()
-    unregister = cancel.on_cancel(siblings.cancel)
-
-    def run(piece: ShardPart) -> None:
-        try:
-            _transfer_with_retries(url, piece, name=name, policy=policy, cancel=siblings,
-                                   headers=headers or {})
-        except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller
-            errors.append(error)
-            siblings.cancel()
-
-    helpers = [threading.Thread(target=run, args=(piece,), daemon=True,
-                                name=f"pyg_atompack-part-{number}")
-               for number, piece in enumerate(pieces[1:], start=1)]
     try:
-        for helper in helpers:
-            helper.start()
-        run(pieces[0])
-    finally:
-        for helper in helpers:
-            helper.join()
-        unregister()
-    cancel.raise_if_cancelled()
-    failures = [error for error in errors if not isinstance(error, StreamCancelled)]
-    if any(isinstance(error, RangeIgnoredError) for error in failures):
-        logger.info("shard %s: the server ignores byte ranges; one download instead", name)
-        return fetch_url(url, name=name, policy=policy, cancel=cancel, headers=headers)
-    if failures:
-        raise failures[0]
-    return buffer
+        return transport.fetch_in_parts(url, size=size, parts=parts, policy=policy,
+                                        cancel=cancel, headers=headers,
+                                        make_token=CancelToken)
+    except TransportError as error:
+        raise shard_error(name, error) from error
 
 
 def _name_from_url(url: str) -> str:

@@ -38,15 +38,16 @@ class HubSource(URLShardSource):
         token: Hub token (``None``: the saved token, ``False``: none).
         endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint, i.e.
             ``HF_ENDPOINT``).
-        retry: Retry and timeout policy for downloads. (default: :class:`RetryPolicy()`)
+        retry: Retry and timeout policy for downloads, and for the listing and the revision
+            lookup. (default: :class:`RetryPolicy()`)
+        suffixes: Keep only shard paths ending in one of these (``None``: every match of
+            ``pattern``). (default: :obj:`None`)
     """
 
     def __init__(self, repo_id: str, path_in_repo: str = "", *, revision: str = "main",
                  pattern: str = "*.pt", repo_type: str = "dataset",
                  token: str | bool | None = None, endpoint: str | None = None,
-                 retry: RetryPolicy | None = None):
-        from huggingface_hub.utils import build_hf_headers
-
+                 retry: RetryPolicy | None = None, suffixes: tuple[str, ...] | None = None):
         from pyg_atompack import hub
 
         self.repo_id = repo_id
@@ -54,12 +55,11 @@ class HubSource(URLShardSource):
         self.requested_revision = revision
         self.pattern = pattern
         self.retry = retry or RetryPolicy()
-        self.headers = dict(build_hf_headers(token=token, library_name="pyg_atompack"))
-        self.headers["Accept-Encoding"] = "identity"
+        self.token = token
         common = {"repo_type": repo_type, "token": token, "endpoint": endpoint}
-        self.revision = hub.resolve_revision(repo_id, revision, **common)
+        self.revision = hub.resolve_revision(repo_id, revision, policy=self.retry, **common)
         files = hub.list_remote_files(repo_id, self.path_in_repo, revision=self.revision,
-                                      pattern="*", **common)
+                                      pattern="*", policy=self.retry, **common)
         root = self.path_in_repo
 
         def relative(path: str) -> str:
@@ -72,6 +72,8 @@ class HubSource(URLShardSource):
             name = relative(remote.path)
             if name == MANIFEST_NAME or not fnmatch.fnmatchcase(name, pattern):
                 continue
+            if suffixes is not None and not name.endswith(tuple(suffixes)):
+                continue
             entry = manifest.get(name, {})
             shards.append(ShardInfo(name=name, size=remote.size,
                                     sha256=remote.sha256 or entry.get("sha256"),
@@ -83,6 +85,15 @@ class HubSource(URLShardSource):
                 f"{pattern!r}"
             )
         self._shards = tuple(shards)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Request headers, built when needed: a token found in ``HF_TOKEN`` or the saved
+        login is never stored in the source, so it is not in a pickled copy either (an
+        explicit ``token=`` is, so that DataLoader workers can download)."""
+        from pyg_atompack.hub.remote import hub_headers
+
+        return hub_headers(self.token)
 
     def _read_manifest(self, remote) -> dict[str, dict]:
         body = fetch_url(remote.url, name=remote.path, policy=self.retry, cancel=CancelToken(),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
 from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
+from pyg_atompack.transport.integrity import bytes_problem
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +75,7 @@ def integrity_problem(info: ShardInfo, data: bytes | bytearray) -> str | None:
     Returns:
         A short description of the first mismatch, or :obj:`None`.
     """
-    if info.size is not None and len(data) != info.size:
-        return f"size {len(data)} bytes, expected {info.size}"
-    if info.sha256 is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != info.sha256.lower():
-            return f"sha256 {digest}, expected {info.sha256}"
-    return None
+    return bytes_problem(data, size=info.size, sha256=info.sha256)
 
 
 class ShardLoader:
@@ -130,6 +124,8 @@ class ShardLoader:
                     data = in_parts(info, cancel, parts)
                 else:
                     data = self.source.fetch(info, cancel)
+            except StreamError:
+                raise
             except OSError as error:  # custom sources may raise plain I/O errors
                 raise ShardFetchError(f"shard {info.name}: {error}") from error
             problem = integrity_problem(info, data) if self.verify else None

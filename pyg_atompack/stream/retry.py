@@ -1,93 +1,12 @@
-"""Retry policy for remote transfers: exponential backoff with jitter, honouring Retry-After."""
+"""Re-exports :mod:`pyg_atompack.transport.retry` for imports written before it existed."""
 
-from __future__ import annotations
+from pyg_atompack.transport.retry import (
+    RETRYABLE_STATUSES,
+    RetryPolicy,
+    TransientError,
+    parse_ratelimit_reset,
+    parse_retry_after,
+)
 
-import random
-import time
-from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
-
-#: HTTP statuses worth retrying: request timeout, too many requests, every server error.
-RETRYABLE_STATUSES = frozenset({408, 429, *range(500, 600)})
-
-
-class TransientError(Exception):
-    """A failure that a later attempt may not see (timeout, reset, 429, 5xx).
-
-    Args:
-        message: What happened.
-        retry_after: Seconds the server asked us to wait, if it said so.
-    """
-
-    def __init__(self, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently a transfer is retried.
-
-    The ``n``-th retry (``n = 0, 1, ...``) waits ``min(max_backoff, backoff * 2**n)``
-    seconds, stretched by a random factor in ``[1, 1 + jitter]`` so that many workers
-    hitting the same server do not retry in lock-step. A server's ``Retry-After`` is
-    honoured: the wait is never shorter than it (capped at ``max_retry_after``).
-
-    Args:
-        retries: Retries after the first attempt; ``0`` disables retrying. (default: 5)
-        backoff: First backoff in seconds. (default: 0.5)
-        max_backoff: Cap of the exponential backoff in seconds. (default: 30.0)
-        jitter: Relative random stretch of each wait. (default: 0.5)
-        max_retry_after: Cap on a server's ``Retry-After`` in seconds. (default: 300.0)
-        timeout: Socket timeout (connect and each read) in seconds. (default: 30.0)
-    """
-
-    retries: int = 5
-    backoff: float = 0.5
-    max_backoff: float = 30.0
-    jitter: float = 0.5
-    max_retry_after: float = 300.0
-    timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff < 0 or self.jitter < 0 or self.timeout <= 0:
-            raise ValueError(f"invalid retry policy {self}")
-
-    def delay(self, retry_number: int, retry_after: float | None = None,
-              rng: random.Random | None = None) -> float:
-        """Seconds to wait before retry number ``retry_number`` (counted from 0).
-
-        Args:
-            retry_number: How many retries happened before this one.
-            retry_after: The server's ``Retry-After`` in seconds, if any.
-            rng: Random generator for the jitter. (default: module generator)
-
-        Returns:
-            The wait in seconds.
-        """
-        base = min(self.max_backoff, self.backoff * (2.0**retry_number))
-        wait = base * (1.0 + self.jitter * (rng or random).random())
-        if retry_after is not None:
-            wait = max(wait, min(retry_after, self.max_retry_after))
-        return wait
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Parse a ``Retry-After`` header: delay seconds or an HTTP date.
-
-    Args:
-        value: The header value, or ``None``.
-
-    Returns:
-        Seconds to wait (``>= 0``), or ``None`` when absent or unreadable.
-    """
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+__all__ = ["RETRYABLE_STATUSES", "RetryPolicy", "TransientError", "parse_ratelimit_reset",
+           "parse_retry_after"]

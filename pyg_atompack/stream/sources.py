@@ -59,9 +59,10 @@ from typing import Protocol, runtime_checkable
 
 from pyg_atompack.stream.buffers import ShardBuffer, WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
+from pyg_atompack.transport import manifest
 
 SHARD_SUFFIXES = (".pt", ".atp")
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = manifest.MANIFEST_NAME
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,8 @@ class Source(Protocol):
 
 
 def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
-    """Parse the shard manifest written by the converter.
-
-    The manifest shape is ``{"shards": [{"name": str, "records": int, "bytes": int,
-    "sha256": str}, ...]}``; ``name`` is relative to the manifest's directory. Documents
-    without a ``"shards"`` list (e.g. atompack's own ``{"output_files": [...]}``) give
-    an empty mapping.
+    """Parse the shard manifest written by the converter (see
+    :func:`pyg_atompack.transport.manifest.read_manifest_records`).
 
     Args:
         document: The parsed JSON document.
@@ -210,25 +207,14 @@ def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
 
     Returns:
         ``{name: entry}`` for every listed shard.
+
+    Raises:
+        ShardFetchError: The manifest does not have the documented shape.
     """
-    shards = document.get("shards") if isinstance(document, dict) else None
-    if shards is None:
-        return {}
-    if not isinstance(shards, list):
-        raise ShardFetchError(f"{origin}: 'shards' must be a list")
-    entries: dict[str, dict] = {}
-    for position, entry in enumerate(shards):
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise ShardFetchError(f"{origin}: shards[{position}] needs a string 'name'")
-        for key, kind in (("records", int), ("bytes", int), ("sha256", str)):
-            value = entry.get(key)
-            if value is not None and not isinstance(value, kind):
-                raise ShardFetchError(
-                    f"{origin}: shards[{position}] ({entry['name']}): '{key}' must be "
-                    f"{kind.__name__}, got {value!r}"
-                )
-        entries[entry["name"]] = entry
-    return entries
+    try:
+        return manifest.read_manifest_records(document, origin)
+    except manifest.ManifestError as error:
+        raise ShardFetchError(str(error)) from error
 
 
 def _atp_record_count(path: Path) -> int | None:

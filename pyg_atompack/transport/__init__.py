@@ -2,17 +2,31 @@
 
 This package is torch-free. It owns retries, timeouts, proxies, credentials, range reads,
 resumable downloads and verification, and raises one error family
-(:class:`TransportError` and its subclasses).
+(:class:`TransportError` and its subclasses). :mod:`pyg_atompack.hub` and
+:mod:`pyg_atompack.stream` both read through it:
+
+* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (huggingface_hub's shared
+  :mod:`httpx2` client, with per-request timeouts, per-hop redirects that keep
+  credentials at their origin, retries and ``Range`` resume);
+* :mod:`~pyg_atompack.transport.retry`: the one :class:`RetryPolicy`;
+* :mod:`~pyg_atompack.transport.integrity`: the one size + sha256 check;
+* :mod:`~pyg_atompack.transport.buffers`: download targets (memory maps, parts, files);
+* :mod:`~pyg_atompack.transport.urls`: which backend serves which URL scheme.
 """
 
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
     RemoteNotFoundError,
+    RemoteOfflineError,
+    RemoteRangeError,
+    RemoteTooLargeError,
     RemoteUnavailableError,
     TransportError,
     UnsupportedURLError,
 )
+from pyg_atompack.transport.redact import redact_url
+from pyg_atompack.transport.retry import RetryPolicy
 
 __all__ = [
     "TransportError",
@@ -20,5 +34,10 @@ __all__ = [
     "RemoteAuthError",
     "RemoteIntegrityError",
     "RemoteUnavailableError",
+    "RemoteOfflineError",
+    "RemoteRangeError",
+    "RemoteTooLargeError",
     "UnsupportedURLError",
+    "RetryPolicy",
+    "redact_url",
 ]

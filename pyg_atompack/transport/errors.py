@@ -44,3 +44,15 @@ class RemoteUnavailableError(TransportError):
 
 class UnsupportedURLError(TransportError, ValueError):
     """A URL has a scheme no installed backend serves; the message lists the supported ones."""
+
+
+class RemoteOfflineError(RemoteUnavailableError):
+    """``HF_HUB_OFFLINE=1`` forbids the request, and the cache cannot answer instead."""
+
+
+class RemoteTooLargeError(TransportError):
+    """A remote file is larger than the in-memory path can hold; download it to disk."""
+
+
+class RemoteRangeError(TransportError, ValueError):
+    """A byte range outside the remote file was asked for."""

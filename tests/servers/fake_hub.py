@@ -14,12 +14,22 @@ headers huggingface_hub 2.x uses:
   ``X-Repo-Commit``, ``ETag`` (quoted sha256 for LFS files, git blob id
   otherwise), ``X-Linked-Etag``/``X-Linked-Size`` for LFS files,
   ``Content-Length``, ``Accept-Ranges: bytes``; ``Range`` -> 206 with
-  ``Content-Range`` (416 when unsatisfiable). With ``redirect_lfs=True`` LFS
-  files answer 302 to ``/cdn/{sha256}`` on another origin (``localhost``), as the
-  Hub does with its CDN;
+  ``Content-Range`` (416 when unsatisfiable). As on the Hub (``redirect_lfs=True``,
+  the default), LFS files answer 302 to a signed URL ``/cdn/{key}?X-Amz-Signature=...``
+  on a **second origin** (another server on another port) that, like pre-signed S3
+  URLs, answers 400 to any request carrying ``Authorization``; small (plain git)
+  files answer a relative 307 to ``/api/resolve-cache/...`` on the same origin;
 * errors: 404 with ``X-Error-Code: RepoNotFound | RevisionNotFound |
   EntryNotFound`` (what ``hf_raise_for_status`` maps to the client's
-  exceptions); 401 + ``RepoNotFound`` for a private repo without its token.
+  exceptions); ``RepoNotFound`` for a private repo without its token (401 when the
+  request is anonymous, 404 with a wrong token); gated repositories
+  (:meth:`FakeHub.make_gated`) list normally but refuse file downloads with
+  ``X-Error-Code: GatedRepo`` and the Hub's ``X-Error-Message`` (401 anonymous, 403
+  for a token whose user was not granted access);
+* injected faults per route (:meth:`FakeHub.fail`: ``"api"``, ``"resolve"``, ``"cdn"``):
+  ``"429"`` with ``RateLimit: "api";r=0;t=N`` and no ``Retry-After`` (what the Hub
+  sends), ``"502"``, ``"503"``, ``"500"`` and ``"stall"`` (the request is read, then
+  nothing is answered until the client gives up).
 
 Every request is recorded (:attr:`FakeHub.requests`) with method, path, query,
 headers, status and body bytes sent, so tests can assert what crossed the wire.
@@ -47,8 +57,11 @@ from pathlib import Path
 import pytest
 
 from servers.hub_repos import LFS_PATTERNS, RepoStore, git_blob_id
-from servers.hub_routes import RecordedRequest
+from servers.hub_routes import CDNRequestHandler, RecordedRequest
 from servers.hub_upload_routes import UploadingHubHandler  # write routes (push)
+
+FAULT_ROUTES = ("api", "resolve", "cdn")
+FAULT_KINDS = ("429", "500", "502", "503", "stall")
 
 __all__ = ["FakeHub", "RecordedRequest", "git_blob_id", "LFS_PATTERNS", "serve_fake_hub",
            "fake_hub", "fake_hub_server"]
@@ -60,22 +73,29 @@ class FakeHub(ThreadingHTTPServer):
     Args:
         delay_s: Seconds to sleep before answering each request. (default: ``0``)
         page_size: Tree entries per page before a ``Link`` next page. (default: ``1000``)
-        redirect_lfs: Answer LFS downloads with a 302 to ``/cdn/{sha256}``. (default: ``False``)
+        redirect_lfs: Answer LFS downloads with a 302 to the CDN origin and small files
+            with a relative 307, as the Hub does; ``False`` serves every file from
+            ``resolve/`` itself. (default: ``True``)
     """
 
     daemon_threads = True
 
     def __init__(self, *, delay_s: float = 0.0, page_size: int = 1000,
-                 redirect_lfs: bool = False) -> None:
+                 redirect_lfs: bool = True) -> None:
         super().__init__(("127.0.0.1", 0), UploadingHubHandler)
         self.delay_s = delay_s
         self.page_size = page_size
         self.redirect_lfs = redirect_lfs
         self.requests: list[RecordedRequest] = []
         self.store = RepoStore()
+        self.stall_s = 30.0  # how long a "stall" fault keeps a request unanswered
+        self.ratelimit_reset_s = 1  # the t= of injected 429s
+        self.stop_event = threading.Event()
+        self._faults: dict[str, list[str]] = {route: [] for route in FAULT_ROUTES}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._connections: set = set()  # open client sockets, closed by stop()
+        self.cdn = _CDNServer(self)
 
     def process_request(self, request, client_address) -> None:
         with self._lock:
@@ -94,22 +114,54 @@ class FakeHub(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     @property
+    def hub(self) -> FakeHub:
+        """The server holding repositories and faults (itself; the CDN points here too)."""
+        return self
+
+    @property
     def cdn_endpoint(self) -> str:
-        """The same server under another origin (``localhost``), standing in for the CDN."""
-        return f"http://localhost:{self.server_address[1]}"
+        """The second origin (another port), standing in for the Hub's CDN."""
+        return f"http://127.0.0.1:{self.cdn.server_address[1]}"
 
     def start(self) -> FakeHub:
-        """Serve in a daemon thread; returns ``self``."""
+        """Serve (the Hub and its CDN) in daemon threads; returns ``self``."""
         # a short poll interval keeps stop() (and so each test's teardown) fast
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02},
                                         name="fake-hub", daemon=True)
         self._thread.start()
+        self.cdn.start()
         return self
+
+    def fail(self, route: str, kind: str, *, times: int = 1) -> None:
+        """Make the next ``times`` requests to ``route`` fail with ``kind``.
+
+        Args:
+            route: ``"api"`` (``/api/...``), ``"resolve"`` (``resolve/`` and the small
+                files' ``resolve-cache/``) or ``"cdn"`` (the second origin).
+            kind: One of :data:`FAULT_KINDS`.
+            times: How many consecutive requests get it.
+        """
+        if route not in FAULT_ROUTES or kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {route!r}/{kind!r}")
+        with self._lock:
+            self._faults[route].extend([kind] * times)
+
+    def next_fault(self, route: str) -> str | None:
+        """Pop the next fault queued for ``route`` (called by the handlers)."""
+        with self._lock:
+            return self._faults[route].pop(0) if self._faults[route] else None
+
+    def make_gated(self, repo_id: str, *, repo_type: str = "dataset",
+                   granted: tuple[str, ...] = ()) -> None:
+        """Gate a repository; see :meth:`hub_repos.RepoStore.make_gated`."""
+        self.store.make_gated(repo_id, repo_type=repo_type, granted=granted)
 
     def stop(self) -> None:
         """Stop serving, close the listening socket and every kept-alive connection."""
         import socket
 
+        self.stop_event.set()  # releases stalled requests
+        self.cdn.stop()
         if self._thread is not None and self._thread.is_alive():
             self.shutdown()
         self.server_close()
@@ -120,6 +172,11 @@ class FakeHub(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def server_close(self) -> None:
+        """Close the listening sockets of the Hub and of its CDN."""
+        super().server_close()
+        self.cdn.server_close()
 
     def __enter__(self) -> FakeHub:
         return self
@@ -164,6 +221,33 @@ class FakeHub(ThreadingHTTPServer):
         with self._lock:
             return [r for r in self.requests if fragment in r.path
                     and (method is None or r.method == method)]
+
+
+class _CDNServer(ThreadingHTTPServer):
+    """The fake Hub's second origin (its own port); requests are recorded on the hub."""
+
+    daemon_threads = True
+    delay_s = 0.0
+
+    def __init__(self, hub: FakeHub) -> None:
+        super().__init__(("127.0.0.1", 0), CDNRequestHandler)
+        self.hub = hub
+        self._thread: threading.Thread | None = None
+
+    def record_request(self, record: RecordedRequest) -> None:
+        self.hub.record_request(record)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="fake-hub-cdn", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 def serve_fake_hub(**options) -> Iterator[FakeHub]:

@@ -51,10 +51,31 @@ class HubRepo:
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)  # sha -> files
     refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> sha
     token: str | None = None  # required bearer token (private repo), if any
+    gated: bool = False  # files need a token of a user granted access (see `granted`)
+    granted: set[str] = field(default_factory=set)  # tokens whose users accepted the terms
 
     def authorizes(self, authorization: str | None) -> bool:
         """Whether a request with this ``Authorization`` header may see the repo."""
         return self.token is None or authorization == f"Bearer {self.token}"
+
+    def gate(self, authorization: str | None) -> tuple[int, str] | None:
+        """``(status, X-Error-Message)`` refusing a file download of a gated repo, or None.
+
+        As on the Hub: 401 without a token, 403 with a token whose user was not granted
+        access; listings and repository info stay visible to everybody.
+        """
+        if not self.gated:
+            return None
+        kind = f"{self.repo_type} {self.repo_id}"
+        if not authorization:
+            return 401, (f"Access to {kind} is restricted. You must have access to it and be "
+                         f"authenticated to access it. Please log in.")
+        if authorization.removeprefix("Bearer ") in self.granted:
+            return None
+        plural = {"dataset": "datasets/", "space": "spaces/"}.get(self.repo_type, "")
+        return 403, (f"Access to {kind} is restricted and you are not in the authorized "
+                     f"list. Visit https://huggingface.co/{plural}{self.repo_id} to ask for "
+                     f"access.")
 
     def commit_of(self, revision: str) -> str | None:
         """The commit a branch, tag or full commit id names, or None."""
@@ -107,6 +128,14 @@ class RepoStore:
                 self._blobs[hashlib.sha256(data).hexdigest()] = data
         return sha
 
+    def make_gated(self, repo_id: str, *, repo_type: str = "dataset",
+                   granted: tuple[str, ...] = ()) -> None:
+        """Gate an existing repository; ``granted`` tokens belong to users with access."""
+        with self._lock:
+            repo = self._repos[(repo_type, repo_id)]
+            repo.gated = True
+            repo.granted = set(granted)
+
     def serve_wrong_bytes(self, repo_id: str, path: str, data: bytes) -> None:
         """Serve ``data`` for ``path`` (every revision) while listings keep the true size/sha."""
         with self._lock:
@@ -123,6 +152,19 @@ class RepoStore:
     def blob(self, sha256: str) -> bytes | None:
         """Content by sha256, as the CDN serves it, or None."""
         return self._blobs.get(sha256)
+
+    def register_download(self, repo_id: str, path: str, true_data: bytes) -> str:
+        """The CDN key of what a download of ``path`` gets (its sha256, or a key of the
+        replacement bytes set by :meth:`serve_wrong_bytes`)."""
+        data = self.served_bytes(repo_id, path, true_data)
+        key = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            self._blobs.setdefault(key, data)
+        return key
+
+    def download_bytes(self, key: str) -> bytes | None:
+        """What the CDN serves for ``key``, or None."""
+        return self._blobs.get(key)
 
     def split_repo(self, repo_type: str, rest: str) -> tuple[HubRepo | None, str, str]:
         """Split ``owner/name/tail`` into (repo or None, repo_id, tail)."""

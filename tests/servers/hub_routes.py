@@ -34,6 +34,9 @@ class RecordedRequest:
     headers: dict[str, str]  # lower-case names
     status: int = 0
     body_bytes: int = 0  # bytes of body sent back
+    fault: str | None = None  # the injected fault, if any
+    origin: str = "hub"  # "hub" or "cdn": which server answered
+    started: float = 0.0  # time.monotonic() when the request arrived
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
@@ -68,7 +71,7 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         record = RecordedRequest(
             method=self.command, path=unquote(split.path), query=parse_qs(split.query),
-            headers={k.lower(): v for k, v in self.headers.items()},
+            headers={k.lower(): v for k, v in self.headers.items()}, started=time.monotonic(),
         )
         self.server.record_request(record)
         return record
@@ -97,8 +100,11 @@ class HubRequestHandler(BaseHTTPRequestHandler):
 
     def _resolve(self, record, repo: HubRepo | None, repo_id: str, revision: str):
         """(sha, files) of a revision, or None after sending the error response."""
-        if repo is None or not repo.authorizes(self.headers.get("Authorization")):
-            status = 404 if repo is None else 401
+        authorization = self.headers.get("Authorization")
+        if repo is None or not repo.authorizes(authorization):
+            # the Hub says 401 to anonymous requests and 404 to authenticated ones, and
+            # "RepoNotFound" to both: a private repository is not told from a missing one
+            status = 401 if repo is not None and not authorization else 404
             self._error(record, status, "RepoNotFound", f"Repository {repo_id} not found")
             return None
         sha = repo.commit_of(revision)
@@ -123,18 +129,37 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             time.sleep(self.server.delay_s)
         raw_path = urlsplit(self.path).path
         try:
-            if raw_path.startswith("/api/"):
-                self._api(record, raw_path[len("/api/"):])
-            elif raw_path.startswith("/cdn/"):
-                data = self.server.store.blob(raw_path[len("/cdn/"):])
-                if data is None:
-                    self._error(record, 404, "EntryNotFound", "no such blob")
-                else:
-                    self._serve_bytes(record, data, {})
+            if raw_path.startswith("/api/resolve-cache/"):
+                if not self._inject_fault(record, "resolve"):
+                    self._resolve_cache(record, raw_path[len("/api/resolve-cache/"):])
+            elif raw_path.startswith("/api/"):
+                if not self._inject_fault(record, "api"):
+                    self._api(record, raw_path[len("/api/"):])
             else:
-                self._resolve_route(record, raw_path.lstrip("/"))
+                if not self._inject_fault(record, "resolve"):
+                    self._resolve_route(record, raw_path.lstrip("/"))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client hung up (e.g. it read only a prefix of the body)
+
+    def _inject_fault(self, record: RecordedRequest, route: str) -> bool:
+        """Answer with the next fault queued for ``route``; whether one was injected."""
+        fault = self.server.hub.next_fault(route)
+        if fault is None:
+            return False
+        record.fault = fault
+        if fault == "stall":  # accept the request, then say nothing until the client gives up
+            self.server.hub.stop_event.wait(self.server.hub.stall_s)
+            self.close_connection = True
+            return True
+        status = int(fault)
+        headers = {"Content-Type": "text/plain"}
+        if status == 429:
+            # what the Hub sends: the RateLimit fields (IETF draft), no Retry-After
+            resource = {"api": "api", "resolve": "resolvers", "cdn": "resolvers"}[route]
+            headers["RateLimit"] = f'"{resource}";r=0;t={self.server.hub.ratelimit_reset_s}'
+            headers["RateLimit-Policy"] = f'"fixed window";"{resource}";q=3000;w=300'
+        self._send(record, status, f"{status} injected by the fake Hub\n".encode(), headers)
+        return True
 
     # ------------------------------------------------------------------ API routes
     def _api(self, record: RecordedRequest, raw: str) -> None:
@@ -235,6 +260,8 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             return
         sha, files = resolved
         path = unquote(path_raw)
+        if not self._gate_allows(record, repo):
+            return
         if path not in files:
             self._error(record, 404, "EntryNotFound", f"{path} not found at {sha}")
             return
@@ -245,16 +272,49 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             sha256 = entry["lfs"]["oid"]
             headers.update({"ETag": f'"{sha256}"', "X-Linked-Etag": f'"{sha256}"',
                             "X-Linked-Size": str(len(true_data))})
-            if self.server.redirect_lfs and not self.server.store.has_wrong_bytes(repo_id, path):
-                # another origin, like the Hub's CDN: clients stop at this 302 for metadata
-                # (X-Repo-Commit, X-Linked-*) and follow it only for the bytes
-                headers["Location"] = f"{self.server.cdn_endpoint}/cdn/{sha256}"
+            if self.server.redirect_lfs:
+                # a signed URL on another origin, like the Hub's CDN: clients stop at this
+                # 302 for metadata (X-Repo-Commit, X-Linked-*) and follow it for the bytes
+                blob = self.server.store.register_download(repo_id, path, true_data)
+                headers["Location"] = (f"{self.server.cdn_endpoint}/cdn/{blob}"
+                                       f"?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                                       f"&X-Amz-Signature=5ec12e7&X-Amz-Expires=3600")
                 self._send(record, 302, b"", headers)
                 return
         else:
             headers["ETag"] = f'"{entry["oid"]}"'
+            if self.server.redirect_lfs:
+                # small files: a relative 307 to the same origin, as the Hub answers them
+                location = f"/api/resolve-cache/{_TYPE_PLURAL[repo_type]}/{repo_id}/{sha}/"
+                self._send(record, 307, b"", {**headers, "Location": location + quote(path)})
+                return
         data = self.server.store.served_bytes(repo_id, path, true_data)
         self._serve_bytes(record, data, headers)
+
+    def _gate_allows(self, record: RecordedRequest, repo: HubRepo) -> bool:
+        refusal = repo.gate(self.headers.get("Authorization"))
+        if refusal is None:
+            return True
+        self._error(record, refusal[0], "GatedRepo", refusal[1])
+        return False
+
+    def _resolve_cache(self, record: RecordedRequest, raw: str) -> None:
+        """``/api/resolve-cache/{type}s/{owner}/{name}/{sha}/{path}``: small files' bytes."""
+        plural, _, rest = raw.partition("/")
+        repo_type = {v: k for k, v in _TYPE_PLURAL.items()}.get(plural, "model")
+        repo, repo_id, tail = self.server.store.split_repo(repo_type, rest)
+        sha, _, path_raw = tail.partition("/")
+        resolved = self._resolve(record, repo, repo_id, sha)
+        if not resolved or not self._gate_allows(record, repo):
+            return
+        path = unquote(path_raw)
+        if path not in resolved[1]:
+            self._error(record, 404, "EntryNotFound", f"{path} not found at {sha}")
+            return
+        true_data = resolved[1][path]
+        headers = {"X-Repo-Commit": resolved[0], "ETag": f'"{file_entry(path, true_data)["oid"]}"'}
+        self._serve_bytes(record, self.server.store.served_bytes(repo_id, path, true_data),
+                          headers)
 
     def _serve_bytes(self, record: RecordedRequest, data: bytes, headers: dict[str, str]) -> None:
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
@@ -271,3 +331,36 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         first, last = span
         headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
         self._send(record, 206, data[first:last + 1], headers)
+
+
+class CDNRequestHandler(HubRequestHandler):
+    """The second origin: serves ``/cdn/{blob}`` like a signed-URL storage host.
+
+    As pre-signed S3 URLs do, it answers 400 to any request that also carries an
+    ``Authorization`` header: a client that forwards the Hub token across the redirect
+    fails here.
+    """
+
+    def _record(self) -> RecordedRequest:
+        record = super()._record()
+        record.origin = "cdn"
+        return record
+
+    def _dispatch(self) -> None:
+        record = self._record()
+        raw_path = urlsplit(self.path).path
+        try:
+            if self._inject_fault(record, "cdn"):
+                return
+            if "Authorization" in self.headers:
+                body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>InvalidArgument"
+                        b"</Code><Message>Only one auth mechanism allowed</Message></Error>")
+                self._send(record, 400, body, {"Content-Type": "application/xml"})
+                return
+            data = self.server.hub.store.download_bytes(raw_path[len("/cdn/"):])
+            if data is None:
+                self._send(record, 404, b"NoSuchKey", {"Content-Type": "text/plain"})
+            else:
+                self._serve_bytes(record, data, {"ETag": '"cdn"'})
+        except (BrokenPipeError, ConnectionResetError):
+            pass

@@ -1,0 +1,216 @@
+"""Remote ``.atp`` files served over plain HTTP(S), opened like a Hub directory.
+
+An ``http(s)://`` URL names a ``.atp`` / ``.pt`` file, a ``manifest.json`` written by the
+converter (names relative to it, with sizes and sha256), or a directory ending in ``/``
+that holds one. The files become :class:`~pyg_atompack.hub.RemoteFile` entries with
+``repo_type="url"`` and no repository, so :class:`~pyg_atompack.hub.HubAtpReader` reads
+them exactly as it reads a Hub directory: header range reads when opening, verified
+downloads into the cache on first use. No Hub token is ever sent to such a URL; pass
+``headers=`` for a server that needs credentials (they stay at that server's origin).
+
+Cache: files with a sha256 in the manifest are content-addressed (``blobs/{sha256}``);
+files without one go to ``unverified/`` under a folder per URL directory and are checked
+by size only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from urllib.parse import unquote, urljoin, urlsplit
+
+from pyg_atompack.hub.errors import HubNoShardsError, HubTransferError
+from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile
+from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.errors import TransportError, UnsupportedURLError
+from pyg_atompack.transport.manifest import MANIFEST_NAME, ManifestError, read_manifest_records
+from pyg_atompack.transport.redact import redact_url
+from pyg_atompack.transport.retry import RetryPolicy
+
+_SUFFIXES = (".atp", ".pt")
+
+
+def _folder_key(url: str) -> str:
+    # one cache folder per URL directory, named readably and made unique by a hash
+    parts = urlsplit(url)
+    directory = posixpath.dirname(parts.path)
+    digest = hashlib.sha256(f"{parts.scheme}://{parts.netloc}{directory}".encode()).hexdigest()
+    return f"{parts.hostname or 'host'}/{digest[:16]}"
+
+
+def _entry(url: str, name: str, size: int, sha256: str | None) -> RemoteFile:
+    return RemoteFile(path=name, size=size, sha256=sha256, url=url, revision="",
+                      repo_id=_folder_key(url), repo_type="url")
+
+
+def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
+                   headers: Mapping[str, str] | None = None,
+                   policy: RetryPolicy | None = None) -> list[RemoteFile]:
+    """The files an ``http(s)://`` URL names, with sizes (and sha256 from a manifest).
+
+    Args:
+        url: A ``.atp`` / ``.pt`` file, a ``manifest.json``, or a directory ending in ``/``
+            holding a ``manifest.json``.
+        pattern_suffix: Keep only manifest entries with this suffix (``None``: all).
+            (default: ``".atp"``)
+        headers: Request headers (credentials stay at the URL's origin).
+        policy: Retries and timeouts. (default: the Hub default)
+
+    Returns:
+        The files, in manifest order (a single file: one entry).
+
+    Raises:
+        UnsupportedURLError: The URL names none of the above.
+        HubNoShardsError: The manifest lists no file with the suffix.
+        HubTransferError: The server could not be read (after retries).
+    """
+    policy = policy or HUB_POLICY
+    path = unquote(urlsplit(url).path)
+    name = posixpath.basename(path)
+    where = redact_url(url)
+    try:
+        if name.endswith(_SUFFIXES):
+            size = transport.probe_size(url, policy=policy, headers=headers)
+            if size is None:
+                raise HubTransferError(f"{where}: the server does not tell the file's size",
+                                       url=where)
+            return [_entry(url, name, size, None)]
+        if path.endswith("/"):
+            url = urljoin(url, MANIFEST_NAME)
+        elif name != MANIFEST_NAME:
+            raise UnsupportedURLError(
+                f"{where}: an http(s) URL must name a .atp or .pt file, a manifest.json, or "
+                f"a directory ending in '/' that holds a manifest.json", url=where)
+        body = transport.fetch(url, policy=policy, headers=headers)
+    except (HubTransferError, UnsupportedURLError):
+        raise
+    except TransportError as error:
+        raise HubTransferError(str(error), url=error.url, status=error.status) from error
+    try:
+        document = json.loads(bytes(body).decode("utf-8"))
+        entries = read_manifest_records(document, redact_url(url))
+    except (UnicodeDecodeError, ValueError) as error:
+        kind = "" if isinstance(error, ManifestError) else "manifest is not valid JSON: "
+        raise HubTransferError(f"{redact_url(url)}: {kind}{error}",
+                               url=redact_url(url)) from error
+    files = []
+    for entry_name, entry in entries.items():
+        if pattern_suffix and not entry_name.endswith(pattern_suffix):
+            continue
+        if not isinstance(entry.get("bytes"), int):
+            raise HubTransferError(f"{redact_url(url)}: shard {entry_name!r} has no 'bytes' "
+                                   f"size in the manifest", url=redact_url(url))
+        files.append(_entry(urljoin(url, entry_name), entry_name, entry["bytes"],
+                            entry.get("sha256")))
+    if not files:
+        raise HubNoShardsError(f"{redact_url(url)}: the manifest lists no "
+                               f"{pattern_suffix or ''} file")
+    return files
+
+
+def open_url_atp(url: str, *, cache_dir=None, verify: bool = True, access: str = "mmap",
+                 policy: RetryPolicy | None = None, max_workers: int = 8):
+    """Open the ``.atp`` file(s) an ``http(s)://`` URL names, without downloading them.
+
+    One manifest read (or one size probe of a single file) and one 8192-byte header range
+    read per shard; shards are downloaded, verified, into the cache on first use.
+
+    Args:
+        url: See :func:`list_url_files`.
+        cache_dir: Download cache root (default: :func:`~pyg_atompack.hub.default_cache_dir`).
+        verify: Verify each download against the manifest's sha256. (default: ``True``)
+        access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
+        policy: Retries and timeouts. (default: the Hub default)
+        max_workers: Parallel header reads. (default: ``8``)
+
+    Returns:
+        A :class:`~pyg_atompack.hub.HubAtpReader` named by the (redacted) URL.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from pyg_atompack.hub.atp_reader import HubAtpReader
+    from pyg_atompack.hub.remote_atp import read_shard_header
+    from pyg_atompack.hub.transfer import default_cache_dir
+
+    shards = list_url_files(url, policy=policy)
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
+        headers = list(pool.map(lambda s: read_shard_header(s, policy=policy), shards))
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return HubAtpReader(shards, headers, path_in_repo="", cache_dir=root, token=False,
+                        verify=verify, access=access, policy=policy, name=redact_url(url))
+
+
+def open_remote_atp(url: str, **options):
+    """Open remote ``.atp`` data named by any supported URL, lazily (the one URL rule).
+
+    ``hf://`` goes to :func:`~pyg_atompack.hub.open_hub_atp`, ``http(s)://`` to
+    :func:`open_url_atp`, object-store schemes to their backend's ``open_atp``
+    (see :mod:`pyg_atompack.transport.urls`).
+
+    Args:
+        url: The URL.
+        **options: ``cache_dir``, ``verify``, ``access``, ``policy`` and, for ``hf://``,
+            ``token`` / ``endpoint``; object stores take their storage options.
+
+    Returns:
+        A reader with the ``atp`` reader interface.
+
+    Raises:
+        UnsupportedURLError: The scheme is unknown, or its backend is not installed.
+    """
+    from pyg_atompack.transport.urls import check_scheme, object_store
+
+    scheme = check_scheme(url)
+    if scheme == "hf":
+        from pyg_atompack.hub.atp_reader import open_hub_atp
+        from pyg_atompack.hub.uri import parse_hf_uri
+
+        location = parse_hf_uri(url)
+        return open_hub_atp(location.repo_id, location.path_in_repo,
+                            revision=location.revision, repo_type=location.repo_type,
+                            **options)
+    if scheme in ("http", "https"):
+        return open_url_atp(url, **options)
+    object_store(url)  # the backend is installed (else: what to install)
+    return open_object_store_atp(url, **options)
+
+
+def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
+                          access: str = "mmap", policy: RetryPolicy | None = None,
+                          max_workers: int = 8, **storage_options):
+    """Open the ``.atp`` objects below an object-store URL, without downloading them.
+
+    The backend (:mod:`pyg_atompack.transport.objectstore`) lists them (sizes, ETags, and
+    sha256 from a ``manifest.json``), reads each header with a range read and keeps the
+    verified downloads in its cache; its handle travels with the reader (no secrets).
+
+    Args:
+        url: ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
+        cache_dir: Download cache root (default: the backend's).
+        verify: Kept for the signature of the other openers; the backend always verifies.
+        access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
+        policy: Unused: the backend has its own retry options (``retries=``, ...).
+        max_workers: Parallel header reads. (default: ``8``)
+        **storage_options: The backend's options (``endpoint_url``, ``profile``, ...).
+
+    Returns:
+        A :class:`~pyg_atompack.hub.HubAtpReader` named by the URL.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyg_atompack.hub.atp_reader import HubAtpReader
+    from pyg_atompack.hub.remote_atp import read_shard_header
+    from pyg_atompack.transport.objectstore import list_objects
+
+    store, objects = list_objects(url, suffixes=(".atp",), **storage_options)
+    shards = [RemoteFile(path=o.name, size=o.size, sha256=o.sha256, url=o.url, revision="",
+                         repo_id="", repo_type="object", blob_id=o.etag) for o in objects]
+    if not shards:
+        raise HubNoShardsError(f"{redact_url(url)}: no .atp object below this URL")
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
+        headers = list(pool.map(lambda s: read_shard_header(s, store=store), shards))
+    return HubAtpReader(shards, headers, path_in_repo="", cache_dir=cache_dir, token=False,
+                        verify=verify, access=access, store=store, name=redact_url(url))

@@ -1,0 +1,638 @@
+"""HTTP(S) transfers: one client, one redirect rule, one retry loop, one resume logic.
+
+Every HTTP request of the project (Hub API calls, Hub file reads, plain HTTP(S) shards)
+goes through :func:`open_response`, on huggingface_hub's shared :mod:`httpx2` client
+(``huggingface_hub.utils.get_session``). That client is what a user configures for the
+Hub (``set_client_factory``), it reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY``
+for every request and ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` for the trust store, refuses
+to connect when ``HF_HUB_OFFLINE=1``, and is closed in a forked child (so no connection
+crosses a ``fork``). Per request this module adds what that client leaves out:
+
+* **timeouts**: connect and read timeouts from the :class:`RetryPolicy` (the shared client
+  has none);
+* **credentials stay at their origin**: redirects are followed here, hop by hop, and
+  ``Authorization`` / ``Cookie`` headers are sent only to the origin (scheme, host, port)
+  of the URL they were given for. The Hub answers ``resolve/`` of large files with a 302
+  to a signed URL on a CDN, which must not see the Hub token (and rejects a request that
+  carries one);
+* **retries** with backoff and jitter for connection errors, timeouts, 408, 429 and 5xx,
+  honouring ``Retry-After`` and the Hub's ``RateLimit`` header; a dropped body is resumed
+  with a ``Range`` request from the byte where it broke;
+* **prompt cancellation**: a :class:`CancelToken`-like object shuts the connection's socket
+  down, which wakes a thread blocked in ``recv`` at once (closing the response or the
+  client does not: ``close()`` leaves a concurrent ``recv`` blocked until the read
+  timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urljoin, urlsplit
+
+from pyg_atompack.transport.buffers import (
+    FileSink,
+    RangeIgnoredError,
+    ShardBuffer,
+    ShardPart,
+    WritableBuffer,
+    allocate,
+)
+from pyg_atompack.transport.errors import (
+    RemoteAuthError,
+    RemoteNotFoundError,
+    RemoteOfflineError,
+    RemoteTooLargeError,
+    RemoteUnavailableError,
+    TransportError,
+)
+from pyg_atompack.transport.redact import redact_url
+from pyg_atompack.transport.retry import (
+    RETRYABLE_STATUSES,
+    RetryPolicy,
+    TransientError,
+    server_wait,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "fetch", "fetch_in_parts",
+           "fetch_range", "fetch_to_file", "open_response", "probe_size", "request_json"]
+
+_CHUNK = 1 << 16
+MAX_REDIRECTS = 10
+#: Smallest byte range worth its own connection when a file is fetched in parts.
+MIN_PART_BYTES = 32 << 10
+# headers that authenticate the sender: sent to their own origin only
+_CREDENTIAL_HEADERS = frozenset({"authorization", "cookie"})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class Cancel(Protocol):
+    """What the transport needs from a cancellation token (see ``stream.CancelToken``)."""
+
+    def raise_if_cancelled(self) -> None: ...
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class _NeverCancelled:
+    """The token of transfers nobody cancels (Hub listings, cache downloads)."""
+
+    def raise_if_cancelled(self) -> None:
+        return None
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def sleep(self, seconds: float) -> None:
+        threading.Event().wait(max(0.0, seconds))
+
+
+NEVER = _NeverCancelled()
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a URL, with the scheme's default port filled in.
+
+    Args:
+        url: An absolute URL.
+
+    Returns:
+        The origin triple.
+    """
+    parts = urlsplit(url)
+    return (parts.scheme.lower(), (parts.hostname or "").lower(),
+            parts.port or _DEFAULT_PORTS.get(parts.scheme.lower(), 0))
+
+
+def _client():
+    from huggingface_hub.utils import get_session
+
+    return get_session()
+
+
+def _timeout(policy: RetryPolicy):
+    import httpx2
+
+    return httpx2.Timeout(policy.timeout, connect=policy.connect_timeout)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    # shutdown() wakes a thread blocked in recv() on this socket at once; close() does not
+    sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class _Interrupt:
+    """Shuts down the socket of the request in flight when its token is cancelled."""
+
+    cancel: Cancel
+    unregister: Callable[[], None] = lambda: None
+
+    def watch(self, sock: Any) -> None:
+        if isinstance(sock, socket.socket):
+            self.unregister()
+            self.unregister = self.cancel.on_cancel(lambda: _shutdown(sock))
+
+    def trace(self, event: str, info: dict) -> None:
+        # httpcore reports each new connection's stream; a reused one is watched once the
+        # response headers arrive (see open_response)
+        if event.endswith((".connect_tcp.complete", ".start_tls.complete")):
+            stream = info.get("return_value")
+            if stream is not None:
+                self.watch(stream.get_extra_info("socket"))
+
+
+def _split_credentials(headers: Mapping[str, str]) -> tuple[dict, dict]:
+    plain, secret = {}, {}
+    for name, value in headers.items():
+        (secret if name.lower() in _CREDENTIAL_HEADERS else plain)[name] = value
+    return plain, secret
+
+
+def _transport_failure(error: BaseException) -> bool:
+    import httpx2
+
+    return isinstance(error, (httpx2.TransportError, OSError))
+
+
+def _describe_failure(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return f"{type(error).__name__}: {text}" if str(error) else text
+
+
+def permanent_error(status: int, headers: Mapping[str, str], url: str) -> TransportError:
+    """The project error for a permanent HTTP answer (4xx other than 408/429).
+
+    The Hub's ``X-Error-Code`` / ``X-Error-Message`` headers tell a gated repository
+    (``GatedRepo``) and a missing repository, revision or file apart.
+
+    Args:
+        status: The HTTP status.
+        headers: The response headers.
+        url: The redacted URL.
+
+    Returns:
+        A :class:`RemoteNotFoundError` (404, 410), :class:`RemoteAuthError` (401, 403) or
+        :class:`TransportError`, carrying ``status``, ``error_code`` and ``error_message``.
+    """
+    code = headers.get("X-Error-Code")
+    message = headers.get("X-Error-Message")
+    detail = f"HTTP {status}" + (f" ({message})" if message else "")
+    if code == "GatedRepo":
+        kind = RemoteAuthError
+        detail += (": the repository is gated; open its page on the Hub, accept its terms "
+                   "(or request access), then log in (`hf auth login`) or set HF_TOKEN to "
+                   "a token of the account that was granted access")
+    elif status in (404, 410):
+        kind = RemoteNotFoundError
+    elif status in (401, 403):
+        kind = RemoteAuthError
+        detail += (": credentials are missing or do not grant access" if status == 401
+                   else ": access forbidden with these credentials")
+    else:
+        kind = TransportError
+    error = kind(f"{url}: {detail}", url=url, status=status)
+    error.error_code = code
+    error.error_message = message
+    return error
+
+
+@contextlib.contextmanager
+def open_response(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
+                  range_header: str | None = None, form: Mapping[str, Any] | None = None,
+                  policy: RetryPolicy, cancel: Cancel = NEVER) -> Iterator[Any]:
+    """One attempt: send a request, follow redirects hop by hop, yield the final response.
+
+    Credentials in ``headers`` (``Authorization``, ``Cookie``) go only to the origin of
+    ``url``; other headers go to every hop. The response is streamed: the body has not
+    been read when it is yielded.
+
+    Args:
+        url: The address.
+        method: ``"GET"``, ``"HEAD"`` or ``"POST"``. (default: ``"GET"``)
+        headers: Request headers. (default: none)
+        range_header: A ``Range`` header value, sent to every hop. (default: none)
+        form: Form fields for a ``POST`` (kept on 307/308, dropped on 301-303).
+        policy: Timeouts.
+        cancel: Shuts the connection down when cancelled.
+
+    Yields:
+        The final :class:`httpx2.Response` (any status but a redirect).
+
+    Raises:
+        TransientError: A connection error, timeout, 408, 429 or 5xx (retry it).
+        TransportError: Too many redirects, offline mode, or a permanent status.
+    """
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    plain, secret = _split_credentials(headers or {})
+    home = origin(url)
+    client = _client()
+    for _ in range(MAX_REDIRECTS + 1):
+        cancel.raise_if_cancelled()
+        hop_headers = {"Accept-Encoding": "identity", **plain}
+        if secret and origin(url) == home:
+            hop_headers.update(secret)
+        if range_header:
+            hop_headers["Range"] = range_header
+        interrupt = _Interrupt(cancel)
+        request = client.build_request(method, url, headers=hop_headers, data=form,
+                                       timeout=_timeout(policy),
+                                       extensions={"trace": interrupt.trace})
+        where = redact_url(url)
+        try:
+            response = client.send(request, stream=True, follow_redirects=False)
+        except OfflineModeIsEnabled as error:
+            interrupt.unregister()
+            raise RemoteOfflineError(
+                f"{where}: HF_HUB_OFFLINE=1 is set, so nothing remote can be read; unset it "
+                f"or use data already in the cache", url=where) from error
+        except BaseException as error:
+            interrupt.unregister()
+            cancel.raise_if_cancelled()  # a shut-down socket looks like a reset
+            if _transport_failure(error):
+                raise TransientError(_describe_failure(error)) from error
+            raise
+        try:
+            stream = response.extensions.get("network_stream")
+            if stream is not None:
+                interrupt.watch(stream.get_extra_info("socket"))
+            status = response.status_code
+            location = response.headers.get("Location")
+            if status in _REDIRECTS and location:
+                url = urljoin(url, location)
+                if status == 303 or (status in (301, 302) and method == "POST"):
+                    method, form = "GET", None
+                continue
+            if status in RETRYABLE_STATUSES:
+                raise TransientError(f"HTTP {status} {response.reason_phrase}",
+                                     retry_after=server_wait(response.headers))
+            yield response
+            return
+        except (TransientError, TransportError):
+            cancel.raise_if_cancelled()
+            raise
+        except BaseException as error:
+            cancel.raise_if_cancelled()
+            if _transport_failure(error):
+                raise TransientError(_describe_failure(error)) from error
+            raise
+        finally:
+            interrupt.unregister()
+            response.close()
+    raise TransportError(f"{redact_url(url)}: more than {MAX_REDIRECTS} redirects",
+                         url=redact_url(url))
+
+
+def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
+                 cancel: Cancel = NEVER, position: Callable[[], int] | None = None) -> Any:
+    """Run ``attempt`` until it succeeds, retrying :class:`TransientError` under ``policy``.
+
+    Args:
+        attempt: One try; raises :class:`TransientError` for causes worth retrying.
+        url: For messages (redacted here).
+        policy: Retries and backoff.
+        cancel: Interrupts backoff waits.
+        position: Where a resumed transfer continues, for the log. (default: none)
+
+    Returns:
+        What ``attempt`` returned.
+
+    Raises:
+        RemoteUnavailableError: Every attempt failed for a transient cause.
+    """
+    where = redact_url(url)
+    for number in range(policy.retries + 1):
+        try:
+            return attempt()
+        except TransientError as error:
+            if number == policy.retries:
+                raise RemoteUnavailableError(
+                    f"{where}: giving up after {number + 1} attempts: {error}", url=where
+                ) from error
+            wait = policy.delay(number, error.retry_after)
+            resume = f" (resuming at byte {position()})" if position else ""
+            logger.warning("%s: %s; retry %d/%d in %.2fs%s", where, error, number + 1,
+                           policy.retries, wait, resume)
+            cancel.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _content_range_start(value: str | None) -> int | None:
+    if not value or not value.startswith("bytes "):
+        return None
+    first = value[len("bytes "):].split("-", 1)[0]
+    return int(first) if first.isdigit() else None
+
+
+def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Mapping[str, str],
+             policy: RetryPolicy, cancel: Cancel) -> None:
+    """One attempt: append the (rest of the) body at ``url`` to ``sink``.
+
+    A sink holding some bytes asks for the rest (``Range: bytes=len-``); a server that
+    ignores the range answers 200 and the sink starts over (a :class:`ShardPart` raises
+    :class:`RangeIgnoredError` instead).
+    """
+    range_header = sink.range_header()
+    with open_response(url, headers=headers, range_header=range_header, policy=policy,
+                       cancel=cancel) as response:
+        status = response.status_code
+        if status == 416 and range_header:
+            sink.restart(None)  # our partial copy no longer matches the file: start over
+            raise TransientError("HTTP 416 on resume; restarting the transfer")
+        if status == 206 and range_header:
+            start = _content_range_start(response.headers.get("Content-Range"))
+            if start != sink.position:
+                expected = sink.position
+                sink.restart(None)
+                raise TransientError(f"server resumed at byte {start}, expected {expected}; "
+                                     f"restarting")
+        elif status != 200:
+            raise permanent_error(status, response.headers, redact_url(url))
+        declared = response.headers.get("Content-Length")
+        declared = int(declared) if declared and declared.isdigit() else None
+        if status == 200:  # the whole body (again): into a buffer of its announced size
+            try:
+                sink.whole_body(declared)
+            except (OverflowError, MemoryError, ValueError, OSError) as error:
+                raise RemoteTooLargeError(
+                    f"{redact_url(url)}: {declared} bytes cannot be held in memory ({error}); "
+                    f"open it with AtompackDataset, which downloads shards to disk",
+                    url=redact_url(url)) from error
+        expected_end = len(sink) + declared if declared is not None else None
+        try:
+            # iter_raw hands over whatever has arrived, so a connection dropped mid-body
+            # loses no received bytes and the resume starts exactly where it broke
+            for chunk in response.iter_raw():
+                cancel.raise_if_cancelled()
+                sink.append(chunk)
+        except ValueError as error:  # a part's server sent more than asked for
+            raise TransportError(f"{redact_url(url)}: {error}", url=redact_url(url)) from None
+        cancel.raise_if_cancelled()
+        if expected_end is not None and len(sink) < expected_end:
+            raise TransientError(f"connection closed after {len(sink)} of {expected_end} bytes")
+
+
+def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPolicy,
+         cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None) -> None:
+    """Fill ``sink`` with the body at ``url``, retrying and resuming transient failures.
+
+    Args:
+        url: The address.
+        sink: A :class:`ShardBuffer`, :class:`ShardPart` or :class:`FileSink`.
+        policy: Retries and timeouts.
+        cancel: Stops the transfer (and any backoff wait) when cancelled.
+        headers: Request headers (credentials stay at the origin of ``url``).
+
+    Raises:
+        RemoteUnavailableError: Transient failures outlasted every retry.
+        TransportError: A permanent failure (e.g. :class:`RemoteNotFoundError`).
+    """
+    def attempt() -> None:
+        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel)
+        if isinstance(sink, ShardPart) and not sink.complete:
+            raise TransientError(f"range answered short, at byte {sink.position}")
+
+    with_retries(attempt, url=url, policy=policy, cancel=cancel, position=lambda: sink.position)
+
+
+def fetch(url: str, *, policy: RetryPolicy, cancel: Cancel = NEVER,
+          headers: Mapping[str, str] | None = None, size: int | None = None) -> WritableBuffer:
+    """Download ``url`` completely into memory.
+
+    Args:
+        url: The address.
+        policy: Retries and timeouts.
+        cancel: Stops the transfer when cancelled.
+        headers: Request headers.
+        size: The expected size, if known (only preallocates). (default: unknown)
+
+    Returns:
+        The body, in an anonymous memory map of exactly its size when the server
+        announced it (see :mod:`pyg_atompack.transport.buffers`), else in a bytearray.
+    """
+    buffer = ShardBuffer(redact_url(url))
+    fill(url, buffer, policy=policy, cancel=cancel, headers=headers)
+    return buffer.take()
+
+
+def fetch_to_file(url: str, handle, *, policy: RetryPolicy, cancel: Cancel = NEVER,
+                  headers: Mapping[str, str] | None = None) -> int:
+    """Download ``url`` into an open binary file (resumed in place after a drop).
+
+    Args:
+        url: The address.
+        handle: A file opened ``"wb"`` (or ``"w+b"``).
+        policy: Retries and timeouts.
+        cancel: Stops the transfer when cancelled.
+        headers: Request headers.
+
+    Returns:
+        The number of bytes written.
+    """
+    sink = FileSink(handle)
+    fill(url, sink, policy=policy, cancel=cancel, headers=headers)
+    sink.flush()
+    return len(sink)
+
+
+def fetch_range(url: str, start: int, length: int, *, policy: RetryPolicy,
+                cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None) -> bytes:
+    """Read bytes ``[start, start + length)`` of ``url`` with a ``Range`` request.
+
+    A server that ignores ranges answers with the whole body: it is read only up to the
+    end of the wanted range and the connection closed.
+
+    Args:
+        url: The address.
+        start: First byte.
+        length: Number of bytes (``> 0``).
+        policy: Retries and timeouts.
+        cancel: Stops the transfer when cancelled.
+        headers: Request headers.
+
+    Returns:
+        Exactly ``length`` bytes.
+    """
+    buffer = bytearray(length)
+    part = ShardPart(buffer, start, start + length, base=start)
+    try:
+        fill(url, part, policy=policy, cancel=cancel, headers=headers)
+    except RangeIgnoredError:
+        return _prefix(url, start + length, policy=policy, cancel=cancel,
+                       headers=headers)[start:]
+    return bytes(buffer)
+
+
+def _prefix(url: str, end: int, *, policy: RetryPolicy, cancel: Cancel,
+            headers: Mapping[str, str] | None) -> bytes:
+    def attempt() -> bytes:
+        with open_response(url, headers=headers, policy=policy, cancel=cancel) as response:
+            if response.status_code != 200:
+                raise permanent_error(response.status_code, response.headers, redact_url(url))
+            data = bytearray()
+            for chunk in response.iter_raw():
+                data += chunk
+                if len(data) >= end:
+                    return bytes(data[:end])
+        raise TransientError(f"body ended after {len(data)} of the {end} bytes wanted")
+
+    return with_retries(attempt, url=url, policy=policy, cancel=cancel)
+
+
+def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
+                   cancel: Any, headers: Mapping[str, str] | None = None,
+                   make_token: Callable[[], Any]) -> WritableBuffer:
+    """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
+
+    Servers and CDNs often cap the bandwidth of each connection; a file fetched over
+    several connections at once then arrives several times faster. Each part retries and
+    resumes on its own; one failed part cancels its siblings. A server that ignores range
+    requests gets one plain download instead.
+
+    Args:
+        url: The address.
+        size: The body's length in bytes (from the listing).
+        parts: Concurrent connections; fewer when parts would be smaller than
+            :data:`MIN_PART_BYTES`.
+        policy: Retries and timeouts, for each part.
+        cancel: Stops every part (and any backoff wait) when cancelled.
+        headers: Request headers.
+        make_token: Creates the token shared by the parts (the caller's token class).
+
+    Returns:
+        The body, in an anonymous memory map.
+    """
+    parts = max(1, min(parts, size // MIN_PART_BYTES))
+    if parts == 1:
+        return fetch(url, policy=policy, cancel=cancel, headers=headers)
+    try:
+        buffer = allocate(size)
+    except (OverflowError, MemoryError, ValueError, OSError) as error:
+        raise RemoteTooLargeError(f"{redact_url(url)}: {size} bytes cannot be held in memory "
+                                  f"({error})", url=redact_url(url)) from error
+    bounds = [size * number // parts for number in range(parts + 1)]
+    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1]) for n in range(parts)]
+    errors: list[BaseException] = []
+    siblings = make_token()
+    unregister = cancel.on_cancel(siblings.cancel)
+
+    def run(piece: ShardPart) -> None:
+        try:
+            fill(url, piece, policy=policy, cancel=siblings, headers=headers)
+        except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller
+            errors.append(error)
+            siblings.cancel()
+
+    helpers = [threading.Thread(target=run, args=(piece,), daemon=True,
+                                name=f"pyg_atompack-part-{number}")
+               for number, piece in enumerate(pieces[1:], start=1)]
+    try:
+        for helper in helpers:
+            helper.start()
+        run(pieces[0])
+    finally:
+        for helper in helpers:
+            helper.join()
+        unregister()
+    cancel.raise_if_cancelled()
+    cancelled = type(_cancelled_error(siblings))
+    failures = [error for error in errors if not isinstance(error, cancelled)]
+    if any(isinstance(error, RangeIgnoredError) for error in failures):
+        logger.info("%s: the server ignores byte ranges; one download instead", redact_url(url))
+        return fetch(url, policy=policy, cancel=cancel, headers=headers)
+    if failures:
+        raise failures[0]
+    return buffer
+
+
+def _cancelled_error(token: Any) -> BaseException:
+    # the exception class the caller's tokens raise when cancelled
+    try:
+        token.raise_if_cancelled()
+    except BaseException as error:  # noqa: BLE001 - only its type is wanted
+        return error
+    return _NotCancelled()
+
+
+class _NotCancelled(Exception):
+    pass
+
+
+def probe_size(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = None
+               ) -> int | None:
+    """The size of the body at ``url``, from a one-byte range request.
+
+    Args:
+        url: The address.
+        policy: Retries and timeouts.
+        headers: Request headers.
+
+    Returns:
+        The total from ``Content-Range`` (or ``Content-Length`` of a server that ignores
+        ranges; the body is not read), or ``None`` when the server does not say.
+    """
+    def attempt() -> int | None:
+        with open_response(url, headers=headers, range_header="bytes=0-0",
+                           policy=policy) as response:
+            status = response.status_code
+            if status == 206:
+                total = (response.headers.get("Content-Range") or "").rpartition("/")[2]
+                return int(total) if total.isdigit() else None
+            if status == 416:  # an empty file
+                return 0
+            if status != 200:
+                raise permanent_error(status, response.headers, redact_url(url))
+            length = response.headers.get("Content-Length") or ""
+            return int(length) if length.isdigit() else None
+
+    return with_retries(attempt, url=url, policy=policy)
+
+
+def request_json(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
+                 form: Mapping[str, Any] | None = None, policy: RetryPolicy,
+                 on_error: Callable[[TransportError], BaseException] | None = None
+                 ) -> tuple[Any, Mapping[str, str]]:
+    """A JSON API call (Hub listings, revision lookups), retried like every transfer.
+
+    Args:
+        url: The address.
+        method: ``"GET"`` or ``"POST"``. (default: ``"GET"``)
+        headers: Request headers.
+        form: Form fields for a ``POST``.
+        policy: Retries and timeouts.
+        on_error: Turns a permanent :class:`TransportError` into the caller's error.
+
+    Returns:
+        ``(document, response headers)``.
+    """
+    import json
+
+    def attempt():
+        with open_response(url, method=method, headers=headers, form=form,
+                           policy=policy) as response:
+            if response.status_code >= 400:
+                raise permanent_error(response.status_code, response.headers, redact_url(url))
+            body = response.read()
+            try:
+                return json.loads(body.decode("utf-8")), response.headers
+            except (UnicodeDecodeError, ValueError) as error:
+                raise TransportError(f"{redact_url(url)}: the answer is not JSON: {error}",
+                                     url=redact_url(url)) from error
+
+    try:
+        return with_retries(attempt, url=url, policy=policy)
+    except TransportError as error:
+        if on_error is None:
+            raise
+        raise on_error(error) from error

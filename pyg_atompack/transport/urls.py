@@ -1,0 +1,117 @@
+"""Which backend serves which URL: the one rule every entry point follows.
+
+``AtompackDataset(url)``, ``ShardStreamDataset(url)``, ``stream.open_source(url)`` and the
+command line's ``info`` / ``verify`` / ``head`` look a URL's scheme up here. A string with
+``scheme://`` is never treated as a local path; an unknown scheme raises
+:class:`UnsupportedURLError` naming it and the supported ones.
+
+Built in: ``hf://`` (:mod:`pyg_atompack.hub`) and ``http://`` / ``https://``
+(:mod:`pyg_atompack.transport.http`). Object stores join :data:`OBJECT_STORES` with one
+line each, naming the module that serves them and what to install; until that module
+can be imported, their URLs raise :class:`UnsupportedURLError` saying so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+
+from pyg_atompack.transport.errors import UnsupportedURLError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An object-store backend.
+
+    Attributes:
+        module: The module serving the scheme: it provides ``ObjectStoreSource(url,
+            **storage_options)`` (a stream :class:`~pyg_atompack.stream.Source`);
+            ``AtompackDataset`` and the command line read through
+            :mod:`pyg_atompack.transport.objectstore` (``list_objects``, ``read_range``,
+            ``download``).
+        install: What to install for it, e.g. ``"pip install s3fs"``.
+    """
+
+    module: str
+    install: str
+
+
+#: Object-store schemes -> their backend (the one place a new store joins).
+OBJECT_STORES: dict[str, Backend] = {
+    "s3": Backend("pyg_atompack.stream.objectstore_source", "pip install s3fs"),
+    "gs": Backend("pyg_atompack.stream.objectstore_source", "pip install gcsfs"),
+    "gcs": Backend("pyg_atompack.stream.objectstore_source", "pip install gcsfs"),
+    "az": Backend("pyg_atompack.stream.objectstore_source", "pip install adlfs"),
+    "abfs": Backend("pyg_atompack.stream.objectstore_source", "pip install adlfs"),
+}
+
+BUILTIN_SCHEMES = ("hf", "http", "https")
+
+
+def url_scheme(value: object) -> str | None:
+    """The lower-case scheme of a ``scheme://...`` string, else ``None`` (a local path).
+
+    Args:
+        value: Anything a user passed as a source.
+
+    Returns:
+        The scheme, or ``None`` for non-strings and strings without ``://``.
+    """
+    if not isinstance(value, str):
+        return None
+    match = _URL.match(value)
+    return match.group(1).lower() if match else None
+
+
+def supported_schemes() -> tuple[str, ...]:
+    """Every scheme this installation knows (object stores whether installed or not)."""
+    return (*BUILTIN_SCHEMES, *OBJECT_STORES)
+
+
+def check_scheme(url: str) -> str:
+    """The scheme of ``url``, if some backend knows it.
+
+    Args:
+        url: A ``scheme://`` URL.
+
+    Returns:
+        The lower-case scheme.
+
+    Raises:
+        UnsupportedURLError: No backend serves it; the message lists the supported ones.
+    """
+    scheme = url_scheme(url)
+    if scheme not in supported_schemes():
+        raise UnsupportedURLError(
+            f"{url!r}: unsupported URL scheme {scheme + '://' if scheme else '(none)'}; "
+            f"supported: {', '.join(s + '://' for s in supported_schemes())}", url=url)
+    return scheme
+
+
+def object_store(url: str):
+    """The module serving an object-store URL.
+
+    Args:
+        url: An ``s3://``, ``gs://`` or ``az://`` URL.
+
+    Returns:
+        The imported backend module.
+
+    Raises:
+        UnsupportedURLError: The scheme is no object store, or its backend (or the
+            library it needs) is not installed; the message says what to install.
+    """
+    scheme = check_scheme(url)
+    backend = OBJECT_STORES.get(scheme)
+    if backend is None:
+        raise UnsupportedURLError(f"{url!r}: {scheme}:// is not an object-store URL", url=url)
+    try:
+        return importlib.import_module(backend.module)
+    except ImportError as error:
+        raise UnsupportedURLError(
+            f"{url!r}: {scheme}:// URLs need the object-store backend ({backend.module}), "
+            f"which cannot be imported here ({error}); {backend.install}", url=url
+        ) from error
