@@ -162,3 +162,72 @@ def test_at_most_k_plus_one_blocks_alive(server, tmp_path):
         stats = dataset.stats()
         assert stats["shards"] > 2 * (k + 1)  # many more blocks than can be alive
         assert 1 < stats["peak_live_shards"] <= k + 1
+
+
+# ---------------------------------------------------------------------- random access
+
+
+def _assert_batches_equal(a, b) -> None:
+    for key in ("pos", "z", "energy", "forces", "natoms", "batch"):
+        assert torch.equal(getattr(a, key), getattr(b, key)), key
+
+
+def test_remote_random_access_equals_local(big_files, server, tmp_path):
+    from pyg_atompack import AtompackDataset, AtompackLoader
+
+    remote = AtompackDataset(server.url("manifest.json"), cache_dir=tmp_path,
+                             cache_bytes=32 << 20)
+    local = AtompackDataset([big_files / n for n in NAMES])
+    assert len(remote) == len(local) == 2 * RECORDS
+    rng = np.random.default_rng(0)
+    for i in rng.integers(0, len(local), 20).tolist():
+        a, b = remote[i], local[i]
+        for key in ("pos", "z", "energy", "forces"):
+            assert torch.equal(getattr(a, key), getattr(b, key))
+    picks = rng.permutation(len(local))[:256]
+    for a, b in zip(AtompackLoader(remote[picks], batch_size=64),
+                    AtompackLoader(local[picks], batch_size=64)):
+        _assert_batches_equal(a, b)
+    header_reads = [r for r in server.requests if r.range == "bytes=0-8191"]
+    assert len(header_reads) == 2  # metadata once per file
+    cache = remote.reader.shards[0].cache
+    # a cold random batch: its records' pages only, adjacent pages in one request
+    assert cache.stats["fetched_bytes"] < 20 * len(picks) * cache.page_bytes
+
+
+def test_cache_is_bounded_shared_by_workers_and_refetches_damage(big_files, server, tmp_path):
+    from pyg_atompack import AtompackDataset, AtompackLoader
+
+    bound = 4 << 20  # far less than one epoch's pages: the workers evict as they read
+    remote = AtompackDataset(server.url("manifest.json"), cache_dir=tmp_path,
+                             cache_bytes=bound)
+    local = AtompackDataset([big_files / n for n in NAMES])
+    picks = np.random.default_rng(1).permutation(len(local))[:384]
+    batches = AtompackLoader(remote[picks], batch_size=64, num_workers=2)
+    expected = AtompackLoader(local[picks], batch_size=64)
+    pairs = 0
+    for a, b in zip(batches, expected):
+        _assert_batches_equal(a, b)
+        pairs += 1
+        cache = remote.reader.shards[0].cache
+        assert cache.disk_bytes() <= bound
+    assert pairs == len(picks) // 64
+    pages = sorted((tmp_path / "pages").rglob("*.page"))
+    assert pages and sum(p.stat().st_size for p in pages) <= bound
+    # only two metadata fetches (one per file) for the main process and both workers
+    assert len([r for r in server.requests if r.range == "bytes=0-8191"]) == 2
+    # damage one cached page: it is detected, deleted and fetched again
+    reader = remote.reader
+    victim = pages[-1]
+    page = int(victim.stem)
+    shard = next(s for s in reader.shards if s.cache._folder(s.range_reader) == victim.parent)
+    record = int(np.searchsorted(shard.meta.record_ends, page * shard.page_bytes, side="right"))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    before = len(server.requests)
+    mol = shard[record]
+    assert shard.cache.stats["damaged"] == 1 and len(server.requests) > before
+    number = reader.shards.index(shard)
+    expected_mol = atp.open(big_files / NAMES[number])[record]
+    assert np.array_equal(mol.positions, expected_mol.positions)

@@ -53,18 +53,42 @@ def _describe(source: Any) -> str:
     return type(source).__name__
 
 
-def _open_source(source: Any, access: str) -> Any:
-    """Opens whatever ``source`` names as one reader with the `.atp` reader interface."""
+def _is_url(source: Any) -> bool:
+    return isinstance(source, str) and source.startswith(("http://", "https://"))
+
+
+def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None) -> Any:
+    """Opens whatever ``source`` names as one reader with the `.atp` reader interface.
+
+    ``remote`` holds ``cache_dir``, ``cache_bytes`` and ``prefetch_shards``.
+    """
+    remote = remote or {}
+    cache = {k: remote[k] for k in ("cache_dir", "cache_bytes") if remote.get(k) is not None}
     if _is_reader(source):
         return source
     if _is_hub_uri(source):
         from pyg_atompack import hub
 
         location = hub.parse_hf_uri(source)
-        return hub.open_hub_atp(
+        reader = hub.open_hub_atp(
             location.repo_id, location.path_in_repo, revision=location.revision,
             repo_type=location.repo_type, access=access,
         )
+        if remote.get("prefetch_shards") is False:
+            from pyg_atompack.transport.ranges import HubRangeReader
+            from pyg_atompack.transport.remote_atp import open_remote_atp
+
+            return open_remote_atp([HubRangeReader(s, token=reader.token) for s in reader.shards],
+                                   name=source, **cache)
+        return reader
+    if _is_url(source) or (isinstance(source, (list, tuple)) and source
+                           and all(_is_url(s) for s in source)):
+        if remote.get("prefetch_shards"):
+            raise ValueError("prefetch_shards=True is only available for 'hf://' sources; "
+                             "http(s) sources are read through the block cache")
+        from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+
+        return open_remote_atp(url_range_readers(source), name=str(source), **cache)
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("AtompackDataset needs at least one .atp file, got an empty list")
@@ -76,7 +100,8 @@ def _open_source(source: Any, access: str) -> Any:
         return atp.open(path, access=access)
     raise TypeError(
         "AtompackDataset source must be a .atp path, a directory of shards, a list of "
-        f"paths, an 'hf://datasets/...' URI or an open reader, got {type(source).__name__}"
+        "paths, an 'hf://datasets/...' URI, an http(s) URL or an open reader, got "
+        f"{type(source).__name__}"
     )
 
 
@@ -113,7 +138,9 @@ class AtompackDataset(Dataset):
         source (str or os.PathLike or list): A `.atp` file, a directory of `.atp`
             shards (ordered by POSIX path), a list of `.atp` files (in the given
             order), an ``"hf://datasets/{repo_id}@{revision}/{path}"`` URI (see
-            :meth:`from_hub`), or an already open reader.
+            :meth:`from_hub`), an ``http(s)://`` URL of a `.atp` file or of a
+            ``manifest.json`` naming `.atp` shards (or a list of `.atp` URLs), read
+            record by record through a disk cache, or an already open reader.
         fields (list[str], optional): The fields to materialise, e.g.
             ``["pos", "z", "energy", "forces"]``. Builtins may be named by field
             (``"positions"``) or attribute (``"pos"``); custom properties by key
@@ -140,6 +167,19 @@ class AtompackDataset(Dataset):
             and a float32 ``energy``, as :class:`torch_geometric.datasets.MD17`
             does, so a script written for it runs unchanged. ``rename`` entries
             apply on top. (default: :obj:`None`)
+        cache_dir (str, optional): For remote sources read by record (``http(s)://``
+            URLs, and ``hf://`` with ``prefetch_shards=False``): where the metadata
+            (header, schema, index) and the page cache live, shared by DataLoader
+            workers, ranks and later runs of one machine. (default:
+            ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        cache_bytes (int, optional): Bound on that page cache; least recently used
+            pages are evicted. (default: 8 GiB)
+        prefetch_shards (bool, optional): For ``hf://`` sources: :obj:`True` downloads
+            a whole shard (verified) the first time a record in it is read, as
+            :meth:`from_hub` does; :obj:`False` fetches only the records read, through
+            the page cache (see "Big remote datasets" in the README). :obj:`None` keeps
+            whole-shard downloads for ``hf://`` and reads ``http(s)://`` sources by
+            record. (default: :obj:`None`)
 
     Raises:
         pyg_atompack.pyg.FieldSelectionError: If a requested field exists in no
@@ -158,13 +198,18 @@ class AtompackDataset(Dataset):
         log: bool = True,
         rename: Mapping[str, str] | None = None,
         names: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | None = None,
+        prefetch_shards: bool | None = None,
     ) -> None:
         self.names = resolve_names(rename, names)
         if fields is not None and self.names is not None:
             fields = [fields] if isinstance(fields, str) else fields
             fields = [self.names.stored_name(name) for name in fields]
         self._source_repr = _describe(source)
-        self._reader = _open_source(source, access)
+        self._reader = _open_source(source, access, {
+            "cache_dir": cache_dir, "cache_bytes": cache_bytes,
+            "prefetch_shards": prefetch_shards})
         self._reader_pid = _current_pid
         self.access = access
         self.dtype = dtype
