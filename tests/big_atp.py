@@ -19,8 +19,11 @@ BATCH = 64
 
 
 def write_big_atp(path: Path, records: int, *, compression: str = "none",
-                  seed: int = 0) -> int:
-    """Write about ``records`` records (a multiple of 64, ~17 KB each); returns the count."""
+                  seed: int = 0, start: int = 0) -> int:
+    """Write about ``records`` records (a multiple of 64, ~17 KB each); returns the count.
+
+    Record ``i`` has energy ``start + i``.
+    """
     rng = np.random.default_rng(seed)
     written = 0
     with atp.Writer(path, compression=compression) as writer:
@@ -29,7 +32,7 @@ def write_big_atp(path: Path, records: int, *, compression: str = "none",
             pos = np.round(rng.normal(size=(BATCH, n, 3)) * 64).astype(np.float32) / 64
             z = rng.integers(1, 90, (BATCH, n)).astype(np.uint8)
             forces = np.round(rng.normal(size=(BATCH, n, 3)) * 16).astype(np.float32) / 16
-            energy = np.arange(written, written + BATCH, dtype=np.float64)
+            energy = np.arange(start + written, start + written + BATCH, dtype=np.float64)
             writer.add_batch(pos, z, energy=energy, forces=forces)
             written += BATCH
     return written

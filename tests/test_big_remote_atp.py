@@ -231,3 +231,33 @@ def test_cache_is_bounded_shared_by_workers_and_refetches_damage(big_files, serv
     number = reader.shards.index(shard)
     expected_mol = atp.open(big_files / NAMES[number])[record]
     assert np.array_equal(mol.positions, expected_mol.positions)
+
+
+# ---------------------------------------------------------------------- small local files
+
+
+@pytest.fixture
+def small_shards(tmp_path):
+    from pyg_atompack.stream import LocalSource
+
+    root = tmp_path / "shards"
+    root.mkdir()
+    for k in range(2):
+        write_big_atp(root / f"s{k}.atp", 320, seed=k, start=320 * k)  # ~5.5 MB each
+    return LocalSource(root)
+
+
+def test_small_shards_keep_whole_file_reads_and_blocks_interleave(small_shards, tmp_path):
+    whole = ShardStreamDataset(small_shards, cache_dir=tmp_path)  # 5.5 MB < 64 MiB blocks
+    assert whole.blocks is None
+    dataset = ShardStreamDataset(small_shards, block_bytes=512 << 10, interleave=3,
+                                 prefetch=2, shuffle=True, cache_dir=tmp_path)
+    assert dataset.blocks is not None and len(dataset.blocks) > 10
+    starts = [b.global_first for b in dataset.blocks]
+    order = _energies(dataset)
+    assert sorted(order) == list(range(640))
+    block = np.searchsorted(starts, order, side="right")
+    switches = np.count_nonzero(np.diff(block))
+    assert switches > len(order) // 2  # consecutive samples mostly from different blocks
+    stats = dataset.stats()
+    assert 3 < stats["peak_live_shards"] <= 2 + 3  # prefetch + interleave

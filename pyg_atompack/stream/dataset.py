@@ -30,7 +30,7 @@ from pyg_atompack.stream.blocks import (
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
-from pyg_atompack.stream.ordering import group_items, mix_across_shards, shard_samples
+from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.retry import RetryPolicy
@@ -153,6 +153,10 @@ class ShardStreamDataset(IterableDataset):
             larger than ``block_bytes``; small shards keep whole-file reads.
             (default: :obj:`None`)
         block_bytes: Largest file span of a block. (default: 64 MiB)
+        interleave: Shards (or blocks) consumed at once, each next sample drawn from
+            one of them at random (:func:`~pyg_atompack.stream.ordering.interleave_shards`),
+            before the ``shuffle_buffer``. Up to ``prefetch + interleave`` decoded
+            shards are alive. (default: :obj:`1`)
         cache_dir: Where the metadata (header, schema, index) of block-streamed shards
             is cached, shared by workers, ranks and later runs. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
@@ -168,11 +172,12 @@ class ShardStreamDataset(IterableDataset):
                  trim_memory: bool = True, lazy_decode: bool = True,
                  split_first: bool = True, rename: Mapping[str, str] | None = None,
                  names: str | None = None, blocks: bool | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0:
-            raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
+        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1:
+            raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0 and "
+                             "interleave >= 1")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
@@ -186,6 +191,7 @@ class ShardStreamDataset(IterableDataset):
         if not self.shards:
             raise ShardFetchError(f"{source!r} lists no shards")
         self.block_bytes = int(block_bytes)
+        self.interleave = int(interleave)
         self.cache_dir = cache_dir
         # the block table is small (a few numbers per block) and pickled into workers;
         # each worker reads the shards' metadata from the disk cache filled here
@@ -341,11 +347,12 @@ class ShardStreamDataset(IterableDataset):
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
         handed = 0
         try:
-            items = shard_samples(iter(prefetcher), progress, pending, shuffle=self.shuffle,
-                                  seed=self.seed, epoch=self.epoch,
-                                  transform=names_transform(self.names, self.transform),
-                                  detach=self.shuffle_buffer > 0)
             mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
+            items = interleave_shards(iter(prefetcher), self.interleave, mixing, progress,
+                                      pending, shuffle=self.shuffle, seed=self.seed,
+                                      epoch=self.epoch,
+                                      transform=names_transform(self.names, self.transform),
+                                      detach=self.shuffle_buffer > 0)
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
             trim_due = False
             untrimmed_bytes = 0  # shard bytes consumed since the last trim
