@@ -16,6 +16,7 @@ from .fields import FieldInfo
 from .index import molecule_index
 from .molecule import Molecule
 from .reader import ACCESS_MODES, Reader
+from .reorder import reorder_flat
 
 
 def find_shards(root: str | os.PathLike) -> list[Path]:
@@ -107,8 +108,9 @@ class ShardedReader:
         The shard *opener* is the caller's: local :class:`Reader` objects (mmap, pread,
         in-memory images) or remote ones such as
         :class:`pyg_atompack.transport.remote_atp.RemoteAtpReader`; the global index and
-        the batching are this class's for all of them. A shard with a ``prefetch``
-        method is handed all its records of a batch at once before they are decoded.
+        the batching are this class's for all of them: each shard is read once per
+        batch (with ``read_resolved(indices, infos)`` when it has one, so a remote shard
+        fetches all its records of the batch together).
 
         Args:
             readers: Objects with the reader interface (``len``, ``[i]``,
@@ -130,14 +132,14 @@ class ShardedReader:
             name = "[" + (", ".join(shown) if len(shown) <= 3 else
                           f"{shown[0]}, ... {len(shown) - 2} more ..., {shown[-1]}") + "]"
         reader = cls.__new__(cls)
-        reader._open_shards(name, readers, getattr(readers[0], "access", "remote"))
+        reader._open_shards(name, readers, getattr(readers[0], "access", "remote"), opened=True)
         return reader
 
-    def _open_shards(self, name: str, paths: Sequence[Any], access: str) -> None:
+    def _open_shards(self, name: str, paths: Sequence[Any], access: str,
+                     opened: bool = False) -> None:
         self._root = name
         self._access = access
-        self._shards = [p if hasattr(p, "read_batch") else Reader(p, access=access)
-                        for p in paths]
+        self._shards = list(paths) if opened else [Reader(p, access=access) for p in paths]
         self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
         self._starts_list = self._starts.tolist()
         self._fields: dict[str, FieldInfo] | None = None
@@ -229,18 +231,22 @@ class ShardedReader:
         if not len(idx):
             return _read_resolved(self._shards[0], idx, infos)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        for shard in np.unique(shard_of).tolist():
-            prefetch = getattr(self._shards[shard], "prefetch", None)
-            if prefetch is not None:  # remote shards fetch a batch's records together
-                prefetch(idx[shard_of == shard] - self._starts[shard])
-        # split into runs of consecutive indices in the same shard to keep the order
-        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        # one read per shard, whatever the order: a remote shard then fetches all its
+        # records of the batch together; the result is put back in the asked order
+        order = np.argsort(shard_of, kind="stable")
+        grouped = shard_of[order]
+        cuts = np.flatnonzero(np.diff(grouped)) + 1
         parts = []
-        for run in np.split(np.arange(len(idx)), cuts):
+        for run in np.split(order, cuts):
             shard = int(shard_of[run[0]])
             local = idx[run] - self._starts[shard]
             parts.append(_read_resolved(self._shards[shard], local, infos))
-        return _batch.concat_batches(parts)
+        flat = _batch.concat_batches(parts)
+        if len(parts) == 1 or not (np.diff(order) < 0).any():
+            return flat
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return reorder_flat(flat, inverse)
 
     def close(self) -> None:
         """Close every shard (they reopen lazily on the next access)."""

@@ -6,7 +6,8 @@ metadata comes from :func:`~pyg_atompack.transport.atp_meta.load_meta` (fetched 
 machine), its records from a :class:`~pyg_atompack.transport.block_cache.BlockCache`
 (pages on local disk, bounded by ``cache_bytes``, shared by the processes of a machine).
 A ``read_batch`` fetches the pages its records lie in (adjacent ones in one request,
-several requests at once), wraps the records into an in-memory image
+several requests at once; ``ShardedReader`` hands each shard all its records of a
+batch), wraps the records into an in-memory image
 (:func:`pyg_atompack.atp.images.gathered_image`) and decodes it with the format layer.
 
 Several files become one dataset through
@@ -63,7 +64,6 @@ class RemoteAtpReader:
     def _init_runtime(self) -> None:
         self._meta: FileMeta | None = None
         self._fields: dict | None = None
-        self._hot: dict[int, bytes] = {}  # pages of the last prefetch, until the next one
         self.cache = BlockCache(self.cache_dir / "pages", self.cache_bytes,
                                 page_bytes=self.page_bytes)
 
@@ -126,27 +126,9 @@ class RemoteAtpReader:
         starts = entries["offset"].astype(np.int64)
         return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
 
-    def prefetch(self, indices: Sequence[int] | np.ndarray) -> None:
-        """Fetch (or load from disk) the pages of these records, for the next reads.
-
-        :meth:`pyg_atompack.atp.ShardedReader.read_batch` calls it once per shard and
-        batch, so a batch's records are fetched together (adjacent pages in one request,
-        several requests at once) before they are decoded run by run.
-
-        Args:
-            indices: Record indices of this file.
-        """
-        records = np.unique(np.asarray(indices, dtype=np.int64))
-        self._hot = self.cache.pages(self.range_reader, self._ranges(records)) \
-            if len(records) else {}
-
     def _image(self, records: np.ndarray) -> Any:
         ranges = self._ranges(records)
-        pages = self._hot
-        needed = {p for a, b in ranges for p in range(a // self.page_bytes,
-                                                       (b - 1) // self.page_bytes + 1)}
-        if not needed <= pages.keys():
-            pages = self.cache.pages(self.range_reader, ranges)
+        pages = self.cache.pages(self.range_reader, ranges)
         return gathered_image(self.meta, records, slice_pages(pages, self.page_bytes, ranges))
 
     def __getitem__(self, i: int) -> Any:
@@ -182,8 +164,7 @@ class RemoteAtpReader:
         return _batch.read_batch(image, np.searchsorted(records, idx), infos)
 
     def close(self) -> None:
-        """Drop the pages held for the next reads (the reader stays usable)."""
-        self._hot = {}
+        """Nothing to release: pages live on disk, metadata until the reader is dropped."""
 
     def __enter__(self) -> RemoteAtpReader:
         return self
