@@ -261,3 +261,49 @@ def test_small_shards_keep_whole_file_reads_and_blocks_interleave(small_shards, 
     assert switches > len(order) // 2  # consecutive samples mostly from different blocks
     stats = dataset.stats()
     assert 3 < stats["peak_live_shards"] <= 2 + 3  # prefetch + interleave
+
+
+def test_block_split_is_exact_at_record_granularity():
+    from pyg_atompack.stream.blocks import Block, plan_block_stream
+
+    sizes = [7, 30, 1, 12, 25, 3, 9]  # 87 records in blocks of uneven size
+    blocks, start = [], 0
+    for number, size in enumerate(sizes):
+        blocks.append(Block(number % 2, start, start + size, start))
+        start += size
+    for world_size, workers in ((1, 1), (2, 2), (3, 2), (4, 3)):
+        got = []
+        for rank in range(world_size):
+            per_rank = 0
+            for worker in range(workers):
+                plan = plan_block_stream(blocks, StreamSlot(rank, world_size, worker, workers),
+                                         shuffle=True, seed=1, epoch=2)
+                records = [r for b in plan.blocks for r in range(b.global_first,
+                                                                 b.global_first + b.records)]
+                per_rank += len(records)
+                got.extend(records)
+                assert plan.dropped_records == 87 % world_size
+            assert per_rank == 87 // world_size  # equal counts on every rank
+        assert len(got) == len(set(got)) == 87 - 87 % world_size
+
+
+def test_damaged_metadata_cache_is_refetched(tmp_path):
+    from pyg_atompack.transport import atp_meta
+    from pyg_atompack.transport.atp_meta import load_meta, meta_path
+    from pyg_atompack.transport.ranges import FileRangeReader
+
+    write_big_atp(tmp_path / "f.atp", 64)
+    reader = FileRangeReader(tmp_path / "f.atp")
+    stats: dict = {}
+    first = load_meta(reader, tmp_path / "cache", stats=stats)
+    atp_meta._MEMORY.clear()  # what another process sees: the disk cache
+    assert load_meta(reader, tmp_path / "cache", stats=stats).index.tobytes() == \
+        first.index.tobytes() and stats["fetched"] == 1
+    path = meta_path(tmp_path / "cache", reader.identity, reader.size)
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    atp_meta._MEMORY.clear()
+    again = load_meta(reader, tmp_path / "cache", stats=stats)
+    assert stats["fetched"] == 2 and again.index.tobytes() == first.index.tobytes()
+    assert len(again) == len(atp.open(tmp_path / "f.atp"))

@@ -57,6 +57,16 @@ def _is_url(source: Any) -> bool:
     return isinstance(source, str) and source.startswith(("http://", "https://"))
 
 
+def _by_record(hub_reader: Any, name: str, cache: dict[str, Any]) -> Any:
+    """The shards of a Hub listing read by record through the page cache."""
+    from pyg_atompack.transport.ranges import HubRangeReader
+    from pyg_atompack.transport.remote_atp import open_remote_atp
+
+    cache = {k: v for k, v in cache.items() if v is not None}
+    return open_remote_atp([HubRangeReader(s, token=hub_reader.token) for s in hub_reader.shards],
+                           name=name, **cache)
+
+
 def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None) -> Any:
     """Opens whatever ``source`` names as one reader with the `.atp` reader interface.
 
@@ -75,11 +85,7 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
             repo_type=location.repo_type, access=access,
         )
         if remote.get("prefetch_shards") is False:
-            from pyg_atompack.transport.ranges import HubRangeReader
-            from pyg_atompack.transport.remote_atp import open_remote_atp
-
-            return open_remote_atp([HubRangeReader(s, token=reader.token) for s in reader.shards],
-                                   name=source, **cache)
+            return _by_record(reader, source, cache)
         return reader
     if _is_url(source) or (isinstance(source, (list, tuple)) and source
                            and all(_is_url(s) for s in source)):
@@ -257,7 +263,9 @@ class AtompackDataset(Dataset):
                 huggingface_hub's configured endpoint (``HF_ENDPOINT``).
                 (default: :obj:`None`)
             **kwargs: Forwarded to :class:`AtompackDataset` (``fields``,
-                ``transform``, ``dtype``, ``access``, ...).
+                ``transform``, ``dtype``, ``access``, ...). ``prefetch_shards=False``
+                reads records through the page cache under ``cache_dir`` (bounded by
+                ``cache_bytes``) instead of downloading whole shards.
 
         Returns:
             AtompackDataset: The dataset.
@@ -268,8 +276,13 @@ class AtompackDataset(Dataset):
             repo_id, path_in_repo, revision=revision, cache_dir=cache_dir, token=token,
             endpoint=endpoint, access=kwargs.get("access", "mmap"),
         )
-        dataset = cls(reader, **kwargs)
         pinned = getattr(reader, "revision", None) or revision
+        prefetch_shards = kwargs.pop("prefetch_shards", None)
+        cache_bytes = kwargs.pop("cache_bytes", None)
+        if prefetch_shards is False:  # by record, through the page cache in cache_dir
+            reader = _by_record(reader, f"hf://datasets/{repo_id}@{pinned}/{path_in_repo}",
+                                {"cache_dir": cache_dir, "cache_bytes": cache_bytes})
+        dataset = cls(reader, **kwargs)
         revision_part = f"@{pinned}" if pinned else ""
         dataset._source_repr = repr(f"hf://datasets/{repo_id}{revision_part}/{path_in_repo}")
         return dataset

@@ -17,6 +17,7 @@ import hashlib
 import os
 import struct
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -120,16 +121,20 @@ def _encode(meta: FileMeta, identity: str) -> bytes:
 
 
 def _decode(data: bytes, reader: RangeReader) -> FileMeta | None:
-    """The cached metadata, or None when the file is damaged or belongs elsewhere."""
+    """The cached metadata, or None when the file is damaged or belongs elsewhere.
+
+    The index stays a view of ``data`` (no copy of what may be hundreds of MB).
+    """
     if len(data) < len(_MAGIC) + _LENGTHS.size + 32 or not data.startswith(_MAGIC):
         return None
-    body, digest = data[:-32], data[-32:]
+    view = memoryview(data)
+    body, digest = view[:-32], view[-32:]
     if hashlib.sha256(body).digest() != digest:
         return None
     at = len(_MAGIC)
     size, n_ident, n_schema, n_index = _LENGTHS.unpack_from(body, at)
     at += _LENGTHS.size
-    ident = body[at:at + n_ident].decode(errors="replace")
+    ident = bytes(body[at:at + n_ident]).decode(errors="replace")
     at += n_ident
     if size != reader.size or ident != reader.identity:
         return None
@@ -138,6 +143,12 @@ def _decode(data: bytes, reader: RangeReader) -> FileMeta | None:
     schema = body[at:at + n_schema]
     index = body[at + n_schema:at + n_schema + n_index]
     return parse_meta(reader.name, reader.size, head, schema, index)
+
+
+#: Metadata kept in memory per process (most recently used files); forked DataLoader
+#: workers inherit what the constructing process loaded.
+_MEMORY: OrderedDict[tuple[str, int], FileMeta] = OrderedDict()
+MEMORY_ENTRIES = 4
 
 
 def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *,
@@ -156,6 +167,20 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
     """
     from filelock import FileLock
 
+    key = (reader.identity, reader.size)
+    kept = _MEMORY.get(key)
+    if kept is not None and kept.name == reader.name:
+        _MEMORY.move_to_end(key)
+        return kept
+    meta = _load_meta(reader, cache_dir, workers, stats, FileLock)
+    _MEMORY[key] = meta
+    while len(_MEMORY) > MEMORY_ENTRIES:
+        _MEMORY.popitem(last=False)
+    return meta
+
+
+def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, workers: int,
+               stats: dict[str, Any] | None, FileLock: Any) -> FileMeta:  # noqa: N803
     path = meta_path(cache_dir if cache_dir is not None else default_cache_dir(),
                      reader.identity, reader.size)
 
