@@ -268,7 +268,8 @@ class BlockLoader:
             number: Its block's number (for the trace).
             cancel: Cancellation of the iteration.
             recorder: Receives the download / decode times.
-            parts: Ignored (a block is one request).
+            parts: Range requests the block is fetched over at once (the first block of
+                an iteration, which nothing overlaps, uses every connection).
 
         Returns:
             The decoded piece (no samples when it failed and ``on_error="skip"``).
@@ -284,7 +285,8 @@ class BlockLoader:
             image = allocate(size)
             view = memoryview(image)
             try:
-                reader.read_into(span_start, view[HEADER_SIZE:HEADER_SIZE + span_len], cancel)
+                _read_in_parts(reader, span_start, view[HEADER_SIZE:HEADER_SIZE + span_len],
+                               cancel, parts)
             except StreamError:
                 raise
             except OSError as error:
@@ -309,6 +311,44 @@ class BlockLoader:
             record.status = "skipped"
             logger.warning("skipping block %s (on_error='skip'): %s", name, error)
             return LoadedShard(position, piece.global_first, info, [], recorder)
+
+
+#: Smallest part worth its own connection when a block is fetched in parts.
+MIN_PART_BYTES = 1 << 20
+
+
+def _read_in_parts(reader: RangeReader, start: int, out: memoryview, cancel: CancelToken,
+                   parts: int) -> None:
+    """``reader.read_into(start, out)`` over up to ``parts`` concurrent range requests."""
+    parts = max(1, min(parts, len(out) // MIN_PART_BYTES))
+    if parts == 1:
+        reader.read_into(start, out, cancel)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [len(out) * n // parts for n in range(parts + 1)]
+    # one failed part stops its siblings; closing the iteration stops them all
+    siblings = CancelToken()
+    unregister = cancel.on_cancel(siblings.cancel)
+
+    def run(a: int, b: int) -> None:
+        try:
+            reader.read_into(start + a, out[a:b], siblings)
+        except BaseException:
+            siblings.cancel()
+            raise
+
+    try:
+        with ThreadPoolExecutor(max_workers=parts,
+                                thread_name_prefix="pyg_atompack-block") as pool:
+            futures = [pool.submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        cancel.raise_if_cancelled()
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        real = [e for e in errors if not isinstance(e, StreamCancelled)]
+        if real or errors:
+            raise (real or errors)[0]
+    finally:
+        unregister()
 
 
 def describe_blocks(blocks: Sequence[Block]) -> dict[str, Any]:

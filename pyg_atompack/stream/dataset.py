@@ -336,8 +336,7 @@ class ShardStreamDataset(IterableDataset):
                                  lazy_decode=self.lazy_decode)
         # the first shard has nothing to overlap with: with several connections allowed
         # it is fetched over all of them at once, as byte ranges, before any other starts
-        # (a block is small: blocks start together)
-        split = self.concurrency if self.split_first and jobs and self.blocks is None else 1
+        split = self.concurrency if self.split_first and jobs else 1
         first = jobs[0] if jobs else None
         prefetcher = Prefetcher(
             jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
