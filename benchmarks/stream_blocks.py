@@ -240,7 +240,16 @@ def shuffle_distances(path: Path, block: int, interleave: int, buffer: int) -> n
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default="abcd",
+                        help="measurements to (re)run; the others are taken from the last "
+                             "run's benchmarks/_work/stream_blocks/partial.json")
+    parser.add_argument("--steady-only", type=int, default=0, metavar="REPS",
+                        help="rerun only (c), with REPS interleaved repetitions, into "
+                             "results/stream_blocks_steady.json")
     args = parser.parse_args()
+    if args.steady_only:
+        steady_only(args.steady_only)
+        return
     counts = build_files()
     sizes = {name: (WORK / name).stat().st_size for name in counts}
     bandwidth = 17e6  # bytes/s per connection; ~ one 128 MB shard per 7.5 s
@@ -251,6 +260,10 @@ def main() -> None:
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "uptime": os.popen("uptime").read().strip(), "sizes": sizes,
                      "record_bytes": record_bytes, "quick": args.quick}
+    partial_path = WORK / "partial.json"
+    partial = json.loads(partial_path.read_text()) if partial_path.exists() else {}
+    results.update({k: v for k, v in partial.items() if k in (
+        "rss", "rss_whole_1g_mib", "ttfs", "steady", "dc_bandwidth", "random")})
     free = ServerProcess(WORK, None)
     slow = ServerProcess(WORK, bandwidth)
     dc = ServerProcess(WORK / "parts", dc_bandwidth)
@@ -258,7 +271,9 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix="stream-blocks-")
         # (a) RSS growth
         rss = []
-        for name in ("big1g.atp", "big4g.atp"):
+        if "a" not in args.parts:
+            rss = None
+        for name in ("big1g.atp", "big4g.atp") if rss is not None else ():
             for block in (16 * MiB, 64 * MiB):
                 for k in (1, 3):
                     limit = int((k + 4) * block / record_bytes)
@@ -269,15 +284,17 @@ def main() -> None:
                                 "growth_mib": got["rss_growth"] / MiB,
                                 "target_mib": 1.2 * (k + 1) * block / MiB})
                     print("a", rss[-1], flush=True)
-        whole = run_child("stream", {"url": f"{free.base_url}/manifest.json",
-                                     "only": "big1g.atp", "k": 1, "blocks": False,
-                                     "cache": cache, "limit": counts["big1g.atp"]})
-        results["rss"] = rss
-        results["rss_whole_1g_mib"] = whole["rss_growth"] / MiB
-        print("a whole", whole, flush=True)
+        if rss is not None:
+            whole = run_child("stream", {"url": f"{free.base_url}/manifest.json",
+                                         "only": "big1g.atp", "k": 1, "blocks": False,
+                                         "cache": cache, "limit": counts["big1g.atp"]})
+            results["rss"] = rss
+            results["rss_whole_1g_mib"] = whole["rss_growth"] / MiB
+            print("a whole", whole, flush=True)
+            _save(partial_path, results)
         # (b) time to first sample (cold metadata cache each time)
         ttfs = {}
-        for name in ("big1g.atp", "big4g.atp"):
+        for name in ("big1g.atp", "big4g.atp") if "b" in args.parts else ():
             got = run_child("stream", {"url": f"{slow.base_url}/manifest.json", "only": name,
                                        "k": 1, "blocks": True, "cache": tempfile.mkdtemp(),
                                        "limit": 1})
@@ -285,16 +302,19 @@ def main() -> None:
             ttfs[name] = {"blocks_s": got["first_s"], "metadata_s": got["open_s"],
                           "one_block_plus_meta_s": (64 * MiB + index_bytes + 8192) / bandwidth}
             print("b", name, ttfs[name], flush=True)
-        got = run_child("stream", {"url": f"{slow.base_url}/manifest.json", "only": "big1g.atp",
-                                   "k": 1, "c": 4, "blocks": False, "cache": cache, "limit": 1})
-        ttfs["big1g.atp"]["whole_shard_s"] = got["first_s"]
-        ttfs["big4g.atp"]["whole_shard_estimate_s"] = sizes["big4g.atp"] / (4 * bandwidth)
-        results["ttfs"] = ttfs
-        print("b whole", got, flush=True)
+        if "b" in args.parts:
+            got = run_child("stream", {"url": f"{slow.base_url}/manifest.json",
+                                       "only": "big1g.atp", "k": 1, "c": 4, "blocks": False,
+                                       "cache": cache, "limit": 1})
+            ttfs["big1g.atp"]["whole_shard_s"] = got["first_s"]
+            ttfs["big4g.atp"]["whole_shard_estimate_s"] = sizes["big4g.atp"] / (4 * bandwidth)
+            results["ttfs"] = ttfs
+            print("b whole", got, flush=True)
+            _save(partial_path, results)
         # (c) steady state at D/C = 1, arms interleaved
         total = 4 * counts["part0.atp"]
         steady = {"blocks": [], "whole": [], "local": []}
-        for _ in range(1 if args.quick else 2):
+        for _ in range(0 if "c" not in args.parts else 1 if args.quick else 2):
             base = {"url": f"{dc.base_url}/manifest.json", "k": 1, "cache": cache,
                     "limit": total, "sleep": sleep}
             steady["blocks"].append(run_child("stream", {**base, "blocks": True,
@@ -304,19 +324,23 @@ def main() -> None:
                 "paths": [str(WORK / f"part{k}.atp") for k in range(4)],
                 "sleep": sleep})["rate"])
             print("c", {k: v[-1] for k, v in steady.items()}, flush=True)
-        results["steady"] = {k: {"total_s": float(np.median(v)),
-                                 "samples_per_s": total / float(np.median(v))}
-                             for k, v in steady.items()}
-        results["dc_bandwidth"] = dc_bandwidth
+        if "c" in args.parts:
+            results["steady"] = {k: {"total_s": float(np.median(v)),
+                                     "samples_per_s": total / float(np.median(v)),
+                                     "runs_s": v} for k, v in steady.items()}
+            results["dc_bandwidth"] = dc_bandwidth
+            _save(partial_path, results)
         # (d) random access through the cache
         random_access = []
-        for fraction in (0.05, 0.25, 1.0):
+        for fraction in (0.05, 0.25, 1.0) if "d" in args.parts else ():
             got = run_child("random", {"url": f"{free.base_url}/part0.atp",
                                        "cache": tempfile.mkdtemp(),
                                        "cache_bytes": int(fraction * sizes["part0.atp"]) + MiB})
             random_access.append({"fraction": fraction, **got})
             print("d", random_access[-1], flush=True)
-        results["random"] = random_access
+        if "d" in args.parts:
+            results["random"] = random_access
+            _save(partial_path, results)
     finally:
         free.stop()
         slow.stop()
@@ -335,6 +359,48 @@ def main() -> None:
                                       (d < 64 * MiB / record_bytes).mean())}
                           for label, d in quality.items()}
     write_outputs(results, quality)
+
+
+def _save(path: Path, results: dict) -> None:
+    path.write_text(json.dumps(results, indent=1))
+
+
+def steady_only(reps: int) -> None:
+    """(c) alone: blocks (k=1 and k=4, the lookahead bytes of one whole shard) vs whole
+    shards (k=1) vs local mmap, ``reps`` interleaved repetitions, rotating the order."""
+    counts = build_files()
+    record_bytes = (WORK / "part0.atp").stat().st_size / counts["part0.atp"]
+    dc = ServerProcess(WORK / "parts", record_bytes / SLEEP_PER_SAMPLE)
+    total = 4 * counts["part0.atp"]
+    cache = tempfile.mkdtemp(prefix="stream-blocks-")
+    base = {"url": f"{dc.base_url}/manifest.json", "cache": cache, "limit": total,
+            "sleep": SLEEP_PER_SAMPLE}
+    arms = {
+        "blocks k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": True,
+                                                   "block": 32 * MiB})["total_s"],
+        "blocks k=4": lambda: run_child("stream", {**base, "k": 4, "blocks": True,
+                                                   "block": 32 * MiB})["total_s"],
+        "whole k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": False})["total_s"],
+        "local mmap": lambda: total / run_child("local", {
+            "paths": [str(WORK / f"part{k}.atp") for k in range(4)],
+            "sleep": SLEEP_PER_SAMPLE})["rate"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    try:
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                times[name].append(arms[name]())
+            print("c", rep, {k: v[-1] for k, v in times.items()}, flush=True)
+    finally:
+        dc.stop()
+    ratios = {name: float(np.median(np.asarray(times["whole k=1"]) / np.asarray(v)))
+              for name, v in times.items()}
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "uptime": os.popen("uptime").read().strip(), "times_s": times,
+           "median_ratio_to_whole": ratios, "samples": total}
+    (HERE / "results" / "stream_blocks_steady.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["median_ratio_to_whole"]))
 
 
 def write_outputs(results: dict, quality: dict) -> None:

@@ -204,20 +204,35 @@ def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
 
 
 def _remote_size(url: str, headers: dict[str, str]) -> int:
-    """The length of the file at ``url``, from a ``HEAD`` request."""
-    # SEAM (issue 13): the transport's stat of a URL replaces this request
+    """The length of the file at ``url``: ``HEAD``, else the total of a one-byte range."""
+    # SEAM (issue 13): the transport's stat of a URL replaces these requests
+    import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, method="HEAD",
-                                     headers={"Accept-Encoding": "identity", **headers})
+    base = {"Accept-Encoding": "identity", **headers}
     try:
+        request = urllib.request.Request(url, method="HEAD", headers=base)
         with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
             length = response.headers.get("Content-Length")
+        if length and length.isdigit():
+            return int(length)
+    except urllib.error.HTTPError as error:
+        if error.code in (401, 403, 404):
+            raise OSError(f"{url}: HTTP {error.code} {error.reason}") from None
     except OSError as error:
         raise OSError(f"{url}: cannot read its size: {error}") from error
-    if not (length and length.isdigit()):
-        raise OSError(f"{url}: the server announces no Content-Length")
-    return int(length)
+    # some servers (and signed URLs) refuse HEAD: ask for one byte and read the total
+    try:
+        request = urllib.request.Request(url, headers={**base, "Range": "bytes=0-0"})
+        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+            span = response.headers.get("Content-Range") or ""
+    except OSError as error:
+        raise OSError(f"{url}: cannot read its size: {error}") from error
+    total = span.rpartition("/")[2]
+    if not total.isdigit():
+        raise OSError(f"{url}: the server announces no size (no Content-Length on HEAD, "
+                      f"no Content-Range on a range request)")
+    return int(total)
 
 
 def url_range_readers(source: str | Sequence[str], *,
