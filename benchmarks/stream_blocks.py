@@ -436,6 +436,15 @@ def write_outputs(results: dict, quality: dict) -> None:
     for arm in ("blocks", "whole", "local"):
         lines.append(f"| {arm} | {steady[arm]['samples_per_s']:.0f} | "
                      f"{steady[arm]['samples_per_s'] / steady['whole']['samples_per_s']:.2f} |")
+    steady_file = HERE / "results" / "stream_blocks_steady.json"
+    if steady_file.exists():  # the interleaved rerun of (c) (--steady-only)
+        rerun = json.loads(steady_file.read_text())
+        lines += ["", f"Rerun of (c) alone, interleaved repetitions ({rerun['date']}, "
+                  f"`{rerun['uptime']}`), median of per-repetition ratios to whole shards:",
+                  "", "| arm | runs (s) | ratio |", "|---|---|---:|"]
+        for arm, runs in rerun["times_s"].items():
+            lines.append(f"| {arm} | {', '.join(f'{t:.1f}' for t in runs)} | "
+                         f"{rerun['median_ratio_to_whole'][arm]:.2f} |")
     lines += ["", "## (d) Random access through the page cache (256 KiB pages)", "",
               "| cache | samples/s epoch 1 | samples/s epoch 2 | downloaded bytes/sample "
               "| requests |", "|---:|---:|---:|---:|---:|"]
@@ -458,12 +467,13 @@ def write_outputs(results: dict, quality: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    bins = np.logspace(0, np.log10(max(d.max() for d in quality.values()) + 1), 60)
     for label, distances in quality.items():
-        left.hist(distances + 1, bins=bins, histtype="step", density=True, label=label)
+        ordered = np.sort(distances) + 1
+        left.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
     left.set_xscale("log")
     left.set_xlabel("|index difference| + 1 between consecutive samples")
-    left.set_title("(e) shuffle quality, one epoch")
+    left.set_ylabel("fraction of consecutive pairs (CDF)")
+    left.set_title("(e) shuffle quality, one epoch of the 4 GB file")
     left.legend(fontsize=7)
     for name in ("big1g.atp", "big4g.atp"):
         rows = [r for r in results["rss"] if r["file"] == name]
