@@ -120,15 +120,18 @@ def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
     return None
 
 
-def wants_blocks(shards: Sequence[ShardInfo], block_bytes: int, blocks: bool | None) -> bool:
+def wants_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,
+                 blocks: bool | None) -> bool:
     """Whether a dataset streams record blocks rather than whole shards.
 
     Args:
-        shards: The listing.
+        source: The dataset's source.
+        shards: Its listing.
         block_bytes: Largest block span.
         blocks: :obj:`True` / :obj:`False` to force; :obj:`None` (auto) chooses blocks
-            when every shard is an ``.atp`` file of known size and at least one is larger
-            than ``block_bytes`` (so a dataset of small shards keeps whole-file reads).
+            when every shard is an ``.atp`` file of known size that the source can read
+            by range (:func:`range_reader`) and at least one is larger than
+            ``block_bytes`` (so a dataset of small shards keeps whole-file reads).
 
     Returns:
         The decision.
@@ -136,7 +139,8 @@ def wants_blocks(shards: Sequence[ShardInfo], block_bytes: int, blocks: bool | N
     if blocks is not None:
         return blocks
     atp_known = all(s.name.endswith(".atp") and s.size is not None for s in shards)
-    return atp_known and any(s.size > block_bytes for s in shards)
+    return (atp_known and any(s.size > block_bytes for s in shards)
+            and all(range_reader(source, s) is not None for s in shards))
 
 
 def plan_source_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,

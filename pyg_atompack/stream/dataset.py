@@ -149,8 +149,10 @@ class ShardStreamDataset(IterableDataset):
             count blocks), splitting (exact, at record granularity), traces, retries and
             resume, so memory is bounded by ``(prefetch + 1) * block_bytes`` whatever the
             shard size, and the first sample waits for one block. :obj:`None` (auto)
-            uses blocks when every shard is an ``.atp`` file of known size and one is
-            larger than ``block_bytes``; small shards keep whole-file reads.
+            uses blocks when every shard is an ``.atp`` file of known size that the
+            source reads by range (local files, HTTP(S), the Hub, or a source with a
+            ``range_reader(shard)`` method) and one is larger than ``block_bytes``;
+            small shards keep whole-file reads.
             (default: :obj:`None`)
         block_bytes: Largest file span of a block. (default: 64 MiB)
         interleave: Shards (or blocks) consumed at once, each next sample drawn from
@@ -196,7 +198,7 @@ class ShardStreamDataset(IterableDataset):
         # the block table is small (a few numbers per block) and pickled into workers;
         # each worker reads the shards' metadata from the disk cache filled here
         self.blocks = (plan_source_blocks(source, self.shards, self.block_bytes, cache_dir)
-                       if wants_blocks(self.shards, self.block_bytes, blocks) else None)
+                       if wants_blocks(source, self.shards, self.block_bytes, blocks) else None)
         self.prefetch = prefetch
         self.concurrency = concurrency
         self.shuffle = shuffle
