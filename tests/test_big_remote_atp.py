@@ -307,3 +307,23 @@ def test_damaged_metadata_cache_is_refetched(tmp_path):
     again = load_meta(reader, tmp_path / "cache", stats=stats)
     assert stats["fetched"] == 2 and again.index.tobytes() == first.index.tobytes()
     assert len(again) == len(atp.open(tmp_path / "f.atp"))
+
+
+def test_auto_blocks_only_for_sources_with_range_reads(small_shards, tmp_path):
+    from pyg_atompack.transport.ranges import FileRangeReader
+
+    class WholeFiles:  # a custom source without range reads (like an object store today)
+        def list_shards(self):
+            return small_shards.list_shards()
+
+        def fetch(self, shard, cancel):
+            return small_shards.fetch(shard, cancel)
+
+    class Ranged(WholeFiles):
+        def range_reader(self, shard):
+            return FileRangeReader(shard.location)
+
+    whole = ShardStreamDataset(WholeFiles(), block_bytes=512 << 10, cache_dir=tmp_path)
+    assert whole.blocks is None and len(_energies(whole)) == 640
+    ranged = ShardStreamDataset(Ranged(), block_bytes=512 << 10, cache_dir=tmp_path)
+    assert ranged.blocks is not None and sorted(_energies(ranged)) == list(range(640))
