@@ -132,3 +132,15 @@ def test_hf_uri_source_in_a_subprocess(served, local_root, tmp_path):
     assert "[200.0, 201.0, 202.0, 203.0]" in result.stdout and "torch.float32" in result.stdout
     local = AtompackDataset(local_root / "train" / "part_1.atp")
     assert torch.equal(local[3].energy, torch.tensor([203.0], dtype=torch.float64))
+
+
+def test_records_read_through_the_page_cache_without_shard_downloads(served, local_root,
+                                                                     tmp_path):
+    dataset = _from_hub(served, tmp_path / "cache", prefetch_shards=False, cache_bytes=1 << 20)
+    local = AtompackDataset(local_root / "train")
+    for index in (8, 0, 11, 3):
+        assert_data_equal(dataset[index], local[index], f"hub[{index}]")
+    for a, b in zip(AtompackLoader(dataset, batch_size=5), AtompackLoader(local, batch_size=5)):
+        assert_batches_equal(a, b)
+    assert _shard_downloads(served) == []  # range reads only
+    assert list((tmp_path / "cache" / "pages").rglob("*.page"))

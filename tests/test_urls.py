@@ -60,14 +60,20 @@ def _full_downloads(server) -> list[str]:
 def test_atompack_dataset_over_http_is_lazy_and_verified(server, www, tmp_path, monkeypatch):
     monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "cache"))
     local = AtompackDataset(www)
+    # by default plain HTTP(S) is read record by record through the page cache
     for url in (server.url("manifest.json"), server.base_url + "/"):
-        dataset = AtompackDataset(url)
+        by_record = AtompackDataset(url, cache_dir=tmp_path / "pages")
+        assert _energies(by_record) == _energies(local)
+    assert _full_downloads(server) == []
+    # prefetch_shards=True: whole shards, downloaded when first read and verified
+    for url in (server.url("manifest.json"), server.base_url + "/"):
+        dataset = AtompackDataset(url, prefetch_shards=True)
         assert len(dataset) == 7
         assert "127.0.0.1" in repr(dataset)
     assert _full_downloads(server) == []  # opening read only manifest and header ranges
     assert _energies(dataset) == _energies(local)
     assert _full_downloads(server) == ["/part_0.atp", "/part_1.atp"]
-    again = AtompackDataset(server.url("manifest.json"))
+    again = AtompackDataset(server.url("manifest.json"), prefetch_shards=True)
     assert _energies(again) == _energies(local)
     assert _full_downloads(server) == ["/part_0.atp", "/part_1.atp"]  # verified cache reused
     single = AtompackDataset(server.url("part_1.atp"))

@@ -16,6 +16,7 @@ from .fields import FieldInfo
 from .index import molecule_index
 from .molecule import Molecule
 from .reader import ACCESS_MODES, Reader
+from .reorder import reorder_flat
 
 
 def find_shards(root: str | os.PathLike) -> list[Path]:
@@ -30,6 +31,12 @@ def find_shards(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     found = [p for p in root.rglob("*.atp") if p.is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_resolved(shard: Any, indices: np.ndarray, infos: dict[str, FieldInfo]) -> dict:
+    """``read_batch`` of one shard with fields already resolved against the union."""
+    own = getattr(shard, "read_resolved", None)  # shard openers other than Reader
+    return own(indices, infos) if own is not None else _batch.read_batch(shard, indices, infos)
 
 
 def _check_access(access: str) -> None:
@@ -94,10 +101,45 @@ class ShardedReader:
         reader._open_shards(name, files, access)
         return reader
 
-    def _open_shards(self, name: str, paths: Sequence[Path], access: str) -> None:
+    @classmethod
+    def from_readers(cls, readers: Sequence[Any], name: str | None = None) -> ShardedReader:
+        """One logical dataset over already opened shard readers, in the given order.
+
+        The shard *opener* is the caller's: local :class:`Reader` objects (mmap, pread,
+        in-memory images) or remote ones such as
+        :class:`pyg_atompack.transport.remote_atp.RemoteAtpReader`; the global index and
+        the batching are this class's for all of them: each shard is read once per
+        batch (with ``read_resolved(indices, infos)`` when it has one, so a remote shard
+        fetches all its records of the batch together).
+
+        Args:
+            readers: Objects with the reader interface (``len``, ``[i]``,
+                ``read_batch``, ``n_atoms``, ``fields``, ``name``).
+            name: How messages name the dataset. (default: a bracketed list of the
+                shard names)
+
+        Returns:
+            The reader.
+
+        Raises:
+            AtpValueError: ``readers`` is empty.
+        """
+        readers = list(readers)
+        if not readers:
+            raise AtpValueError("from_readers needs at least one shard reader")
+        shown = [str(getattr(r, "name", r)) for r in readers]
+        if name is None:
+            name = "[" + (", ".join(shown) if len(shown) <= 3 else
+                          f"{shown[0]}, ... {len(shown) - 2} more ..., {shown[-1]}") + "]"
+        reader = cls.__new__(cls)
+        reader._open_shards(name, readers, getattr(readers[0], "access", "remote"), opened=True)
+        return reader
+
+    def _open_shards(self, name: str, paths: Sequence[Any], access: str,
+                     opened: bool = False) -> None:
         self._root = name
         self._access = access
-        self._shards = [Reader(p, access=access) for p in paths]
+        self._shards = list(paths) if opened else [Reader(p, access=access) for p in paths]
         self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
         self._starts_list = self._starts.tolist()
         self._fields: dict[str, FieldInfo] | None = None
@@ -110,8 +152,8 @@ class ShardedReader:
 
     @property
     def shard_paths(self) -> list[str]:
-        """Shard file paths in global order."""
-        return [s.path for s in self._shards]
+        """Shard file paths in global order (None for shards that are not local files)."""
+        return [getattr(s, "path", None) for s in self._shards]
 
     @property
     def path(self) -> str:
@@ -187,16 +229,24 @@ class ShardedReader:
         infos = _batch.resolve_fields(self.fields, fields, self._root)
         idx = _batch._normalize_indices(indices, len(self), self._root)
         if not len(idx):
-            return _batch.read_batch(self._shards[0], idx, infos)
+            return _read_resolved(self._shards[0], idx, infos)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        # split into runs of consecutive indices in the same shard to keep the order
-        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        # one read per shard, whatever the order: a remote shard then fetches all its
+        # records of the batch together; the result is put back in the asked order
+        order = np.argsort(shard_of, kind="stable")
+        grouped = shard_of[order]
+        cuts = np.flatnonzero(np.diff(grouped)) + 1
         parts = []
-        for run in np.split(np.arange(len(idx)), cuts):
+        for run in np.split(order, cuts):
             shard = int(shard_of[run[0]])
             local = idx[run] - self._starts[shard]
-            parts.append(_batch.read_batch(self._shards[shard], local, infos))
-        return _batch.concat_batches(parts)
+            parts.append(_read_resolved(self._shards[shard], local, infos))
+        flat = _batch.concat_batches(parts)
+        if len(parts) == 1 or not (np.diff(order) < 0).any():
+            return flat
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return reorder_flat(flat, inverse)
 
     def close(self) -> None:
         """Close every shard (they reopen lazily on the next access)."""

@@ -50,14 +50,51 @@ def _describe(source: Any) -> str:
     return type(source).__name__
 
 
-def _open_source(source: Any, access: str) -> Any:
-    """Opens whatever ``source`` names as one reader with the `.atp` reader interface."""
+def _is_url(source: Any) -> bool:
+    return isinstance(source, str) and source.startswith(("http://", "https://"))
+
+
+def _by_record(hub_reader: Any, name: str, cache: dict[str, Any]) -> Any:
+    """The shards of a Hub listing read by record through the page cache."""
+    from pyg_atompack.transport.ranges import HubRangeReader
+    from pyg_atompack.transport.remote_atp import open_remote_atp
+
+    cache = {k: v for k, v in cache.items() if v is not None}
+    return open_remote_atp([HubRangeReader(s, token=hub_reader.token) for s in hub_reader.shards],
+                           name=name, **cache)
+
+
+def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None) -> Any:
+    """Opens whatever ``source`` names as one reader with the `.atp` reader interface.
+
+    ``remote`` holds ``cache_dir``, ``cache_bytes`` and ``prefetch_shards``.
+    """
+    remote = remote or {}
+    cache = {k: remote[k] for k in ("cache_dir", "cache_bytes") if remote.get(k) is not None}
     if _is_reader(source):
         return source
-    if url_scheme(source) is not None:  # never a local path: the one URL rule
+    if isinstance(source, (list, tuple)) and source and all(_is_url(s) for s in source):
+        from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+
+        return open_remote_atp(url_range_readers(list(source)), name=str(source), **cache)
+    scheme = url_scheme(source)
+    if scheme is not None:  # never a local path: the one URL rule
         from pyg_atompack import hub
 
-        return hub.open_remote_atp(source, access=access)
+        prefetch = remote.get("prefetch_shards")
+        if scheme in ("http", "https") and not prefetch:
+            # plain HTTP(S): record by record through the bounded page cache by default
+            from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+
+            target = source + "manifest.json" if source.endswith("/") else source
+            return open_remote_atp(url_range_readers(target), name=source, **cache)
+        reader = hub.open_remote_atp(source, access=access)
+        if prefetch is False:
+            if scheme != "hf":
+                raise ValueError(f"{source}: prefetch_shards=False (reads by record) is "
+                                 "available for hf:// and http(s):// sources")
+            return _by_record(reader, source, cache)
+        return reader
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("AtompackDataset needs at least one .atp file, got an empty list")
@@ -109,9 +146,12 @@ class AtompackDataset(Dataset):
             order), a URL: ``"hf://datasets/{repo_id}@{revision}/{path}"`` (see
             :meth:`from_hub`), ``"http(s)://.../manifest.json"`` (or a ``.atp`` file, or a
             directory URL ending in ``/``), an object-store URL (``"s3://..."``) where its
-            backend is installed; remote shards are downloaded lazily and verified into
-            the cache (see :func:`pyg_atompack.hub.open_remote_atp`). Or an already open
-            reader.
+            backend is installed, or a list of ``http(s)`` `.atp` URLs. ``http(s)``
+            sources are read record by record through a bounded disk page cache
+            (``cache_dir``, ``cache_bytes``); ``hf://`` and object-store shards are
+            downloaded lazily and verified into the cache (see
+            :func:`pyg_atompack.hub.open_remote_atp`) unless ``prefetch_shards`` says
+            otherwise. Or an already open reader.
         fields (list[str], optional): The fields to materialise, e.g.
             ``["pos", "z", "energy", "forces"]``. Builtins may be named by field
             (``"positions"``) or attribute (``"pos"``); custom properties by key
@@ -143,6 +183,19 @@ class AtompackDataset(Dataset):
             and a float32 ``energy``, as :class:`torch_geometric.datasets.MD17`
             does, so a script written for it runs unchanged. ``rename`` entries
             apply on top. (default: :obj:`None`)
+        cache_dir (str, optional): For remote sources read by record (``http(s)://``
+            URLs, and ``hf://`` with ``prefetch_shards=False``): where the metadata
+            (header, schema, index) and the page cache live, shared by DataLoader
+            workers, ranks and later runs of one machine. (default:
+            ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        cache_bytes (int, optional): Bound on that page cache; least recently used
+            pages are evicted. (default: 8 GiB)
+        prefetch_shards (bool, optional): For remote sources: :obj:`True` downloads
+            a whole shard (verified) the first time a record in it is read, as
+            :meth:`from_hub` does; :obj:`False` fetches only the records read, through
+            the page cache (see "Big remote datasets" in the README; ``hf://`` and
+            ``http(s)://``). :obj:`None` keeps whole-shard downloads for ``hf://`` and
+            object stores and reads ``http(s)://`` sources by record. (default: :obj:`None`)
 
     Raises:
         pyg_atompack.pyg.FieldSelectionError: If a requested field exists in no
@@ -161,13 +214,18 @@ class AtompackDataset(Dataset):
         log: bool = True,
         rename: Mapping[str, str] | None = None,
         names: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | None = None,
+        prefetch_shards: bool | None = None,
     ) -> None:
         self.names = resolve_names(rename, names)
         if fields is not None and self.names is not None:
             fields = [fields] if isinstance(fields, str) else fields
             fields = [self.names.stored_name(name) for name in fields]
         self._source_repr = _describe(source)
-        self._reader = _open_source(source, access)
+        self._reader = _open_source(source, access, {
+            "cache_dir": cache_dir, "cache_bytes": cache_bytes,
+            "prefetch_shards": prefetch_shards})
         self._reader_pid = _current_pid
         self.access = access
         self.dtype = dtype
@@ -215,7 +273,9 @@ class AtompackDataset(Dataset):
                 huggingface_hub's configured endpoint (``HF_ENDPOINT``).
                 (default: :obj:`None`)
             **kwargs: Forwarded to :class:`AtompackDataset` (``fields``,
-                ``transform``, ``dtype``, ``access``, ...).
+                ``transform``, ``dtype``, ``access``, ...). ``prefetch_shards=False``
+                reads records through the page cache under ``cache_dir`` (bounded by
+                ``cache_bytes``) instead of downloading whole shards.
 
         Returns:
             AtompackDataset: The dataset.
@@ -226,8 +286,13 @@ class AtompackDataset(Dataset):
             repo_id, path_in_repo, revision=revision, cache_dir=cache_dir, token=token,
             endpoint=endpoint, access=kwargs.get("access", "auto"),
         )
-        dataset = cls(reader, **kwargs)
         pinned = getattr(reader, "revision", None) or revision
+        prefetch_shards = kwargs.pop("prefetch_shards", None)
+        cache_bytes = kwargs.pop("cache_bytes", None)
+        if prefetch_shards is False:  # by record, through the page cache in cache_dir
+            reader = _by_record(reader, f"hf://datasets/{repo_id}@{pinned}/{path_in_repo}",
+                                {"cache_dir": cache_dir, "cache_bytes": cache_bytes})
+        dataset = cls(reader, **kwargs)
         revision_part = f"@{pinned}" if pinned else ""
         dataset._source_repr = repr(f"hf://datasets/{repo_id}{revision_part}/{path_in_repo}")
         return dataset

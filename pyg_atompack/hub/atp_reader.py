@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from pyg_atompack.hub._reorder import reorder_flat
 from pyg_atompack.hub.errors import (
     HubIntegrityError,
     HubNoShardsError,
@@ -112,6 +111,7 @@ class HubAtpReader:
         self._shard_locks: dict[int, threading.Lock] = {}
         self._n_atoms: np.ndarray | None = None
         self._fields: dict | None = None
+        self._core: Any = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -248,12 +248,13 @@ class HubAtpReader:
     def read_batch(self, indices: Any, fields: Any = None) -> dict:
         """Decode several molecules into flat arrays, as ``atp`` readers do.
 
-        Molecules of one shard are decoded by one call into that shard whatever
-        the order of ``indices``; the pieces are joined by the format layer's
-        own rules (fields resolved against the union of all shards' schemas,
-        so a field missing from a shard is zero-filled and masked), then put
-        back in the requested order. The result equals ``atp.open`` on a local
-        copy of the same shards.
+        The global index and the batching are :class:`pyg_atompack.atp.ShardedReader`'s
+        (one multi-shard core for local, Hub and HTTP data): molecules of one shard are
+        decoded by one call into that shard whatever the order of ``indices`` (the
+        shard is downloaded first if needed), fields are resolved against the union of
+        all shards' schemas (a field missing from a shard is zero-filled and masked),
+        and the result is put back in the requested order. It equals ``atp.open`` on a
+        local copy of the same shards.
 
         Args:
             indices: Global molecule indices (negative allowed, repeats allowed).
@@ -262,27 +263,19 @@ class HubAtpReader:
         Returns:
             The flat dict described in ``docs/architecture.md``.
         """
-        from pyg_atompack.atp import batch as atp_batch
-
         idx = self._global_indices(indices)
-        infos = atp_batch.resolve_fields(self.fields, fields, self._name)
-        if not len(idx):
-            return atp_batch.read_batch(self.shard_reader(0), idx, infos)
-        shard_of = np.searchsorted(self._offsets, idx, side="right") - 1
-        order = np.argsort(shard_of, kind="stable")  # grouped by shard, stable inside
-        grouped = shard_of[order]
-        cuts = np.flatnonzero(np.diff(grouped)) + 1
-        parts = []
-        for run in np.split(order, cuts):
-            shard = int(shard_of[run[0]])
-            local = idx[run] - self._offsets[shard]
-            parts.append(atp_batch.read_batch(self.shard_reader(shard), local, infos))
-        flat = atp_batch.concat_batches(parts)
-        if np.array_equal(order, np.arange(len(order))):
-            return flat
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        return reorder_flat(flat, inverse)
+        return self._sharded().read_batch(idx, fields)
+
+    def _sharded(self) -> Any:
+        """The :class:`~pyg_atompack.atp.ShardedReader` over this reader's lazy shards."""
+        if self._core is None:
+            from pyg_atompack.atp import ShardedReader
+
+            core = ShardedReader.from_readers(
+                [_LazyShard(self, shard) for shard in range(len(self.shards))], name=self._name)
+            core._fields = self.fields  # fetched in parallel, by this reader
+            self._core = core
+        return self._core
 
     @property
     def _name(self) -> str:
@@ -358,13 +351,43 @@ class HubAtpReader:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for name in ("_readers", "_lock", "_shard_locks", "_n_atoms", "_fields"):
+        for name in ("_readers", "_lock", "_shard_locks", "_n_atoms", "_fields", "_core"):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_runtime()
+
+
+class _LazyShard:
+    """Shard opener for :class:`~pyg_atompack.atp.ShardedReader`: a Hub shard that is
+    downloaded (verified) on its first read; its length comes from the remote header."""
+
+    def __init__(self, owner: HubAtpReader, shard: int) -> None:
+        self.owner = owner
+        self.shard = shard
+        self.name = owner.shards[shard].describe()
+
+    def __len__(self) -> int:
+        return int(self.owner.headers[self.shard]["num_molecules"])
+
+    def __getitem__(self, index: int) -> Any:
+        return self.owner.shard_reader(self.shard)[index]
+
+    @property
+    def fields(self) -> dict:
+        return self.owner._shard_fields(self.shard)
+
+    @property
+    def n_atoms(self) -> np.ndarray:
+        start, stop = self.owner._offsets[self.shard:self.shard + 2]
+        return self.owner.n_atoms[start:stop]
+
+    def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
+        from pyg_atompack.atp import batch as atp_batch
+
+        return atp_batch.read_batch(self.owner.shard_reader(self.shard), indices, infos)
 
 
 def open_hub_atp(

@@ -19,10 +19,18 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
+from pyg_atompack.stream.blocks import (
+    DEFAULT_BLOCK_BYTES,
+    BlockLoader,
+    BlockPlan,
+    plan_block_stream,
+    plan_source_blocks,
+    wants_blocks,
+)
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
-from pyg_atompack.stream.ordering import group_items, mix_across_shards, shard_samples
+from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.retry import RetryPolicy
@@ -136,6 +144,26 @@ class ShardStreamDataset(IterableDataset):
             (default: :obj:`None`)
         names: A naming preset such as ``"pyg-md17"`` (``force``, float32 ``energy``).
             (default: :obj:`None`)
+        blocks: Stream ``.atp`` shards as *record blocks* of consecutive records instead
+            of whole files (see :mod:`pyg_atompack.stream.blocks`): each block is one
+            range request of at most ``block_bytes``, decoded in place, and blocks take
+            the place of shards in ordering, prefetch (``prefetch`` and ``concurrency``
+            count blocks), splitting (exact, at record granularity), traces, retries and
+            resume, so memory is bounded by ``(prefetch + 1) * block_bytes`` whatever the
+            shard size, and the first sample waits for one block. :obj:`None` (auto)
+            uses blocks when every shard is an ``.atp`` file of known size that the
+            source reads by range (local files, HTTP(S), the Hub, or a source with a
+            ``range_reader(shard)`` method) and one is larger than ``block_bytes``;
+            small shards keep whole-file reads.
+            (default: :obj:`None`)
+        block_bytes: Largest file span of a block. (default: 64 MiB)
+        interleave: Shards (or blocks) consumed at once, each next sample drawn from
+            one of them at random (:func:`~pyg_atompack.stream.ordering.interleave_shards`),
+            before the ``shuffle_buffer``. Up to ``prefetch + interleave`` decoded
+            shards are alive. (default: :obj:`1`)
+        cache_dir: Where the metadata (header, schema, index) of block-streamed shards
+            is cached, shared by workers, ranks and later runs. (default:
+            ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -148,10 +176,13 @@ class ShardStreamDataset(IterableDataset):
                  world_size: int | None = None, trace_dir: str | os.PathLike | None = None,
                  trim_memory: bool = True, lazy_decode: bool = True,
                  split_first: bool = True, rename: Mapping[str, str] | None = None,
-                 names: str | None = None):
+                 names: str | None = None, blocks: bool | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
+                 cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0:
-            raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
+        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1:
+            raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0 and "
+                             "interleave >= 1")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
@@ -168,6 +199,13 @@ class ShardStreamDataset(IterableDataset):
         self.shards: tuple[ShardInfo, ...] = tuple(source.list_shards())
         if not self.shards:
             raise ShardFetchError(f"{source!r} lists no shards")
+        self.block_bytes = int(block_bytes)
+        self.interleave = int(interleave)
+        self.cache_dir = cache_dir
+        # the block table is small (a few numbers per block) and pickled into workers;
+        # each worker reads the shards' metadata from the disk cache filled here
+        self.blocks = (plan_source_blocks(source, self.shards, self.block_bytes, cache_dir)
+                       if wants_blocks(source, self.shards, self.block_bytes, blocks) else None)
         self.prefetch = prefetch
         self.concurrency = concurrency
         self.shuffle = shuffle
@@ -223,7 +261,7 @@ class ShardStreamDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return StreamSlot(rank, world_size, worker, num_workers)
 
-    def plan(self, slot: StreamSlot | None = None) -> StreamPlan:
+    def plan(self, slot: StreamSlot | None = None) -> StreamPlan | BlockPlan:
         """The shards and sample quota of ``slot`` (default: this process) this epoch.
 
         Args:
@@ -234,6 +272,9 @@ class ShardStreamDataset(IterableDataset):
             The shards, in reading order, assigned to the slot for the current
             :attr:`epoch`, and the number of samples it may hand out.
         """
+        if self.blocks is not None:
+            return plan_block_stream(self.blocks, slot or self.slot(), shuffle=self.shuffle,
+                                     seed=self.seed, epoch=self.epoch)
         return plan_stream([s.records for s in self.shards], slot or self.slot(),
                            shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
                            batch_size=self.batch_size)
@@ -252,7 +293,8 @@ class ShardStreamDataset(IterableDataset):
             The state, to pass to :meth:`load_state_dict`.
         """
         progress = self._progress or StreamProgress(self.epoch, self.slot())
-        return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle}
+        return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
+                "block_bytes": self.block_bytes if self.blocks is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the next iteration at the first unread shard and sample of ``state``.
@@ -265,6 +307,10 @@ class ShardStreamDataset(IterableDataset):
         """
         if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
             raise ValueError("state_dict was saved with a different seed or shuffle setting")
+        blocks = self.block_bytes if self.blocks is not None else None
+        if state.get("block_bytes", blocks) != blocks:
+            raise ValueError("state_dict was saved with different record blocks "
+                             f"(block_bytes {state.get('block_bytes')}, now {blocks})")
         self._resume = StreamProgress.from_state(state)
         self.epoch = self._resume.epoch
 
@@ -286,15 +332,20 @@ class ShardStreamDataset(IterableDataset):
         self._recorder, self._progress = recorder, progress
         return self._generate(plan, slot, progress, recorder)
 
-    def _generate(self, plan: StreamPlan, slot: StreamSlot, progress: StreamProgress,
+    def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder) -> Iterator[BaseData]:
         jobs = [(position, shard) for position, shard in enumerate(plan.shards)
                 if not progress.is_complete(position)]
         quota = None if plan.sample_quota is None else plan.sample_quota - progress.samples_emitted
         if quota is not None and quota <= 0:
             jobs = []
-        loader = ShardLoader(self.source, self.shards, trusted=self.trusted, verify=self.verify,
-                             on_error=self.on_error, lazy_decode=self.lazy_decode)
+        if isinstance(plan, BlockPlan):
+            loader = BlockLoader(self.source, self.shards, plan, cache_dir=self.cache_dir,
+                                 on_error=self.on_error)
+        else:
+            loader = ShardLoader(self.source, self.shards, trusted=self.trusted,
+                                 verify=self.verify, on_error=self.on_error,
+                                 lazy_decode=self.lazy_decode)
         # the first shard has nothing to overlap with: with several connections allowed
         # it is fetched over all of them at once, as byte ranges, before any other starts
         split = self.concurrency if self.split_first and jobs else 1
@@ -307,11 +358,12 @@ class ShardStreamDataset(IterableDataset):
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
         handed = 0
         try:
-            items = shard_samples(iter(prefetcher), progress, pending, shuffle=self.shuffle,
-                                  seed=self.seed, epoch=self.epoch,
-                                  transform=names_transform(self.names, self.transform),
-                                  detach=self.shuffle_buffer > 0)
             mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
+            items = interleave_shards(iter(prefetcher), self.interleave, mixing, progress,
+                                      pending, shuffle=self.shuffle, seed=self.seed,
+                                      epoch=self.epoch,
+                                      transform=names_transform(self.names, self.transform),
+                                      detach=self.shuffle_buffer > 0)
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
             trim_due = False
             untrimmed_bytes = 0  # shard bytes consumed since the last trim

@@ -92,6 +92,51 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         sample = None
 
 
+def interleave_shards(shards: Iterable[LoadedShard], width: int, rng: np.random.Generator,
+                      progress: StreamProgress, pending: dict[int, int],
+                      **options) -> Iterator[Item]:
+    """Draw samples from ``width`` shards (or record blocks) at once, in random turns.
+
+    Each shard's samples come in their :func:`shard_samples` order; every next sample is
+    taken from one of the ``width`` open shards picked by ``rng``, and a finished shard
+    is replaced by the next one. Consecutive samples therefore come from different parts
+    of the dataset, at the cost of holding ``width`` decoded shards instead of one.
+
+    Args:
+        shards: Decoded shards in stream order.
+        width: Shards open at once; ``1`` is :func:`shard_samples` unchanged.
+        rng: Picks the shard each sample comes from.
+        progress: Resume state (see :func:`shard_samples`).
+        pending: Filled as by :func:`shard_samples`.
+        **options: ``shuffle``, ``seed``, ``epoch``, ``transform``, ``detach`` of
+            :func:`shard_samples`.
+
+    Yields:
+        ``(position, index in shard, sample)``.
+    """
+    if width <= 1:
+        yield from shard_samples(shards, progress, pending, **options)
+        return
+    upcoming = iter(shards)
+    active: list[Iterator[Item]] = []
+    while True:
+        while len(active) < width:
+            shard = next(upcoming, None)
+            if shard is None:
+                break
+            active.append(shard_samples(iter([shard]), progress, pending, **options))
+            del shard
+        if not active:
+            return
+        pick = int(rng.integers(len(active))) if len(active) > 1 else 0
+        item = next(active[pick], None)
+        if item is None:
+            active.pop(pick)
+            continue
+        yield item
+        del item
+
+
 def mix_across_shards(items: Iterable[Item], buffer_size: int,
                       rng: np.random.Generator) -> Iterator[Item]:
     """Mix items from neighbouring shards through a buffer of ``buffer_size`` items.

@@ -11,7 +11,11 @@ resumable downloads and verification, and raises one error family
 * :mod:`~pyg_atompack.transport.retry`: the one :class:`RetryPolicy`;
 * :mod:`~pyg_atompack.transport.integrity`: the one size + sha256 check;
 * :mod:`~pyg_atompack.transport.buffers`: download targets (memory maps, parts, files);
-* :mod:`~pyg_atompack.transport.urls`: which backend serves which URL scheme.
+* :mod:`~pyg_atompack.transport.urls`: which backend serves which URL scheme;
+* :mod:`~pyg_atompack.transport.ranges`, :mod:`~pyg_atompack.transport.atp_meta`,
+  :mod:`~pyg_atompack.transport.block_cache`, :mod:`~pyg_atompack.transport.remote_atp`:
+  record-level reads of big remote `.atp` files (range readers, the metadata cache, the
+  bounded disk page cache).
 """
 
 from pyg_atompack.transport.errors import (
@@ -40,4 +44,23 @@ __all__ = [
     "UnsupportedURLError",
     "RetryPolicy",
     "redact_url",
+    "RangeReader",
+    "FileRangeReader",
+    "URLRangeReader",
+    "HubRangeReader",
+    "BlockCache",
+    "RemoteAtpReader",
+    "open_remote_atp",
+    "load_meta",
 ]
+
+# record blocks and bounded caches for big remote .atp files (issue 14)
+from pyg_atompack.transport.atp_meta import load_meta  # noqa: E402
+from pyg_atompack.transport.block_cache import BlockCache  # noqa: E402
+from pyg_atompack.transport.ranges import (  # noqa: E402
+    FileRangeReader,
+    HubRangeReader,
+    RangeReader,
+    URLRangeReader,
+)
+from pyg_atompack.transport.remote_atp import RemoteAtpReader, open_remote_atp  # noqa: E402

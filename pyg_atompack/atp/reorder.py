@@ -1,6 +1,7 @@
 """Permute the molecules of a ``read_batch`` result.
 
 A batch spanning several shards is read with one ``read_batch`` call per shard
+(:meth:`pyg_atompack.atp.ShardedReader.read_batch`)
 (so each shard decodes its records in one go, however the indices interleave);
 the joined result is in shard order and is put back into the requested order
 here, with one vectorised gather per array.

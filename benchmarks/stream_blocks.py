@@ -1,0 +1,497 @@
+"""Benchmark: record blocks and the block cache on multi-GB remote `.atp` files.
+
+Files (written once under ``benchmarks/_work/stream_blocks/``, git-ignored): ``big4g.atp``
+(>= 4 GB), ``big1g.atp`` (~1 GB) and four ~128 MB shards, all of ~17 KB molecules
+(``tests/big_atp.py``). They are served by the loopback ``ShardServer``
+(``tests/servers/http_server.py``), in its own process, once unthrottled and once with a
+per-connection bandwidth limit. Every measurement runs in a fresh child process (so
+that its peak RSS is its own).
+
+(a) peak RSS growth while streaming blocks, vs ``block_bytes`` and prefetch ``k``, on
+    the 1 GB and the 4 GB file (target ``<= (k + 1) * block_bytes + 20%``), and of
+    whole-shard streaming of the 1 GB file for comparison;
+(b) time to first sample on the throttled server, including the (cold) metadata fetch,
+    blocks vs whole-shard (``split_first`` over 4 connections);
+(c) steady-state samples/s on the four 128 MB shards at D/C = 1 (one shard's download
+    over one connection takes as long as the consumer's compute for it, a sleep per
+    sample): blocks vs whole shards vs local mmap reads of the same files;
+(d) random access through the page cache (AtompackLoader, shuffled batches of 64, two
+    epochs) over one 128 MB shard at cache sizes of 5/25/100% of the file: samples/s of
+    the second epoch and bytes downloaded per sample;
+(e) shuffle quality: the distances in stored order between consecutive samples of one
+    epoch of the 4 GB file (the real planning and ordering functions, without decoding),
+    against a global permutation.
+
+Run: ``.venv/bin/python benchmarks/stream_blocks.py [--quick]``; writes
+``benchmarks/results/stream_blocks.md`` (+ ``.json``) and
+``benchmarks/figures/stream_blocks.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+WORK = HERE / "_work" / "stream_blocks"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MiB = 1 << 20
+SLEEP_PER_SAMPLE = 0.0005  # the consumer's "training step" in (c)
+
+
+# ------------------------------------------------------------------ data and server
+def build_files() -> dict[str, int]:
+    from big_atp import write_big_atp, write_manifest
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    plan = {"big4g.atp": 64 * 3900, "big1g.atp": 64 * 960}
+    plan.update({f"part{k}.atp": 64 * 120 for k in range(4)})
+    counts = {}
+    for seed, (name, records) in enumerate(plan.items()):
+        path = WORK / name
+        if not path.exists():
+            print(f"writing {name} ...", flush=True)
+            temp = path.with_suffix(".tmp")
+            temp.unlink(missing_ok=True)
+            counts[name] = write_big_atp(temp, records, seed=seed)
+            temp.rename(path)
+        else:
+            counts[name] = records
+    write_manifest(WORK, list(plan), [counts[n] for n in plan])
+    for k in range(4):  # a manifest of the four small shards alone
+        (WORK / "parts").mkdir(exist_ok=True)
+        link = WORK / "parts" / f"part{k}.atp"
+        if not link.exists():
+            os.link(WORK / f"part{k}.atp", link)
+    write_manifest(WORK / "parts", [f"part{k}.atp" for k in range(4)], [64 * 120] * 4)
+    return counts
+
+
+def _serve(root: str, bandwidth: float | None, queue) -> None:
+    from servers.http_server import ShardServer
+
+    server = ShardServer(root, bandwidth=bandwidth)
+    queue.put(server.server_address[1])
+    server.serve_forever(poll_interval=0.05)
+
+
+class ServerProcess:
+    """The shard server in a child process, so its pacing never competes for our GIL."""
+
+    def __init__(self, root: Path, bandwidth: float | None):
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        self.process = context.Process(target=_serve, args=(str(root), bandwidth, queue),
+                                       daemon=True)
+        self.process.start()
+        self.base_url = f"http://127.0.0.1:{queue.get(timeout=30)}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(5)
+
+
+# ------------------------------------------------------------------ child measurements
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+class RssSampler:
+    """Peak resident-set growth over a run, sampled every 5 ms."""
+
+    def __init__(self) -> None:
+        self.baseline = _rss()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def child_stream(spec: dict) -> dict:
+    """Stream ``spec["limit"]`` samples; RSS growth, time to first sample, samples/s."""
+    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+
+    started = time.perf_counter()
+    source = HTTPSource(spec["url"])
+    if spec.get("only"):
+        source._shards = tuple(s for s in source.list_shards() if s.name == spec["only"])
+    dataset = ShardStreamDataset(source, prefetch=spec["k"], concurrency=spec.get("c", 1),
+                                 blocks=spec["blocks"], block_bytes=spec.get("block", 64 * MiB),
+                                 cache_dir=spec["cache"])
+    opened = time.perf_counter()
+    count, first = 0, None
+    with RssSampler() as rss:
+        for _ in dataset:
+            if first is None:
+                first = time.perf_counter()
+            count += 1
+            if spec.get("sleep"):
+                time.sleep(spec["sleep"])
+            if count >= spec["limit"]:
+                break
+        ended = time.perf_counter()
+    return {"open_s": opened - started, "first_s": first - started, "count": count,
+            "rate": (count - 1) / max(ended - first, 1e-9), "total_s": ended - started,
+            "rss_growth": rss.peak - rss.baseline}
+
+
+def child_local(spec: dict) -> dict:
+    """Local mmap reads of the same files, with the same per-sample consumer."""
+    from pyg_atompack import atp
+    from pyg_atompack.pyg import record_to_data
+
+    started = time.perf_counter()
+    count = 0
+    for path in spec["paths"]:
+        with atp.open(path) as reader:
+            for i in range(len(reader)):
+                record_to_data(reader[i])
+                count += 1
+                time.sleep(spec["sleep"])
+    return {"count": count, "rate": count / (time.perf_counter() - started)}
+
+
+def child_random(spec: dict) -> dict:
+    """Two shuffled epochs through the page cache; rate of the second, bytes per sample."""
+    import torch
+
+    from pyg_atompack import AtompackDataset, AtompackLoader
+
+    dataset = AtompackDataset(spec["url"], cache_dir=spec["cache"],
+                              cache_bytes=spec["cache_bytes"])
+    reader = dataset.reader
+    rates = []
+    for epoch in range(2):
+        loader = AtompackLoader(dataset, batch_size=64, shuffle=True,
+                                generator=torch.Generator().manual_seed(epoch))
+        started = time.perf_counter()
+        count = sum(batch.num_graphs for batch in loader)
+        rates.append(count / (time.perf_counter() - started))
+    stats = reader.cache.stats
+    return {"rate_epoch2": rates[1], "rate_epoch1": rates[0],
+            "bytes_per_sample": stats["fetched_bytes"] / (2 * len(dataset)),
+            "requests": stats["requests"], "disk_bytes": reader.cache.disk_bytes(),
+            "record_bytes": float(reader.index["stored"].mean())}
+
+
+def run_child(kind: str, spec: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(spec)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{kind} {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ (e) shuffle quality
+def shuffle_distances(path: Path, block: int, interleave: int, buffer: int) -> np.ndarray:
+    from types import SimpleNamespace
+
+    from pyg_atompack.atp.images import plan_blocks
+    from pyg_atompack.stream.blocks import Block, plan_block_stream
+    from pyg_atompack.stream.ordering import interleave_shards, mix_across_shards
+    from pyg_atompack.stream.progress import StreamProgress
+    from pyg_atompack.stream.splitting import StreamSlot
+    from pyg_atompack.transport.atp_meta import load_meta
+    from pyg_atompack.transport.ranges import FileRangeReader
+
+    meta = load_meta(FileRangeReader(path), WORK / "cache-e")
+    bounds = plan_blocks(meta, block).tolist()
+    blocks = [Block(0, a, b, a) for a, b in zip(bounds[:-1], bounds[1:])]
+    slot = StreamSlot()
+    plan = plan_block_stream(blocks, slot, shuffle=True, seed=0, epoch=0)
+    shards = (SimpleNamespace(position=p, index=b.global_first,
+                              samples=range(b.first, b.stop))
+              for p, b in enumerate(plan.blocks))
+    rng = np.random.default_rng([0, 0, 0, 0, 11])
+    items = interleave_shards(shards, interleave, rng, StreamProgress(0, slot), {},
+                              shuffle=True, seed=0, epoch=0, transform=None)
+    order = np.fromiter((sample for _, _, sample in mix_across_shards(items, buffer, rng)),
+                        dtype=np.int64)
+    return np.abs(np.diff(order))
+
+
+# ------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default="abcd",
+                        help="measurements to (re)run; the others are taken from the last "
+                             "run's benchmarks/_work/stream_blocks/partial.json")
+    parser.add_argument("--steady-only", type=int, default=0, metavar="REPS",
+                        help="rerun only (c), with REPS interleaved repetitions, into "
+                             "results/stream_blocks_steady.json")
+    args = parser.parse_args()
+    if args.steady_only:
+        steady_only(args.steady_only)
+        return
+    counts = build_files()
+    sizes = {name: (WORK / name).stat().st_size for name in counts}
+    bandwidth = 17e6  # bytes/s per connection; ~ one 128 MB shard per 7.5 s
+    record_bytes = sizes["part0.atp"] / counts["part0.atp"]
+    sleep = SLEEP_PER_SAMPLE
+    # D/C = 1: one shard over one connection takes as long as its samples' sleeps
+    dc_bandwidth = record_bytes / sleep
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "uptime": os.popen("uptime").read().strip(), "sizes": sizes,
+                     "record_bytes": record_bytes, "quick": args.quick}
+    partial_path = WORK / "partial.json"
+    partial = json.loads(partial_path.read_text()) if partial_path.exists() else {}
+    results.update({k: v for k, v in partial.items() if k in (
+        "rss", "rss_whole_1g_mib", "ttfs", "steady", "dc_bandwidth", "random")})
+    free = ServerProcess(WORK, None)
+    slow = ServerProcess(WORK, bandwidth)
+    dc = ServerProcess(WORK / "parts", dc_bandwidth)
+    try:
+        cache = tempfile.mkdtemp(prefix="stream-blocks-")
+        # (a) RSS growth
+        rss = []
+        if "a" not in args.parts:
+            rss = None
+        for name in ("big1g.atp", "big4g.atp") if rss is not None else ():
+            for block in (16 * MiB, 64 * MiB):
+                for k in (1, 3):
+                    limit = int((k + 4) * block / record_bytes)
+                    spec = {"url": f"{free.base_url}/manifest.json", "only": name, "k": k,
+                            "blocks": True, "block": block, "cache": cache, "limit": limit}
+                    got = run_child("stream", spec)
+                    rss.append({"file": name, "block_mib": block // MiB, "k": k,
+                                "growth_mib": got["rss_growth"] / MiB,
+                                "target_mib": 1.2 * (k + 1) * block / MiB})
+                    print("a", rss[-1], flush=True)
+        if rss is not None:
+            whole = run_child("stream", {"url": f"{free.base_url}/manifest.json",
+                                         "only": "big1g.atp", "k": 1, "blocks": False,
+                                         "cache": cache, "limit": counts["big1g.atp"]})
+            results["rss"] = rss
+            results["rss_whole_1g_mib"] = whole["rss_growth"] / MiB
+            print("a whole", whole, flush=True)
+            _save(partial_path, results)
+        # (b) time to first sample (cold metadata cache each time)
+        ttfs = {}
+        for name in ("big1g.atp", "big4g.atp") if "b" in args.parts else ():
+            got = run_child("stream", {"url": f"{slow.base_url}/manifest.json", "only": name,
+                                       "k": 1, "blocks": True, "cache": tempfile.mkdtemp(),
+                                       "limit": 1})
+            index_bytes = 8 + 20 * counts[name]
+            ttfs[name] = {"blocks_s": got["first_s"], "metadata_s": got["open_s"],
+                          "one_block_plus_meta_s": (64 * MiB + index_bytes + 8192) / bandwidth}
+            print("b", name, ttfs[name], flush=True)
+        if "b" in args.parts:
+            got = run_child("stream", {"url": f"{slow.base_url}/manifest.json",
+                                       "only": "big1g.atp", "k": 1, "c": 4, "blocks": False,
+                                       "cache": cache, "limit": 1})
+            ttfs["big1g.atp"]["whole_shard_s"] = got["first_s"]
+            ttfs["big4g.atp"]["whole_shard_estimate_s"] = sizes["big4g.atp"] / (4 * bandwidth)
+            results["ttfs"] = ttfs
+            print("b whole", got, flush=True)
+            _save(partial_path, results)
+        # (c) steady state at D/C = 1, arms interleaved
+        total = 4 * counts["part0.atp"]
+        steady = {"blocks": [], "whole": [], "local": []}
+        for _ in range(0 if "c" not in args.parts else 1 if args.quick else 2):
+            base = {"url": f"{dc.base_url}/manifest.json", "k": 1, "cache": cache,
+                    "limit": total, "sleep": sleep}
+            steady["blocks"].append(run_child("stream", {**base, "blocks": True,
+                                                         "block": 32 * MiB})["total_s"])
+            steady["whole"].append(run_child("stream", {**base, "blocks": False})["total_s"])
+            steady["local"].append(total / run_child("local", {
+                "paths": [str(WORK / f"part{k}.atp") for k in range(4)],
+                "sleep": sleep})["rate"])
+            print("c", {k: v[-1] for k, v in steady.items()}, flush=True)
+        if "c" in args.parts:
+            results["steady"] = {k: {"total_s": float(np.median(v)),
+                                     "samples_per_s": total / float(np.median(v)),
+                                     "runs_s": v} for k, v in steady.items()}
+            results["dc_bandwidth"] = dc_bandwidth
+            _save(partial_path, results)
+        # (d) random access through the cache
+        random_access = []
+        for fraction in (0.05, 0.25, 1.0) if "d" in args.parts else ():
+            got = run_child("random", {"url": f"{free.base_url}/part0.atp",
+                                       "cache": tempfile.mkdtemp(),
+                                       "cache_bytes": int(fraction * sizes["part0.atp"]) + MiB})
+            random_access.append({"fraction": fraction, **got})
+            print("d", random_access[-1], flush=True)
+        if "d" in args.parts:
+            results["random"] = random_access
+            _save(partial_path, results)
+    finally:
+        free.stop()
+        slow.stop()
+        dc.stop()
+    # (e) shuffle quality
+    quality = {}
+    n = counts["big4g.atp"]
+    glob = np.abs(np.diff(np.random.default_rng(0).permutation(n)))
+    quality["global permutation"] = glob
+    for interleave, buffer in ((1, 0), (1, 10000), (4, 10000)):
+        label = f"blocks 64 MiB, interleave={interleave}, shuffle_buffer={buffer}"
+        quality[label] = shuffle_distances(WORK / "big4g.atp", 64 * MiB, interleave, buffer)
+    results["shuffle"] = {label: {"median": float(np.median(d)),
+                                  "below_1000": float((d < 1000).mean()),
+                                  "below_records_per_block": float(
+                                      (d < 64 * MiB / record_bytes).mean())}
+                          for label, d in quality.items()}
+    write_outputs(results, quality)
+
+
+def _save(path: Path, results: dict) -> None:
+    path.write_text(json.dumps(results, indent=1))
+
+
+def steady_only(reps: int) -> None:
+    """(c) alone: blocks (k=1 and k=4, the lookahead bytes of one whole shard) vs whole
+    shards (k=1) vs local mmap, ``reps`` interleaved repetitions, rotating the order."""
+    counts = build_files()
+    record_bytes = (WORK / "part0.atp").stat().st_size / counts["part0.atp"]
+    dc = ServerProcess(WORK / "parts", record_bytes / SLEEP_PER_SAMPLE)
+    total = 4 * counts["part0.atp"]
+    cache = tempfile.mkdtemp(prefix="stream-blocks-")
+    base = {"url": f"{dc.base_url}/manifest.json", "cache": cache, "limit": total,
+            "sleep": SLEEP_PER_SAMPLE}
+    arms = {
+        "blocks k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": True,
+                                                   "block": 32 * MiB})["total_s"],
+        "blocks k=4": lambda: run_child("stream", {**base, "k": 4, "blocks": True,
+                                                   "block": 32 * MiB})["total_s"],
+        "whole k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": False})["total_s"],
+        "local mmap": lambda: total / run_child("local", {
+            "paths": [str(WORK / f"part{k}.atp") for k in range(4)],
+            "sleep": SLEEP_PER_SAMPLE})["rate"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    try:
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                times[name].append(arms[name]())
+            print("c", rep, {k: v[-1] for k, v in times.items()}, flush=True)
+    finally:
+        dc.stop()
+    ratios = {name: float(np.median(np.asarray(times["whole k=1"]) / np.asarray(v)))
+              for name, v in times.items()}
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "uptime": os.popen("uptime").read().strip(), "times_s": times,
+           "median_ratio_to_whole": ratios, "samples": total}
+    (HERE / "results" / "stream_blocks_steady.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["median_ratio_to_whole"]))
+
+
+def write_outputs(results: dict, quality: dict) -> None:
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "stream_blocks.json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Record blocks and the block cache ({results['date']})", "",
+             f"Machine load: `{results['uptime']}`. Files: " + ", ".join(
+                 f"{k} {v / 1e9:.2f} GB" for k, v in results["sizes"].items()
+                 if not k.startswith("part")) + f", four shards of "
+             f"{results['sizes']['part0.atp'] / 1e6:.0f} MB; records "
+             f"{results['record_bytes'] / 1e3:.1f} kB." +
+             (" **Reduced run (--quick).**" if results["quick"] else ""), "",
+             "## (a) Peak RSS growth, blocks", "",
+             "| file | block_bytes | k | growth MiB | target (k+1)·block+20% |",
+             "|---|---:|---:|---:|---:|"]
+    for r in results["rss"]:
+        lines.append(f"| {r['file']} | {r['block_mib']} MiB | {r['k']} | "
+                     f"{r['growth_mib']:.0f} | {r['target_mib']:.0f} |")
+    lines += ["", f"Whole-shard streaming of big1g.atp (prefetch 1): "
+              f"{results['rss_whole_1g_mib']:.0f} MiB.", "",
+              "## (b) Time to first sample (17 MB/s per connection, cold metadata)", "",
+              "| file | blocks s | of which metadata s | target 2×(block+metadata) s | "
+              "whole shard s |", "|---|---:|---:|---:|---:|"]
+    for name, t in results["ttfs"].items():
+        whole = t.get("whole_shard_s")
+        whole = f"{whole:.1f}" if whole is not None else \
+            f"≈{t['whole_shard_estimate_s']:.0f} (size / 4 connections, not run)"
+        lines.append(f"| {name} | {t['blocks_s']:.2f} | {t['metadata_s']:.2f} | "
+                     f"{2 * t['one_block_plus_meta_s']:.2f} | {whole} |")
+    steady = results["steady"]
+    lines += ["", "## (c) Steady state at D/C = 1 (four shards)", "",
+              "| arm | samples/s | ratio to whole shards |", "|---|---:|---:|"]
+    for arm in ("blocks", "whole", "local"):
+        lines.append(f"| {arm} | {steady[arm]['samples_per_s']:.0f} | "
+                     f"{steady[arm]['samples_per_s'] / steady['whole']['samples_per_s']:.2f} |")
+    steady_file = HERE / "results" / "stream_blocks_steady.json"
+    if steady_file.exists():  # the interleaved rerun of (c) (--steady-only)
+        rerun = json.loads(steady_file.read_text())
+        lines += ["", f"Rerun of (c) alone, interleaved repetitions ({rerun['date']}, "
+                  f"`{rerun['uptime']}`), median of per-repetition ratios to whole shards:",
+                  "", "| arm | runs (s) | ratio |", "|---|---|---:|"]
+        for arm, runs in rerun["times_s"].items():
+            lines.append(f"| {arm} | {', '.join(f'{t:.1f}' for t in runs)} | "
+                         f"{rerun['median_ratio_to_whole'][arm]:.2f} |")
+    lines += ["", "## (d) Random access through the page cache (256 KiB pages)", "",
+              "| cache | samples/s epoch 1 | samples/s epoch 2 | downloaded bytes/sample "
+              "| requests |", "|---:|---:|---:|---:|---:|"]
+    for r in results["random"]:
+        lines.append(f"| {r['fraction']:.0%} | {r['rate_epoch1']:.0f} | "
+                     f"{r['rate_epoch2']:.0f} | {r['bytes_per_sample'] / 1e3:.0f} kB | "
+                     f"{r['requests']} |")
+    lines += ["", "## (e) Shuffle quality (distance in stored order between consecutive "
+              "samples, 4 GB file)", "", "| order | median | < 1000 | within one block's "
+              "record count |", "|---|---:|---:|---:|"]
+    for label, q in results["shuffle"].items():
+        lines.append(f"| {label} | {q['median']:.0f} | {q['below_1000']:.1%} | "
+                     f"{q['below_records_per_block']:.1%} |")
+    lines.append("")
+    lines.append("![shuffle and memory](../figures/stream_blocks.png)")
+    (HERE / "results" / "stream_blocks.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, distances in quality.items():
+        ordered = np.sort(distances) + 1
+        left.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
+    left.set_xscale("log")
+    left.set_xlabel("|index difference| + 1 between consecutive samples")
+    left.set_ylabel("fraction of consecutive pairs (CDF)")
+    left.set_title("(e) shuffle quality, one epoch of the 4 GB file")
+    left.legend(fontsize=7)
+    for name in ("big1g.atp", "big4g.atp"):
+        rows = [r for r in results["rss"] if r["file"] == name]
+        right.plot([f"{r['block_mib']}M k{r['k']}" for r in rows],
+                   [r["growth_mib"] for r in rows], "o-", label=f"{name} growth")
+    right.plot([f"{r['block_mib']}M k{r['k']}" for r in rows], [r["target_mib"] for r in rows],
+               "k--", label="target")
+    right.set_ylabel("peak RSS growth (MiB)")
+    right.set_title("(a) memory vs block_bytes and k")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    (HERE / "figures").mkdir(exist_ok=True)
+    fig.savefig(HERE / "figures" / "stream_blocks.png", dpi=120)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        kinds = {"stream": child_stream, "local": child_local, "random": child_random}
+        print(json.dumps(kinds[sys.argv[2]](json.loads(sys.argv[3]))))
+    else:
+        main()

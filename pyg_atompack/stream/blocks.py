@@ -1,0 +1,360 @@
+"""Record blocks: big `.atp` shards streamed as runs of consecutive records.
+
+A multi-GB `.atp` shard is never held whole. Its metadata (header, schema, index) is
+read once by range requests and cached on disk (:mod:`pyg_atompack.transport.atp_meta`),
+and its records are cut into *blocks* of consecutive records spanning at most
+``block_bytes`` of the file (:func:`pyg_atompack.atp.images.plan_blocks`). A block is
+fetched with one range request straight into its own buffer, wrapped into a small
+`.atp` image and decoded in place like a whole shard (no pickle). Blocks are the unit of
+everything the dataset does with shards: order, prefetch, traces, retries, resume.
+
+Splitting an epoch (:func:`plan_block_stream`): the blocks of all files are put in one
+order (permuted per epoch with a generator seeded by ``(seed, epoch)`` when shuffling),
+their records are concatenated, and the ``N`` records are cut into ``world_size`` equal
+stretches of ``N // world_size`` records, each split between the rank's DataLoader
+workers. Block boundaries that fall inside a stretch are cut there, at record
+granularity, so every record is read exactly once per epoch and every rank gets the
+same count. Only the ``N % world_size`` records at the end of the epoch's order are
+dropped (none when the count divides; a different few each epoch when shuffling).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyg_atompack import atp
+from pyg_atompack.atp.header import HEADER_SIZE
+from pyg_atompack.atp.images import FileMeta, block_span, complete_block, plan_blocks
+from pyg_atompack.stream.buffers import allocate
+from pyg_atompack.stream.errors import (
+    ShardDecodeError,
+    ShardFetchError,
+    StreamCancelled,
+    StreamError,
+)
+from pyg_atompack.stream.loading import LoadedShard, check_on_error
+from pyg_atompack.stream.payloads import _decode_atp
+from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
+from pyg_atompack.stream.splitting import StreamSlot
+from pyg_atompack.stream.trace import TraceRecorder
+from pyg_atompack.transport.atp_meta import load_meta
+from pyg_atompack.transport.ranges import FileRangeReader, RangeReader, URLRangeReader
+
+logger = logging.getLogger(__name__)
+
+#: Default largest file span of one block (one range request).
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Block:
+    """Records ``first:stop`` of shard ``shard`` (the unit of one range request).
+
+    Attributes:
+        shard: Index of the shard in the source listing.
+        first: First record in the shard.
+        stop: One past the last record.
+        global_first: Index of ``first`` among all records of the source.
+    """
+
+    shard: int
+    first: int
+    stop: int
+    global_first: int
+
+    @property
+    def records(self) -> int:
+        """Number of records."""
+        return self.stop - self.first
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What one stream reads in one epoch, in block mode.
+
+    Attributes:
+        blocks: The pieces to read, in order (blocks, some cut at the stream's ends).
+        shards: For traces, the number of every piece's whole block in the epoch's table.
+        sample_quota: Always :obj:`None`: the pieces hold exactly the stream's records.
+        dropped_records: Records nobody reads this epoch (``N % world_size``).
+    """
+
+    blocks: tuple[Block, ...]
+    shards: tuple[int, ...]
+    sample_quota: None = None
+    dropped_records: int = 0
+
+
+def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
+    """A range reader for one shard of ``source``, or None when it has none.
+
+    A source may offer ``range_reader(info)`` itself; :class:`LocalSource` shards and
+    the URL sources (:class:`HTTPSource`, :class:`HubSource`) get the adapters of
+    :mod:`pyg_atompack.transport.ranges`. A size is needed (from the listing).
+
+    Args:
+        source: The dataset's source.
+        info: One of its shards.
+
+    Returns:
+        The reader, or :obj:`None`.
+    """
+    own = getattr(source, "range_reader", None)
+    if callable(own):
+        return own(info)
+    from pyg_atompack.stream.http import URLShardSource
+    from pyg_atompack.stream.sources import LocalSource
+
+    if isinstance(source, LocalSource):
+        return FileRangeReader(info.location)
+    if isinstance(source, URLShardSource) and info.size is not None:
+        return URLRangeReader(info.location, size=info.size, sha256=info.sha256,
+                              headers=source.headers, retry=source.retry, name=info.location)
+    return None
+
+
+def wants_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,
+                 blocks: bool | None) -> bool:
+    """Whether a dataset streams record blocks rather than whole shards.
+
+    Args:
+        source: The dataset's source.
+        shards: Its listing.
+        block_bytes: Largest block span.
+        blocks: :obj:`True` / :obj:`False` to force; :obj:`None` (auto) chooses blocks
+            when every shard is an ``.atp`` file of known size that the source can read
+            by range (:func:`range_reader`) and at least one is larger than
+            ``block_bytes`` (so a dataset of small shards keeps whole-file reads).
+
+    Returns:
+        The decision.
+    """
+    if blocks is not None:
+        return blocks
+    atp_known = all(s.name.endswith(".atp") and s.size is not None for s in shards)
+    return (atp_known and any(s.size > block_bytes for s in shards)
+            and all(range_reader(source, s) is not None for s in shards))
+
+
+def plan_source_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,
+                       cache_dir: str | Path | None) -> list[Block]:
+    """Every block of every shard, in source order (fetches or reuses cached metadata).
+
+    Args:
+        source: The dataset's source.
+        shards: Its listing.
+        block_bytes: Largest block span.
+        cache_dir: Metadata cache root.
+
+    Returns:
+        The blocks.
+
+    Raises:
+        ShardFetchError: A shard has no range reads, or its metadata cannot be fetched.
+        ShardDecodeError: Its metadata is not valid `.atp` metadata.
+    """
+    blocks: list[Block] = []
+    offset = 0
+    for number, info in enumerate(shards):
+        reader = range_reader(source, info)
+        if reader is None or not info.name.endswith(".atp"):
+            raise ShardFetchError(f"shard {info.name}: record blocks need an .atp shard of "
+                                  f"known size from a source with range reads")
+        meta = _meta(reader, cache_dir, info)
+        bounds = plan_blocks(meta, block_bytes).tolist()
+        blocks.extend(Block(number, a, b, offset + a) for a, b in zip(bounds[:-1], bounds[1:]))
+        offset += len(meta)
+    return blocks
+
+
+def _meta(reader: RangeReader, cache_dir: str | Path | None, info: ShardInfo) -> FileMeta:
+    try:
+        return load_meta(reader, cache_dir)
+    except atp.AtpError as error:
+        raise ShardDecodeError(f"shard {info.name}: {error}") from error
+    except StreamError:
+        raise
+    except OSError as error:
+        raise ShardFetchError(f"shard {info.name}: metadata: {error}") from error
+
+
+def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: bool, seed: int,
+                      epoch: int) -> BlockPlan:
+    """The pieces of ``slot`` this epoch (see the module docstring for the split).
+
+    Args:
+        blocks: Every block of the source.
+        slot: The stream being planned.
+        shuffle: Permute the block order per epoch.
+        seed: Shared seed.
+        epoch: Epoch number.
+
+    Returns:
+        The :class:`BlockPlan`.
+    """
+    if shuffle:
+        order = np.random.default_rng([seed, epoch, 0xB10C]).permutation(len(blocks))
+    else:
+        order = np.arange(len(blocks))
+    counts = np.asarray([blocks[i].records for i in order], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    total = int(starts[-1])
+    per_rank = total // slot.world_size
+    rank_start = slot.rank * per_rank
+    lo = rank_start + per_rank * slot.worker // slot.num_workers
+    hi = rank_start + per_rank * (slot.worker + 1) // slot.num_workers
+    pieces: list[Block] = []
+    numbers: list[int] = []
+    first = int(np.searchsorted(starts, lo, side="right")) - 1
+    for position in range(max(first, 0), len(order)):
+        a, b = int(starts[position]), int(starts[position + 1])
+        if a >= hi:
+            break
+        cut_a, cut_b = max(a, lo) - a, min(b, hi) - a
+        if cut_b <= cut_a:
+            continue
+        block = blocks[int(order[position])]
+        pieces.append(Block(block.shard, block.first + cut_a, block.first + cut_b,
+                            block.global_first + cut_a))
+        numbers.append(int(order[position]))
+    return BlockPlan(tuple(pieces), tuple(numbers), None, total - per_rank * slot.world_size)
+
+
+class BlockLoader:
+    """Fetches and decodes the pieces of a :class:`BlockPlan` (one job per piece).
+
+    Args:
+        source: The dataset's source.
+        shards: Its listing.
+        plan: The stream's plan; job ``position`` is ``plan.blocks[position]``.
+        cache_dir: Metadata cache root.
+        on_error: ``"raise"`` or ``"skip"``.
+        metas_kept: Shard metadata kept in memory (most recently used).
+    """
+
+    def __init__(self, source: Source, shards: Sequence[ShardInfo], plan: BlockPlan, *,
+                 cache_dir: str | Path | None, on_error: str, metas_kept: int = 4):
+        self.source = source
+        self.shards = shards
+        self.plan = plan
+        self.cache_dir = cache_dir
+        self.on_error = check_on_error(on_error)
+        self._metas: OrderedDict[int, tuple[RangeReader, FileMeta]] = OrderedDict()
+        self._metas_kept = metas_kept
+
+    def _shard(self, number: int) -> tuple[RangeReader, FileMeta]:
+        found = self._metas.get(number)
+        if found is None:
+            info = self.shards[number]
+            reader = range_reader(self.source, info)
+            if reader is None:
+                raise ShardFetchError(f"shard {info.name}: the source offers no range reads")
+            found = (reader, _meta(reader, self.cache_dir, info))
+            self._metas[number] = found
+            while len(self._metas) > self._metas_kept:
+                self._metas.popitem(last=False)
+        self._metas.move_to_end(number)
+        return found
+
+    def load(self, position: int, number: int, cancel: CancelToken, recorder: TraceRecorder,
+             parts: int = 1) -> LoadedShard:
+        """Fetch piece ``position`` with one range request and decode it in place.
+
+        Args:
+            position: Position of the piece in the stream.
+            number: Its block's number (for the trace).
+            cancel: Cancellation of the iteration.
+            recorder: Receives the download / decode times.
+            parts: Range requests the block is fetched over at once (the first block of
+                an iteration, which nothing overlaps, uses every connection).
+
+        Returns:
+            The decoded piece (no samples when it failed and ``on_error="skip"``).
+        """
+        piece = self.plan.blocks[position]
+        info = self.shards[piece.shard]
+        name = f"{info.name}[{piece.first}:{piece.stop}]"
+        record = recorder.record(position, number, name)
+        record.download_start_s = recorder.now()
+        try:
+            reader, meta = self._shard(piece.shard)
+            span_start, span_len, size = block_span(meta, piece.first, piece.stop)
+            image = allocate(size)
+            view = memoryview(image)
+            try:
+                _read_in_parts(reader, span_start, view[HEADER_SIZE:HEADER_SIZE + span_len],
+                               cancel, parts)
+            except StreamError:
+                raise
+            except OSError as error:
+                raise ShardFetchError(f"shard {name}: {error}") from error
+            finally:
+                view.release()
+            record.download_finish_s = recorder.now()
+            record.bytes = span_len
+            cancel.raise_if_cancelled()
+            complete_block(image, meta, piece.first, piece.stop)
+            samples = _decode_atp(image, name)
+            del image
+            record.deserialize_finish_s = recorder.now()
+            record.structures = len(samples)
+            return LoadedShard(position, piece.global_first, info, samples, recorder)
+        except StreamCancelled:
+            record.status = "cancelled"
+            raise
+        except StreamError as error:
+            if self.on_error != "skip":
+                raise
+            record.status = "skipped"
+            logger.warning("skipping block %s (on_error='skip'): %s", name, error)
+            return LoadedShard(position, piece.global_first, info, [], recorder)
+
+
+#: Smallest part worth its own connection when a block is fetched in parts.
+MIN_PART_BYTES = 1 << 20
+
+
+def _read_in_parts(reader: RangeReader, start: int, out: memoryview, cancel: CancelToken,
+                   parts: int) -> None:
+    """``reader.read_into(start, out)`` over up to ``parts`` concurrent range requests."""
+    parts = max(1, min(parts, len(out) // MIN_PART_BYTES))
+    if parts == 1:
+        reader.read_into(start, out, cancel)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [len(out) * n // parts for n in range(parts + 1)]
+    # one failed part stops its siblings; closing the iteration stops them all
+    siblings = CancelToken()
+    unregister = cancel.on_cancel(siblings.cancel)
+
+    def run(a: int, b: int) -> None:
+        try:
+            reader.read_into(start + a, out[a:b], siblings)
+        except BaseException:
+            siblings.cancel()
+            raise
+
+    try:
+        with ThreadPoolExecutor(max_workers=parts,
+                                thread_name_prefix="pyg_atompack-block") as pool:
+            futures = [pool.submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        cancel.raise_if_cancelled()
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        real = [e for e in errors if not isinstance(e, StreamCancelled)]
+        if real or errors:
+            raise (real or errors)[0]
+    finally:
+        unregister()
+
+
+def describe_blocks(blocks: Sequence[Block]) -> dict[str, Any]:
+    """Counts for ``repr`` and stats: blocks and records."""
+    return {"blocks": len(blocks), "records": int(sum(b.records for b in blocks))}

@@ -1,0 +1,212 @@
+"""Remote `.atp` metadata (header, schema, index), fetched once and cached on local disk.
+
+The index of a multi-GB shard is hundreds of MB (20 bytes a record). :func:`load_meta`
+fetches it by range reads of at most :data:`META_CHUNK_BYTES` each, several at once,
+each resumed by the range reader when a connection drops; it is checked against the
+header that announced it (:func:`pyg_atompack.atp.images.parse_meta`) and written to
+``{cache_dir}/atp-meta/{key}.atpmeta``, where ``key`` hashes the file's content identity
+(sha256 from the listing, else location and size). A file lock makes one process fetch
+while the others (DataLoader workers, ranks on the same machine) wait and then read the
+cached copy; a later run reads it too. The cached file ends with the sha256 of its
+contents, and is parsed and checked again on every load, so a damaged copy is refetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pyg_atompack.atp.header import HEADER_SIZE, select_header
+from pyg_atompack.atp.images import FileMeta, parse_meta
+from pyg_atompack.transport.ranges import RangeReader, read_range
+
+__all__ = ["META_CHUNK_BYTES", "default_cache_dir", "fetch_meta", "load_meta", "meta_path"]
+
+#: Largest range request used for metadata (the index of a big shard is fetched in pieces).
+META_CHUNK_BYTES = 16 << 20
+_MAGIC = b"ATPMETA1"
+_LENGTHS = struct.Struct("<QQQQ")  # file size, identity length, schema length, index length
+_CACHE_ENV = "PYG_ATOMPACK_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """The cache root used when none is given.
+
+    Returns:
+        ``$PYG_ATOMPACK_CACHE`` if set, else ``~/.cache/pyg_atompack``.
+    """
+    env = os.environ.get(_CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pyg_atompack"
+
+
+def meta_path(cache_dir: str | os.PathLike, identity: str, size: int) -> Path:
+    """Where the metadata of the file with this content identity is cached.
+
+    Args:
+        cache_dir: Cache root.
+        identity: The file's content identity (see :class:`RangeReader`).
+        size: Its length.
+
+    Returns:
+        The path (whether or not it exists).
+    """
+    key = hashlib.sha256(f"{identity}|{size}".encode()).hexdigest()[:40]
+    return Path(cache_dir) / "atp-meta" / f"{key}.atpmeta"
+
+
+def _read_chunked(reader: RangeReader, start: int, stop: int, workers: int) -> bytes:
+    if stop <= start:
+        return b""
+    out = bytearray(stop - start)
+    view = memoryview(out)
+    cuts = list(range(start, stop, META_CHUNK_BYTES)) + [stop]
+    pieces = list(zip(cuts[:-1], cuts[1:]))
+
+    def fetch(piece: tuple[int, int]) -> None:
+        a, b = piece
+        reader.read_into(a, view[a - start:b - start])
+
+    if len(pieces) == 1:
+        fetch(pieces[0])
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(pieces)))) as pool:
+            list(pool.map(fetch, pieces))
+    view.release()
+    return bytes(out)
+
+
+def fetch_meta(reader: RangeReader, *, workers: int = 4) -> FileMeta:
+    """Fetch and check a file's metadata by range reads (no cache).
+
+    Args:
+        reader: The file.
+        workers: Range requests in flight for a large index. (default: ``4``)
+
+    Returns:
+        The :class:`~pyg_atompack.atp.images.FileMeta`.
+
+    Raises:
+        AtpError: The metadata is not valid for a file of this size (names the file).
+    """
+    head = bytes(read_range(reader, 0, min(HEADER_SIZE, reader.size)))
+    header = select_header(head, reader.size, reader.name)
+    spans = []
+    if header.schema_len:
+        spans.append((header.schema_offset, header.schema_offset + header.schema_len))
+    if header.index_len:
+        spans.append((header.index_offset, header.index_offset + header.index_len))
+    if len(spans) == 2 and spans[0][1] == spans[1][0]:
+        # written by every flush: schema block directly before the index, one span
+        both = _read_chunked(reader, spans[0][0], spans[1][1], workers)
+        schema, index = both[:header.schema_len], both[header.schema_len:]
+    else:
+        schema = _read_chunked(reader, *spans[0], workers) if header.schema_len else b""
+        index = _read_chunked(reader, *spans[-1], workers) if header.index_len else b""
+    return parse_meta(reader.name, reader.size, head, schema, index)
+
+
+def _encode(meta: FileMeta, identity: str) -> bytes:
+    ident = identity.encode()
+    index = meta.index.tobytes()
+    body = b"".join([_MAGIC, _LENGTHS.pack(meta.size, len(ident), len(meta.schema),
+                                           8 + len(index)), ident, meta.head, meta.schema,
+                     struct.pack("<Q", len(meta.index)), index])
+    return body + hashlib.sha256(body).digest()
+
+
+def _decode(data: bytes, reader: RangeReader) -> FileMeta | None:
+    """The cached metadata, or None when the file is damaged or belongs elsewhere.
+
+    The index stays a view of ``data`` (no copy of what may be hundreds of MB).
+    """
+    if len(data) < len(_MAGIC) + _LENGTHS.size + 32 or not data.startswith(_MAGIC):
+        return None
+    view = memoryview(data)
+    body, digest = view[:-32], view[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    at = len(_MAGIC)
+    size, n_ident, n_schema, n_index = _LENGTHS.unpack_from(body, at)
+    at += _LENGTHS.size
+    ident = bytes(body[at:at + n_ident]).decode(errors="replace")
+    at += n_ident
+    if size != reader.size or ident != reader.identity:
+        return None
+    head = body[at:at + HEADER_SIZE]
+    at += HEADER_SIZE
+    schema = body[at:at + n_schema]
+    index = body[at + n_schema:at + n_schema + n_index]
+    return parse_meta(reader.name, reader.size, head, schema, index)
+
+
+#: Metadata kept in memory per process (most recently used files); forked DataLoader
+#: workers inherit what the constructing process loaded.
+_MEMORY: OrderedDict[tuple[str, int], FileMeta] = OrderedDict()
+MEMORY_ENTRIES = 4
+
+
+def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *,
+              workers: int = 4, stats: dict[str, Any] | None = None) -> FileMeta:
+    """A file's metadata from the disk cache, fetching (once per machine) when absent.
+
+    Args:
+        reader: The file.
+        cache_dir: Cache root (default: :func:`default_cache_dir`).
+        workers: Range requests in flight for a large index. (default: ``4``)
+        stats: When given, ``stats["fetched"]`` is incremented when this call fetched
+            the metadata over the network (for tests and traces).
+
+    Returns:
+        The :class:`~pyg_atompack.atp.images.FileMeta` (its ``name`` is the reader's).
+    """
+    from filelock import FileLock
+
+    key = (reader.identity, reader.size)
+    kept = _MEMORY.get(key)
+    if kept is not None and kept.name == reader.name:
+        _MEMORY.move_to_end(key)
+        return kept
+    meta = _load_meta(reader, cache_dir, workers, stats, FileLock)
+    _MEMORY[key] = meta
+    while len(_MEMORY) > MEMORY_ENTRIES:
+        _MEMORY.popitem(last=False)
+    return meta
+
+
+def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, workers: int,
+               stats: dict[str, Any] | None, FileLock: Any) -> FileMeta:  # noqa: N803
+    path = meta_path(cache_dir if cache_dir is not None else default_cache_dir(),
+                     reader.identity, reader.size)
+
+    def cached() -> FileMeta | None:
+        try:
+            return _decode(path.read_bytes(), reader)
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - a damaged cache entry is refetched
+            return None
+
+    meta = cached()
+    if meta is not None:
+        return meta
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        meta = cached()  # another process fetched it while this one waited
+        if meta is not None:
+            return meta
+        meta = fetch_meta(reader, workers=workers)
+        if stats is not None:
+            stats["fetched"] = stats.get("fetched", 0) + 1
+        temp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            temp.write_bytes(_encode(meta, reader.identity))
+            os.replace(temp, path)
+        finally:
+            temp.unlink(missing_ok=True)
+    return meta

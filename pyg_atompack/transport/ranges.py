@@ -1,0 +1,178 @@
+"""Byte-range reads of one remote (or local) file: the one seam every block read goes through.
+
+Everything that reads *parts* of a file (the `.atp` metadata cache, record blocks in
+:class:`~pyg_atompack.stream.ShardStreamDataset`, the disk block cache behind remote
+:class:`~pyg_atompack.data.AtompackDataset`) needs only the small :class:`RangeReader`
+protocol: a size, a content identity and ``read_into(start, out)``. The adapters here
+wrap the transport's range reads:
+
+* :class:`FileRangeReader`: a local file (``os.preadv``);
+* :class:`URLRangeReader`: a plain HTTP(S) URL, through the resumable ranged transfer of
+  :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
+  missing byte, under the source's retry policy);
+* :class:`HubRangeReader`: a listed Hub file, through :func:`pyg_atompack.hub.transfer.fetch_range`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["FileRangeReader", "HubRangeReader", "RangeReader", "URLRangeReader", "read_range"]
+
+
+@runtime_checkable
+class RangeReader(Protocol):
+    """What a block read needs from a file.
+
+    Attributes:
+        name: How messages name the file (a path, or a URL without any secret).
+        size: The file's length in bytes.
+        identity: A string that changes whenever the content does (``sha256:<hex>``
+            when the listing knows the hash, else location + size (+ mtime)); caches
+            are keyed by it.
+    """
+
+    name: str
+    size: int
+    identity: str
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
+
+        Args:
+            start: First byte.
+            out: Writable buffer; its length is the number of bytes to read.
+            cancel: An optional :class:`~pyg_atompack.stream.CancelToken`.
+
+        Raises:
+            OSError: The bytes cannot be read (after the adapter's retries).
+        """
+        ...
+
+
+def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -> bytearray:
+    """The bytes ``[start, stop)`` of ``reader``'s file, in a new buffer.
+
+    Args:
+        reader: The file.
+        start: First byte.
+        stop: One past the last byte.
+        cancel: An optional cancellation token.
+
+    Returns:
+        The bytes.
+    """
+    out = bytearray(max(0, stop - start))
+    if out:
+        reader.read_into(start, memoryview(out), cancel)
+    return out
+
+
+class FileRangeReader:
+    """Range reads of a local file.
+
+    Args:
+        path: The file.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.name = self.path
+        stat = os.stat(self.path)
+        self.size = stat.st_size
+        self.identity = f"file:{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}"
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`)."""
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            done = 0
+            while done < len(out):
+                got = os.preadv(fd, [out[done:]], start + done)
+                if got <= 0:
+                    raise OSError(f"{self.name}: short read at byte {start + done} "
+                                  f"(file shorter than {self.size} bytes?)")
+                done += got
+        finally:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        return f"FileRangeReader({self.path!r}, size={self.size})"
+
+
+class URLRangeReader:
+    """Range reads of a file served over HTTP(S).
+
+    Args:
+        url: The file's URL.
+        size: Its length (from a listing or manifest).
+        sha256: Its hex sha256 when known (the content identity).
+        headers: Extra request headers (e.g. ``Authorization``; never part of messages).
+        retry: A :class:`~pyg_atompack.stream.RetryPolicy` (default: its defaults).
+        name: How messages name it (default: the URL).
+    """
+
+    def __init__(self, url: str, *, size: int, sha256: str | None = None,
+                 headers: dict[str, str] | None = None, retry: Any = None,
+                 name: str | None = None) -> None:
+        self.url = url
+        self.size = int(size)
+        self.sha256 = sha256
+        self.headers = dict(headers or {})
+        self.retry = retry
+        self.name = name or url
+        self.identity = f"sha256:{sha256.lower()}" if sha256 else f"url:{url}|{self.size}"
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
+
+        Raises:
+            ShardFetchError: The range could not be read after the retries (names the URL).
+        """
+        from pyg_atompack.transport import http as transport_http
+        from pyg_atompack.transport.buffers import ShardPart
+        from pyg_atompack.transport.retry import RetryPolicy
+
+        if not len(out):
+            return
+        if start < 0 or start + len(out) > self.size:
+            raise ValueError(f"{self.name}: range [{start}, {start + len(out)}) outside the "
+                             f"{self.size}-byte file")
+        # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
+        # connection at the first byte not yet received
+        part = ShardPart(out, start, start + len(out), base=start)
+        transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
+                            cancel=cancel or transport_http.NEVER, headers=self.headers)
+
+    def __repr__(self) -> str:
+        return f"URLRangeReader({self.name!r}, size={self.size})"
+
+
+class HubRangeReader:
+    """Range reads of a listed Hub file.
+
+    Args:
+        remote_file: A :class:`~pyg_atompack.hub.RemoteFile`.
+        token: Hub token (``None``: the saved login, ``False``: none).
+    """
+
+    def __init__(self, remote_file: Any, *, token: str | bool | None = None) -> None:
+        self.remote_file = remote_file
+        self.token = token
+        self.size = int(remote_file.size)
+        self.name = (f"hf://{remote_file.repo_type}s/{remote_file.repo_id}@"
+                     f"{remote_file.revision}/{remote_file.path}")
+        digest = remote_file.sha256 or remote_file.blob_id
+        self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
+            f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`)."""
+        from pyg_atompack.hub.transfer import fetch_range
+
+        if len(out):
+            out[:] = fetch_range(self.remote_file, start, len(out), token=self.token)
+
+    def __repr__(self) -> str:
+        return f"HubRangeReader({self.name!r}, size={self.size})"

@@ -1,0 +1,264 @@
+"""Random access to remote `.atp` files: only the records asked for cross the network.
+
+:class:`RemoteAtpReader` has the interface of :class:`pyg_atompack.atp.Reader` (``len``,
+``f[i]``, ``read_batch``, ``n_atoms``, ``fields``) over one :class:`RangeReader`. Its
+metadata comes from :func:`~pyg_atompack.transport.atp_meta.load_meta` (fetched once per
+machine), its records from a :class:`~pyg_atompack.transport.block_cache.BlockCache`
+(pages on local disk, bounded by ``cache_bytes``, shared by the processes of a machine).
+A ``read_batch`` fetches the pages its records lie in (adjacent ones in one request,
+several requests at once; ``ShardedReader`` hands each shard all its records of a
+batch), wraps the records into an in-memory image
+(:func:`pyg_atompack.atp.images.gathered_image`) and decodes it with the format layer.
+
+Several files become one dataset through
+:meth:`pyg_atompack.atp.ShardedReader.from_readers`, which owns the global index and the
+batching for local and remote shards alike (:func:`open_remote_atp`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyg_atompack.atp import batch as _batch
+from pyg_atompack.atp.errors import AtpError
+from pyg_atompack.atp.images import FileMeta, gathered_image
+from pyg_atompack.atp.index import molecule_index
+from pyg_atompack.transport.atp_meta import default_cache_dir, load_meta
+from pyg_atompack.transport.block_cache import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_PAGE_BYTES,
+    BlockCache,
+    slice_pages,
+)
+from pyg_atompack.transport.ranges import RangeReader
+
+__all__ = ["RemoteAtpReader", "open_remote_atp", "url_range_readers"]
+
+
+class RemoteAtpReader:
+    """Read-only view of one remote `.atp` file, reading records through a disk cache.
+
+    Args:
+        reader: The file's range reads.
+        cache_dir: Cache root: metadata under ``atp-meta/``, pages under ``pages/``.
+            (default: ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        cache_bytes: Bound on the page cache (metadata not included); ``0`` caches no
+            page. (default: 8 GiB)
+        page_bytes: Cache page size. (default: 256 KiB)
+    """
+
+    def __init__(self, reader: RangeReader, *, cache_dir: str | os.PathLike | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+        self.range_reader = reader
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_bytes = int(cache_bytes)
+        self.page_bytes = int(page_bytes)
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._meta: FileMeta | None = None
+        self._fields: dict | None = None
+        self.cache = BlockCache(self.cache_dir / "pages", self.cache_bytes,
+                                page_bytes=self.page_bytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # location and settings only: each process reloads the metadata from the disk cache
+        return {"range_reader": self.range_reader, "cache_dir": self.cache_dir,
+                "cache_bytes": self.cache_bytes, "page_bytes": self.page_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def meta(self) -> FileMeta:
+        """Header, schema and index (loaded from the disk cache, fetched once)."""
+        if self._meta is None:
+            self._meta = load_meta(self.range_reader, self.cache_dir)
+        return self._meta
+
+    @property
+    def name(self) -> str:
+        """How messages name the file."""
+        return self.range_reader.name
+
+    path = None  # not a local file
+
+    @property
+    def header(self) -> Any:
+        """The committed header slot."""
+        return self.meta.header
+
+    @property
+    def index(self) -> np.ndarray:
+        """The index entries."""
+        return self.meta.index
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    @property
+    def n_atoms(self) -> np.ndarray:
+        """Atom count of every molecule (int64), from the index."""
+        return self.meta.n_atoms
+
+    @property
+    def fields(self) -> dict:
+        """Every field of the file, from its schema block."""
+        if self._fields is None:
+            if not self.meta.schema:
+                raise AtpError(f"{self.name}: no schema block (a file written by atompack "
+                               f"0.2.x); its fields are only known by reading every record: "
+                               f"download it whole (prefetch_shards=True) instead")
+            self._fields = self._image(np.zeros(0, np.int64)).fields
+        return self._fields
+
+    # ----------------------------------------------------------------- records
+    def _ranges(self, records: np.ndarray) -> list[tuple[int, int]]:
+        entries = self.meta.index[records]
+        starts = entries["offset"].astype(np.int64)
+        return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
+
+    def _image(self, records: np.ndarray) -> Any:
+        ranges = self._ranges(records)
+        pages = self.cache.pages(self.range_reader, ranges)
+        return gathered_image(self.meta, records, slice_pages(pages, self.page_bytes, ranges))
+
+    def __getitem__(self, i: int) -> Any:
+        i = molecule_index(i, len(self), self.name)
+        return self._image(np.asarray([i], np.int64))[0]
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray,
+                   fields: Sequence[str] | None = None) -> dict[str, Any]:
+        """Decode several molecules, fetching only their records.
+
+        Args:
+            indices: Molecule indices (negative allowed, any order, repeats allowed).
+            fields: As for :meth:`pyg_atompack.atp.Reader.read_batch`. (default: all)
+
+        Returns:
+            The flat dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
+        """
+        return self.read_resolved(indices, _batch.resolve_fields(self.fields, fields, self.name))
+
+    def read_resolved(self, indices: Sequence[int] | np.ndarray, infos: dict) -> dict[str, Any]:
+        """``read_batch`` with fields already resolved (what ``ShardedReader`` calls).
+
+        Args:
+            indices: Molecule indices.
+            infos: ``name -> FieldInfo`` to decode.
+
+        Returns:
+            The flat dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
+        """
+        idx = _batch._normalize_indices(indices, len(self), self.name)
+        records = np.unique(idx)
+        image = self._image(records)
+        return _batch.read_batch(image, np.searchsorted(records, idx), infos)
+
+    def close(self) -> None:
+        """Nothing to release: pages live on disk, metadata until the reader is dropped."""
+
+    def __enter__(self) -> RemoteAtpReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteAtpReader({self.name!r}, cache_bytes={self.cache_bytes})"
+
+
+def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
+                    cache_dir: str | os.PathLike | None = None,
+                    cache_bytes: int = DEFAULT_CACHE_BYTES,
+                    page_bytes: int = DEFAULT_PAGE_BYTES, name: str | None = None) -> Any:
+    """One reader over remote `.atp` files (a :class:`RemoteAtpReader` for one file).
+
+    Args:
+        readers: The files' range readers, in global order.
+        cache_dir: Cache root shared by the files. (default: see :class:`RemoteAtpReader`)
+        cache_bytes: Bound on the page cache, shared by the files. (default: 8 GiB)
+        page_bytes: Cache page size. (default: 256 KiB)
+        name: How messages name the dataset. (default: the file names)
+
+    Returns:
+        A :class:`RemoteAtpReader`, or a :class:`pyg_atompack.atp.ShardedReader` over them.
+    """
+    from pyg_atompack.atp.sharded import ShardedReader
+
+    if not isinstance(readers, (list, tuple)):
+        readers = [readers]
+    shards = [RemoteAtpReader(r, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                              page_bytes=page_bytes) for r in readers]
+    if len(shards) == 1:
+        return shards[0]
+    return ShardedReader.from_readers(shards, name=name)
+
+
+def _remote_size(url: str, headers: dict[str, str]) -> int:
+    """The length of the file at ``url``, from a one-byte range request."""
+    from pyg_atompack.transport import http as transport_http
+    from pyg_atompack.transport.retry import RetryPolicy
+
+    size = transport_http.probe_size(url, policy=RetryPolicy(), headers=headers)
+    if size is None:
+        raise OSError(f"{url}: the server announces no size (no Content-Range on a range "
+                      f"request, no Content-Length)")
+    return size
+
+
+def url_range_readers(source: str | Sequence[str], *,
+                      headers: dict[str, str] | None = None) -> list[RangeReader]:
+    """Range readers for ``http(s)://`` `.atp` files.
+
+    Args:
+        source: The URL of a ``manifest.json`` (the converter's: names, bytes, sha256 of
+            the shards, relative to it; its `.atp` shards are used), of one `.atp` file,
+            or a list of `.atp` URLs.
+        headers: Extra request headers (e.g. ``Authorization``).
+
+    Returns:
+        One :class:`~pyg_atompack.transport.ranges.URLRangeReader` per file, in order.
+
+    Raises:
+        OSError: The manifest or a size cannot be read (the message names the URL).
+    """
+    import json
+    from urllib.parse import urljoin
+
+    from pyg_atompack.transport.ranges import URLRangeReader
+
+    headers = dict(headers or {})
+    if isinstance(source, str) and source.rsplit("?", 1)[0].endswith(".json"):
+        from pyg_atompack.transport import http as transport_http
+        from pyg_atompack.transport.manifest import read_manifest_records
+        from pyg_atompack.transport.retry import RetryPolicy
+
+        body = transport_http.fetch(source, policy=RetryPolicy(), headers=headers)
+        try:
+            entries = read_manifest_records(json.loads(bytes(body).decode("utf-8")), source)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise OSError(f"{source}: manifest is not valid JSON: {error}") from error
+        readers = []
+        for name, entry in entries.items():
+            if not name.endswith(".atp"):
+                continue
+            url = urljoin(source, name)
+            size = entry.get("bytes")
+            readers.append(URLRangeReader(url, size=size if size is not None else
+                                          _remote_size(url, headers),
+                                          sha256=entry.get("sha256"), headers=headers))
+        if not readers:
+            raise OSError(f"{source}: the manifest lists no .atp shard")
+        return readers
+    urls = [source] if isinstance(source, str) else list(source)
+    return [URLRangeReader(url, size=_remote_size(url, headers), headers=headers)
+            for url in urls]
