@@ -84,7 +84,17 @@ class FileRangeReader:
         self.identity = f"file:{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}"
 
     def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`)."""
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
+
+        Args:
+            start (int): First byte of the file to read.
+            out (memoryview): Writable buffer; its length is the number of bytes read.
+            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
+                (default: :obj:`None`)
+
+        Raises:
+            OSError: The file is shorter than the range (names the file).
+        """
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = 0
@@ -127,8 +137,14 @@ class URLRangeReader:
     def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
         """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
 
+        Args:
+            start (int): First byte of the file to read.
+            out (memoryview): Writable buffer; its length is the number of bytes read.
+            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
+                (default: :obj:`None`)
+
         Raises:
-            ShardFetchError: The range could not be read after the retries (names the URL).
+            TransportError: The range could not be read after the retries (names the URL).
         """
         from pyg_atompack.transport import http as transport_http
         from pyg_atompack.transport.buffers import ShardPart
@@ -168,7 +184,17 @@ class HubRangeReader:
             f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
 
     def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`)."""
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
+
+        Args:
+            start (int): First byte of the file to read.
+            out (memoryview): Writable buffer; its length is the number of bytes read.
+            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
+                (default: :obj:`None`)
+
+        Raises:
+            HubError: The range could not be read after the retries.
+        """
         from pyg_atompack.hub.transfer import fetch_range
 
         if len(out):
