@@ -41,7 +41,28 @@ def is_writable_buffer(buffer: object) -> bool:
     return isinstance(buffer, (bytearray, mmap.mmap))
 
 
-class ShardBuffer:
+class _ResumableBody:
+    """A whole body received from its first byte: resumes with ``Range: bytes=N-``.
+
+    Subclasses count the bytes they hold in ``_filled``.
+    """
+
+    _filled: int
+
+    def __len__(self) -> int:
+        return self._filled
+
+    @property
+    def position(self) -> int:
+        """Offset in the body of the next byte expected."""
+        return self._filled
+
+    def range_header(self) -> str | None:
+        """The ``Range`` to request: the rest of the body once some of it arrived."""
+        return f"bytes={self._filled}-" if self._filled else None
+
+
+class ShardBuffer(_ResumableBody):
     """Collects one shard's bytes as they arrive, for a :class:`Source` to return.
 
     ``len(buffer)`` is the number of bytes received so far, which is where a resumed
@@ -63,18 +84,6 @@ class ShardBuffer:
         self.name = name
         self._data: WritableBuffer = bytearray()
         self._filled = 0
-
-    def __len__(self) -> int:
-        return self._filled
-
-    @property
-    def position(self) -> int:
-        """Offset in the shard of the next byte expected."""
-        return self._filled
-
-    def range_header(self) -> str | None:
-        """The ``Range`` to request: the rest of the body once some of it arrived."""
-        return f"bytes={self._filled}-" if self._filled else None
 
     def whole_body(self, size: int | None) -> None:
         """The server sends the whole body (again): start over.
@@ -201,7 +210,7 @@ class ShardPart:
 
 
 
-class FileSink:
+class FileSink(_ResumableBody):
     """Receives a body into an open binary file, with the interface of :class:`ShardBuffer`.
 
     Used for downloads into the cache: a dropped connection resumes at the file's current
@@ -214,18 +223,6 @@ class FileSink:
     def __init__(self, handle) -> None:
         self.handle = handle
         self._filled = 0
-
-    def __len__(self) -> int:
-        return self._filled
-
-    @property
-    def position(self) -> int:
-        """Offset of the next byte expected."""
-        return self._filled
-
-    def range_header(self) -> str | None:
-        """The ``Range`` to request: the rest of the body once some of it arrived."""
-        return f"bytes={self._filled}-" if self._filled else None
 
     def whole_body(self, size: int | None) -> None:
         """The server sends the whole body (again): start over."""
