@@ -128,6 +128,67 @@ def test_parts_and_merge_equal_one_conversion(source: Path, tmp_path: Path) -> N
     assert not (tmp_path / "m2").exists() and not (tmp_path / "m3").exists()
 
 
+def _promoting_extxyz(path: Path, count: int, *, text_from: int | None = None) -> Path:
+    """Frames whose ``mu`` is an integer until the last shard, then a float (or text)."""
+    lines = []
+    for i in range(count):
+        mu = i if i < count - 5 else i + 0.5
+        if text_from is not None and i >= text_from:
+            mu = '"high"'
+        lines += ["2", f"Properties=species:S:1:pos:R:3 energy={i * 0.1:.3f} mu={mu} "
+                       'pbc="F F F"', "H 0 0 0", f"H 0 0 {0.7 + i * 1e-3:.4f}"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str]:
+    """The command line in this process (fast), as ``(exit status, stderr)``."""
+    from pyg_atompack.cli import main
+
+    capsys.readouterr()
+    status = main([*map(str, args), "-q"] if args[0] == "convert" else list(map(str, args)))
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("to", ["atp-shards", "pt-shards"])
+def test_merge_gives_every_part_the_type_one_conversion_promotes_to(tmp_path: Path, to: str,
+                                                                   capsys) -> None:
+    # Part 0 only sees integers, part 1 sees the floats: a single conversion stores
+    # `mu` as float64 everywhere, so merge must re-encode part 0, not link it.
+    source = _promoting_extxyz(tmp_path / "mu.extxyz", 40)
+    whole = tmp_path / "whole"
+    assert cli(capsys, "convert", source, whole, "--to", to, "--shard-size", "10")[0] == 0
+    parts = [tmp_path / f"part{i}" for i in range(2)]
+    for index, part in enumerate(parts):
+        result = cli(capsys, "convert", source, part, "--to", to, "--shard-size", "10",
+                     "--part", f"{index}/2")
+        assert result[0] == 0, result[1]
+    assert json.loads((parts[0] / "manifest.json").read_text())["part"]["kinds"][
+        "properties/mu"][0] == "int"
+    merged = tmp_path / "merged"
+    result = cli(capsys, "merge", merged, *parts)
+    assert result[0] == 0, result[1]
+    assert "'mu' re-encoded from an integer to a float" in result[1]
+    assert str(parts[0]) in result[1]
+    _same_tree(whole, merged)
+    # the parts themselves are left as they were written
+    assert json.loads((parts[0] / "manifest.json").read_text())["part"]["kinds"][
+        "properties/mu"][0] == "int"
+
+
+def test_merge_names_a_key_the_parts_cannot_share(tmp_path: Path, capsys) -> None:
+    source = _promoting_extxyz(tmp_path / "mu.extxyz", 40, text_from=20)
+    parts = [tmp_path / f"part{i}" for i in range(2)]
+    for index, part in enumerate(parts):
+        result = cli(capsys, "convert", source, part, "--shard-size", "10", "--part", f"{index}/2")
+        assert result[0] == 0, result[1]
+    result = cli(capsys, "merge", tmp_path / "merged", *parts)
+    assert result[0] == 2
+    assert "'mu'" in result[1] and "a string" in result[1]
+    assert "--cast mu=DTYPE" in result[1]
+    assert not (tmp_path / "merged").exists()
+
+
 def test_part_planning_covers_whole_shards() -> None:
     for total, count, size in ((700, 3, 90), (5, 4, 2), (1000, 7, 1000)):
         spans = [plan_part(total, Part(i, count), size) for i in range(count)]

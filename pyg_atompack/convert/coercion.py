@@ -135,6 +135,37 @@ def promote(old: Kind, new: Kind) -> Kind | None:
     return Kind("array", dtype, array.shape)
 
 
+def kinds_to_json(kinds: dict[tuple[str, str], Kind]) -> dict[str, list]:
+    """The kinds a conversion settled on, for a part's manifest (``"scope/key"`` keys).
+
+    Args:
+        kinds (dict[tuple[str, str], Kind]): :attr:`Coercer.kinds`.
+
+    Returns:
+        dict[str, list]: ``{"properties/mu": ["float", None, None], ...}``.
+    """
+    return {f"{scope}/{key}": [kind.form, None if kind.dtype is None else kind.dtype.str,
+                               None if kind.shape is None else list(kind.shape)]
+            for (scope, key), kind in sorted(kinds.items())}
+
+
+def kinds_from_json(data: dict[str, list]) -> dict[tuple[str, str], Kind]:
+    """The inverse of :func:`kinds_to_json`.
+
+    Args:
+        data (dict[str, list]): What :func:`kinds_to_json` returned.
+
+    Returns:
+        dict[tuple[str, str], Kind]: The kinds by ``(scope, key)``.
+    """
+    kinds = {}
+    for slot, (form, dtype, shape) in data.items():
+        scope, key = slot.split("/", 1)
+        kinds[(scope, key)] = Kind(form, None if dtype is None else np.dtype(dtype),
+                                   None if shape is None else tuple(shape))
+    return kinds
+
+
 def conform(value: Any, kind: Kind, per_atom: bool) -> Any:
     """Convert ``value`` (of a kind :func:`promote` accepted) to ``kind``."""
     if value is None or kind.form in ("none", "str"):
@@ -178,15 +209,19 @@ class Coercer:
         options: ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
         source: The source path, for messages.
         destination: The user's destination path, named by errors and notes.
+        kinds: Kinds to start from (values narrower than these are converted up
+            to them): how :func:`~.merge.merge_parts` re-encodes a part with the
+            types the other parts settled on. (default: :obj:`None`)
     """
 
     def __init__(self, options: ReadOptions, source: str | os.PathLike,
-                 destination: str | os.PathLike) -> None:
+                 destination: str | os.PathLike,
+                 kinds: dict[tuple[str, str], Kind] | None = None) -> None:
         self.left_out = options.left_out()
         self.casts = dict(options.casts)
         self.source = os.fspath(source)
         self.destination = os.fspath(destination)
-        self.kinds: dict[tuple[str, str], Kind] = {}
+        self.kinds: dict[tuple[str, str], Kind] = dict(kinds or {})
         self.first_seen: dict[tuple[str, str], tuple[int, Kind]] = {}
         self.promotions: dict[tuple[str, str], tuple[Kind, Kind, int]] = {}
 

@@ -5,7 +5,9 @@ manifest carries a ``"part"`` entry (its index, the part count, its first global
 shard number, the shard size and the source's record count). Merging checks that
 the parts are exactly parts ``0 .. N-1`` of one conversion with contiguous shard
 numbers, verifies every shard against its part's manifest (size and sha256),
-and publishes a directory with every shard (hard links where the file system
+re-encodes the shards of parts whose key types are narrower than another
+part's (an integer key that a later part stores as a float: the type a single
+conversion would have promoted every structure to), and publishes a directory with every shard (hard links where the file system
 allows, copies otherwise; the parts stay as they are) and one manifest in global
 order: the directory a single conversion would have written.
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .base import _publish, _remove
-from .errors import ConvertError
+from .coercion import Kind, kinds_from_json, promote
+from .errors import ConvertError, note
 from .shards import MANIFEST_FORMAT, MANIFEST_NAME, check_manifest, read_manifest
 
 # manifest fields that describe one part, not the merged whole
@@ -41,6 +44,66 @@ def _load_part(directory: Path) -> dict[str, Any]:
     if problems:
         raise ConvertError(directory, "; ".join(problems))
     return manifest
+
+
+def _part_kinds(manifest: dict[str, Any]) -> dict[tuple[str, str], Kind]:
+    return kinds_from_json(manifest["part"].get("kinds") or {})
+
+
+def _merged_kinds(parts: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], Kind]:
+    """The type of every key over all parts: what one conversion would have chosen."""
+    merged: dict[tuple[str, str], Kind] = {}
+    where: dict[tuple[str, str], Path] = {}
+    for directory, manifest in parts:
+        for slot, kind in _part_kinds(manifest).items():
+            old = merged.get(slot)
+            wider = kind if old is None else promote(old, kind)
+            if wider is None:
+                per_atom = slot[0] == "atom_properties"
+                raise ConvertError(directory, f"key {slot[1]!r} is {kind.words(per_atom)} "
+                                              f"here and {old.words(per_atom)} in "
+                                              f"{where[slot]}: no common type; convert the "
+                                              f"parts with --cast {slot[1]}=DTYPE or "
+                                              f"--drop-key {slot[1]}")
+            if wider != old:
+                merged[slot], where[slot] = wider, directory
+    return merged
+
+
+def _numbered(entries: list[tuple[Path, dict[str, Any]]]):
+    """``(directory, (position within its part, shard))`` for every shard."""
+    seen: dict[Path, int] = {}
+    for directory, shard in entries:
+        position = seen.get(directory, 0)
+        seen[directory] = position + 1
+        yield directory, (position, shard)
+
+
+def _reencode(directory: Path, manifest: dict[str, Any], kinds: dict[tuple[str, str], Kind],
+              tmp: Path) -> list[dict[str, Any]]:
+    """Write one part's shards into ``tmp`` with the merged types; their manifest entries."""
+    from .options import WriteOptions
+    from .pipeline import reencode
+
+    part = manifest["part"]
+    fmt = manifest.get("shard_format", "atp")
+    options = WriteOptions(compression=manifest.get("compression", "none"),
+                           level=int(manifest.get("compression_level", 3)),
+                           shard_size=int(part["shard_size"]),
+                           first_shard=int(part["first_shard"]))
+    staging = tmp / f".part-{part['index']}"
+    reencode(directory, staging, f"{fmt}-shards", options, kinds)
+    shards = read_manifest(staging)["shards"]
+    for shard in shards:
+        os.replace(staging / shard["name"], tmp / shard["name"])
+    _remove(staging)
+    for (slot, kind) in kinds.items():
+        old = _part_kinds(manifest).get(slot)
+        if old is not None and old != kind:
+            per_atom = slot[0] == "atom_properties"
+            note(f"{directory}: key {slot[1]!r} re-encoded from {old.words(per_atom)} to "
+                 f"{kind.words(per_atom)}, the type the other parts need")
+    return shards
 
 
 def merge_parts(out: str | os.PathLike, part_dirs: list[str | os.PathLike], *,
@@ -93,11 +156,19 @@ def merge_parts(out: str | os.PathLike, part_dirs: list[str | os.PathLike], *,
 
     if out.exists() and not overwrite:
         raise ConvertError(out, "destination already exists (use overwrite to replace)")
+    kinds = _merged_kinds(parts)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     _remove(tmp)
     try:
         tmp.mkdir()
+        narrower = [(d, m) for d, m in parts
+                    if any(kinds[slot] != kind for slot, kind in _part_kinds(m).items())]
+        rewritten = {d: _reencode(d, m, kinds, tmp) for d, m in narrower}
+        entries = [(d, rewritten[d][i] if d in rewritten else shard)
+                   for d, (i, shard) in _numbered(entries)]
         for directory, shard in entries:
+            if directory in rewritten:
+                continue  # already written into tmp with the merged types
             source, target = directory / shard["name"], tmp / shard["name"]
             try:
                 os.link(source, target)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .coercion import Coercer, Widened
+from .coercion import Coercer, Kind, Widened, kinds_to_json
 from .errors import note
 from .options import ReadOptions, WriteOptions
 from .parallel import Part, open_structures, part_write_options
@@ -94,10 +94,42 @@ def _convert_once(src, dst, src_format, dst_format, read_options, write_options,
                     writer.add(coercer(structure, index))
                     if bar is not None:
                         bar.update(1)
+                if write_options.part is not None:
+                    # the types this part settled on, for merge to reconcile with the
+                    # other parts' (the manifest is written when the writer closes)
+                    write_options.part["kinds"] = kinds_to_json(coercer.kinds)
                 return writer.count
         finally:
             if bar is not None:
                 bar.close()
+
+
+def reencode(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    dst_format: str,
+    write_options: WriteOptions,
+    kinds: dict[tuple[str, str], Kind],
+) -> int:
+    """Write a converted shard directory again with wider types for some keys.
+
+    How :func:`~.merge.merge_parts` gives every part the types a single conversion
+    would have chosen: each value is converted up to ``kinds`` (an integer key
+    that another part stores as a float, float32 forces next to float64 ones).
+
+    Args:
+        src (str or os.PathLike): The part's shard directory.
+        dst (str or os.PathLike): A new shard directory.
+        dst_format (str): ``"atp-shards"`` or ``"pt-shards"``.
+        write_options (WriteOptions): The part's codec, shard size and first shard.
+        kinds (dict[tuple[str, str], Kind]): The types to write.
+
+    Returns:
+        int: The number of structures written.
+    """
+    coercer = Coercer(ReadOptions(), src, dst, kinds=kinds)
+    return _convert_once(src, dst, None, dst_format, ReadOptions(), write_options, None,
+                         coercer)
 
 
 def shard(
