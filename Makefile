@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # CUDA build where a CPU wheel is at hand. Override e.g. TORCH_SPEC="torch".
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Test files run in this many pytest-xdist processes (whole files per process, so
+# module fixtures are built once); most tests wait on subprocesses and servers.
+TEST_PROCESSES ?= 3
 
 .PHONY: venv demo test lint fuzz soak bench clean
 
@@ -23,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 # A long fuzzing run of the .atp reader and the .pt shard loader (~10 min).
 fuzz: $(STAMP)
