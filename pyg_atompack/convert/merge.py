@@ -7,9 +7,10 @@ the parts are exactly parts ``0 .. N-1`` of one conversion with contiguous shard
 numbers, verifies every shard against its part's manifest (size and sha256),
 re-encodes the shards of parts whose key types are narrower than another
 part's (an integer key that a later part stores as a float: the type a single
-conversion would have promoted every structure to), and publishes a directory with every shard (hard links where the file system
-allows, copies otherwise; the parts stay as they are) and one manifest in global
-order: the directory a single conversion would have written.
+conversion would have promoted every structure to), and publishes a directory
+with every shard (hard links where the file system allows, copies otherwise;
+the parts stay as they are) and one manifest in global order: the directory a
+single conversion would have written.
 """
 
 from __future__ import annotations
