@@ -1,7 +1,8 @@
 """Object-store shards (``s3://``) against a real S3-compatible server (moto, loopback).
 
 One moto server runs for the module; shards are uploaded with boto3. Faults (dropped and
-stalled connections) come from a TCP relay in front of it (``servers/tcp_proxy.py``).
+stalled connections, S3's ``503 SlowDown`` throttling) come from a TCP relay in front of
+it (``servers/tcp_proxy.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from servers.tcp_proxy import ThrottlingProxy
 from torch_geometric.loader import DataLoader
 
 from pyg_atompack import AtompackDataset
-from pyg_atompack.data.objectstore_reader import open_objectstore_atp
 from pyg_atompack.stream import (
     CancelToken,
     ObjectStoreSource,
@@ -43,12 +43,14 @@ from pyg_atompack.transport import (
     RemoteIntegrityError,
     RemoteNotFoundError,
     RemoteUnavailableError,
+    RetryPolicy,
     TransportError,
     UnsupportedURLError,
 )
 from pyg_atompack.transport.objectstore import ObjectStore
 
 BUCKET = "atompack-test"
+FAST = RetryPolicy(retries=2, backoff=0.01, jitter=0.0)
 PT_SIZES = [5, 3, 4, 6]
 
 
@@ -278,11 +280,11 @@ def test_object_replaced_after_listing(server):
 
 
 def test_unreachable_endpoint_bounded_retries():
-    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/pt: .*http://127\."
-                                                     r"0\.0\.1:9 after 3 attempts") as info:
-        ObjectStoreSource(f"s3://{BUCKET}/pt/", endpoint_url="http://127.0.0.1:9", retries=2,
-                          backoff=0.01)
-    assert SECRET_KEY not in str(info.value)
+    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/pt: giving up after "
+                                                     r"3 attempts: .* from http://127\.0\.0"
+                                                     r"\.1:9") as info:
+        ObjectStoreSource(f"s3://{BUCKET}/pt/", endpoint_url="http://127.0.0.1:9", retry=FAST)
+    assert SECRET_KEY not in str(info.value) and ACCESS_KEY not in str(info.value)
 
 
 def test_unsupported_urls():
@@ -316,7 +318,7 @@ def test_dropped_transfer_resumes_by_range(server, proxy):
     server.client().put_object(Bucket=BUCKET, Key="resume/a.pt", Body=payload)
     (obj,) = ObjectStore(f"s3://{BUCKET}/resume/").list()
     proxy.cut_next(after_bytes=700_000)
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, backoff=0.01)
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
     buffer = bytearray(obj.size)
     store.read_into(obj, buffer)
     assert bytes(buffer) == payload
@@ -330,9 +332,9 @@ def test_download_truncated_every_time_fails_and_caches_nothing(server, proxy, t
     server.client().put_object(Bucket=BUCKET, Key="trunc/a.pt", Body=payload)
     (obj,) = ObjectStore(f"s3://{BUCKET}/trunc/").list()
     proxy.cut_next(after_bytes=1000, times=10)
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retries=2, backoff=0.01)
-    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/trunc/a\.pt: .*after "
-                                                     r"3 attempts"):
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
+    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/trunc/a\.pt: giving "
+                                                     r"up after 3 attempts"):
         store.download(obj, tmp_path / "cache")
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()
             and p.suffix != ".lock"] == []
@@ -342,11 +344,70 @@ def test_permanent_errors_are_not_retried(server, proxy):
     server.client().put_object(Bucket=BUCKET, Key="deleted/a.pt", Body=b"soon gone")
     (obj,) = ObjectStore(f"s3://{BUCKET}/deleted/").list()
     server.client().delete_object(Bucket=BUCKET, Key="deleted/a.pt")
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retries=3, backoff=0.01)
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
     with pytest.raises(RemoteNotFoundError, match=r"s3://atompack-test/deleted/a\.pt: no such "
                                                   r"object"):
         store.read_into(obj, bytearray(obj.size))
     assert len(proxy.ranges) == 1
+
+
+class _RecordingCancel(CancelToken):
+    """A cancel token that records the backoff waits instead of sleeping them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+def test_throttling_is_retried_under_the_one_policy(server, proxy):
+    payload = os.urandom(100_000)
+    server.client().put_object(Bucket=BUCKET, Key="throttle/a.pt", Body=payload)
+    (obj,) = ObjectStore(f"s3://{BUCKET}/throttle/").list()
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url,
+                        retry=RetryPolicy(retries=3, backoff=0.01, jitter=0.0))
+    proxy.fail_next(503, "SlowDown", times=2, retry_after=7)
+    cancel = _RecordingCancel()
+    buffer = bytearray(obj.size)
+    store.read_into(obj, buffer, cancel=cancel)
+    assert bytes(buffer) == payload
+    assert proxy.failed == 2 and len(proxy.ranges) == 3  # two throttled, one served
+    # the backoff of the transport's RetryPolicy, never shorter than the Retry-After
+    assert cancel.waits == [7.0, 7.0]
+
+
+def test_throttling_outlasting_the_retries_names_the_url(server, proxy):
+    server.client().put_object(Bucket=BUCKET, Key="throttle/b.pt", Body=b"x" * 1000)
+    (obj,) = ObjectStore(f"s3://{BUCKET}/throttle/b.pt").list()
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST,
+                        key=ACCESS_KEY, secret=SECRET_KEY)
+    proxy.fail_next(503, "SlowDown", times=5)
+    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/throttle/b\.pt: "
+                                                     r"giving up after 3 attempts: SlowDown "
+                                                     r"from http://127\.0\.0\.1") as info:
+        store.read_into(obj, bytearray(obj.size))
+    assert proxy.failed == 3  # bounded: FAST allows two retries
+    assert SECRET_KEY not in str(info.value) and ACCESS_KEY not in str(info.value)
+
+
+def test_access_denied_is_not_retried(server, proxy):
+    server.client().put_object(Bucket=BUCKET, Key="denied/a.pt", Body=b"private")
+    (obj,) = ObjectStore(f"s3://{BUCKET}/denied/").list()
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
+    proxy.fail_next(403, "AccessDenied", times=3)
+    with pytest.raises(RemoteAuthError, match=r"s3://atompack-test/denied/a\.pt: access "
+                                              r"denied \(AccessDenied\)"):
+        store.read_into(obj, bytearray(obj.size))
+    assert proxy.failed == 1
+
+
+def test_retries_argument_of_the_stream_sets_the_store_policy(pt_prefix):
+    source = ObjectStoreSource(f"s3://{BUCKET}/pt/", retry=FAST)
+    dataset = ShardStreamDataset(source, retries=0)
+    assert dataset.source.retry.retries == 0 and dataset.source.store.retry.retries == 0
+    assert source.retry is FAST and source.store.retry is FAST  # the original is untouched
 
 
 def test_endpoint_for_s3_wins_over_the_generic_one(pt_prefix, server, monkeypatch):
@@ -359,7 +420,8 @@ def test_cancel_interrupts_a_stalled_transfer(server, proxy):
     server.client().put_object(Bucket=BUCKET, Key="stall/a.pt", Body=os.urandom(1 << 20))
     (obj,) = ObjectStore(f"s3://{BUCKET}/stall/").list()
     proxy.stall_next(after_bytes=2000)
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, read_timeout=120)
+    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url,
+                        retry=RetryPolicy(timeout=120))
     cancel = CancelToken()
     timer = threading.Timer(0.5, cancel.cancel)
     timer.start()
@@ -369,15 +431,24 @@ def test_cancel_interrupts_a_stalled_transfer(server, proxy):
 
 
 # ------------------------------------------------------------------ AtompackDataset
-def test_atompack_dataset_over_s3_equals_local(atp_prefix, tmp_path):
+@pytest.mark.parametrize("prefetch_shards", [None, True])
+def test_atompack_dataset_over_s3_equals_local(atp_prefix, tmp_path, monkeypatch,
+                                               prefetch_shards):
+    # by record through the page cache (default), or lazy verified whole-shard downloads
+    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
     local = AtompackDataset(atp_prefix)
-    remote = AtompackDataset(open_objectstore_atp(f"s3://{BUCKET}/atp/",
-                                                  cache_dir=tmp_path / "cache"))
+    remote = AtompackDataset(f"s3://{BUCKET}/atp/", cache_dir=tmp_path / "cache",
+                             prefetch_shards=prefetch_shards)
     assert len(remote) == len(local) == 9
     for got, want in zip(remote, local):
         assert set(got.keys()) == set(want.keys())
         for key, value in want:  # iterating a Data yields (key, value) pairs
             assert torch.equal(got[key], value), key
+    if prefetch_shards:
+        assert remote.reader.downloaded_shards() == [0, 1, 2]
+    else:
+        assert not (tmp_path / "hub").exists()  # nothing downloaded whole
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["atp-meta", "pages"]
 
 
 def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, tmp_path):

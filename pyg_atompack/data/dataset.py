@@ -14,7 +14,7 @@ from torch_geometric.data import Data, Dataset
 
 from pyg_atompack import atp
 from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields, resolve_names
-from pyg_atompack.transport.urls import url_scheme
+from pyg_atompack.transport.urls import OBJECT_STORES, url_scheme
 
 __all__ = ["AtompackDataset"]
 
@@ -88,6 +88,14 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
 
             target = source + "manifest.json" if source.endswith("/") else source
             return open_remote_atp(url_range_readers(target), name=source, **cache)
+        if scheme in OBJECT_STORES and not prefetch:
+            # object stores likewise: ranged GETs pinned to the listed ETags
+            from pyg_atompack.transport.objectstore import object_range_readers
+            from pyg_atompack.transport.remote_atp import open_remote_atp
+            from pyg_atompack.transport.urls import object_store
+
+            object_store(source)  # the backend is installed (else: what to install)
+            return open_remote_atp(object_range_readers(source), name=source, **cache)
         reader = hub.open_remote_atp(source, access=access)
         if prefetch is False:
             if scheme != "hf":
@@ -146,10 +154,10 @@ class AtompackDataset(Dataset):
             order), a URL: ``"hf://datasets/{repo_id}@{revision}/{path}"`` (see
             :meth:`from_hub`), ``"http(s)://.../manifest.json"`` (or a ``.atp`` file, or a
             directory URL ending in ``/``), an object-store URL (``"s3://..."``) where its
-            backend is installed, or a list of ``http(s)`` `.atp` URLs. ``http(s)``
-            sources are read record by record through a bounded disk page cache
-            (``cache_dir``, ``cache_bytes``); ``hf://`` and object-store shards are
-            downloaded lazily and verified into the cache (see
+            backend is installed, or a list of ``http(s)`` `.atp` URLs. ``http(s)`` and
+            object-store sources are read record by record through a bounded disk page
+            cache (``cache_dir``, ``cache_bytes``); ``hf://`` shards are downloaded
+            lazily and verified into the cache (see
             :func:`pyg_atompack.hub.open_remote_atp`) unless ``prefetch_shards`` says
             otherwise. Or an already open reader.
         fields (list[str], optional): The fields to materialise, e.g.
@@ -184,7 +192,8 @@ class AtompackDataset(Dataset):
             does, so a script written for it runs unchanged. ``rename`` entries
             apply on top. (default: :obj:`None`)
         cache_dir (str, optional): For remote sources read by record (``http(s)://``
-            URLs, and ``hf://`` with ``prefetch_shards=False``): where the metadata
+            and object-store URLs, and ``hf://`` with ``prefetch_shards=False``): where
+            the metadata
             (header, schema, index) and the page cache live, shared by DataLoader
             workers, ranks and later runs of one machine. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
@@ -193,9 +202,10 @@ class AtompackDataset(Dataset):
         prefetch_shards (bool, optional): For remote sources: :obj:`True` downloads
             a whole shard (verified) the first time a record in it is read, as
             :meth:`from_hub` does; :obj:`False` fetches only the records read, through
-            the page cache (see "Big remote datasets" in the README; ``hf://`` and
-            ``http(s)://``). :obj:`None` keeps whole-shard downloads for ``hf://`` and
-            object stores and reads ``http(s)://`` sources by record. (default: :obj:`None`)
+            the page cache (see "Big remote datasets" in the README; ``hf://``,
+            ``http(s)://`` and object stores). :obj:`None` keeps whole-shard downloads
+            for ``hf://`` and reads ``http(s)://`` and object-store sources by record.
+            (default: :obj:`None`)
 
     Raises:
         pyg_atompack.pyg.FieldSelectionError: If a requested field exists in no

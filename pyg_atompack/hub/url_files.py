@@ -192,7 +192,8 @@ def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
         cache_dir: Download cache root (default: the backend's).
         verify: Kept for the signature of the other openers; the backend always verifies.
         access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
-        policy: Unused: the backend has its own retry options (``retries=``, ...).
+        policy: Retries and timeouts of every request (the backend's ``retry``).
+            (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
         max_workers: Parallel header reads. (default: ``8``)
         **storage_options: The backend's options (``endpoint_url``, ``profile``, ...).
 
@@ -205,6 +206,8 @@ def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
     from pyg_atompack.hub.remote_atp import read_shard_header
     from pyg_atompack.transport.objectstore import list_objects
 
+    if policy is not None:
+        storage_options["retry"] = policy
     store, objects = list_objects(url, suffixes=(".atp",), **storage_options)
     shards = [RemoteFile(path=o.name, size=o.size, sha256=o.sha256, url=o.url, revision="",
                          repo_id="", repo_type="object", blob_id=o.etag) for o in objects]

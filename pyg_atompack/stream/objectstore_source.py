@@ -2,7 +2,11 @@
 
 The bytes travel through :class:`pyg_atompack.transport.objectstore.ObjectStore`, which
 makes its client lazily in each process (fork-safe), pickles without secrets, resumes
-interrupted transfers by range and raises the transport error family.
+interrupted transfers by range under the transport's one
+:class:`~pyg_atompack.transport.RetryPolicy` and raises the transport error family.
+``.atp`` shards also have range reads (:meth:`ObjectStoreSource.range_reader`), so
+:class:`~pyg_atompack.stream.ShardStreamDataset` streams them as record blocks, as it
+does over HTTP(S).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pyg_atompack.stream.buffers import WritableBuffer, allocate
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
+from pyg_atompack.transport.ranges import ObjectRangeReader
+from pyg_atompack.transport.retry import RetryPolicy
 
 #: Smallest byte range worth its own request when a shard is fetched in parts.
 MIN_PART_BYTES = 32 << 10  # as for HTTP (stream.http.MIN_PART_BYTES)
@@ -29,8 +35,9 @@ class ObjectStoreSource:
             one object's URL. A ``manifest.json`` below the prefix supplies sha256
             digests and record counts.
         **storage_options: Options of :class:`~pyg_atompack.transport.objectstore.ObjectStore`
-            (``anon``, ``profile``, ``endpoint_url``, ``retries``, timeouts, and fsspec
-            options such as ``key`` / ``secret``, which are never pickled).
+            (``anon``, ``profile``, ``endpoint_url``, ``retry`` (a
+            :class:`~pyg_atompack.transport.RetryPolicy`), and fsspec options such as
+            ``key`` / ``secret``, which are never pickled).
 
     The listing happens once, here; DataLoader workers get it pickled (or inherited
     across ``fork``) and each makes its own client on its first fetch.
@@ -56,6 +63,16 @@ class ObjectStoreSource:
         """The listed URL."""
         return self.store.url
 
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of every request (``ShardStreamDataset(retries=)`` sets it)."""
+        return self.store.retry
+
+    @retry.setter
+    def retry(self, policy: RetryPolicy) -> None:
+        # a handle of its own, so a shallow copy of this source never changes the original
+        self.store = self.store.with_retry(policy)
+
     def list_shards(self) -> Sequence[ShardInfo]:
         """Return the shards found at construction, sorted by POSIX path."""
         return self._shards
@@ -64,6 +81,17 @@ class ObjectStoreSource:
         return ObjectInfo(name=shard.name, url=shard.location, size=shard.size or 0,
                           etag=shard.extra.get("etag"), sha256=shard.sha256,
                           records=shard.records)
+
+    def range_reader(self, shard: ShardInfo) -> ObjectRangeReader:
+        """Range reads of one shard (record blocks of ``.atp`` shards use them).
+
+        Args:
+            shard: One entry of :meth:`list_shards`.
+
+        Returns:
+            A picklable, fork-safe reader pinned to the listed ETag.
+        """
+        return ObjectRangeReader(self.store, self._object(shard))
 
     def fetch(self, shard: ShardInfo, cancel: CancelToken) -> WritableBuffer:
         """Download one shard into an anonymous memory map of its listed size.

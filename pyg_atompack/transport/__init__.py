@@ -12,6 +12,9 @@ resumable downloads and verification, and raises one error family
 * :mod:`~pyg_atompack.transport.integrity`: the one size + sha256 check;
 * :mod:`~pyg_atompack.transport.buffers`: download targets (memory maps, parts, files);
 * :mod:`~pyg_atompack.transport.urls`: which backend serves which URL scheme;
+* :mod:`~pyg_atompack.transport.objectstore`: object stores (``s3://``, and ``gs://`` /
+  ``az://`` where gcsfs / adlfs are installed) on fsspec, under the same retry policy
+  and error family;
 * :mod:`~pyg_atompack.transport.ranges`, :mod:`~pyg_atompack.transport.atp_meta`,
   :mod:`~pyg_atompack.transport.block_cache`, :mod:`~pyg_atompack.transport.remote_atp`:
   record-level reads of big remote `.atp` files (range readers, the metadata cache, the
@@ -48,6 +51,7 @@ __all__ = [
     "FileRangeReader",
     "URLRangeReader",
     "HubRangeReader",
+    "ObjectRangeReader",
     "BlockCache",
     "RemoteAtpReader",
     "open_remote_atp",
@@ -60,6 +64,7 @@ from pyg_atompack.transport.block_cache import BlockCache  # noqa: E402
 from pyg_atompack.transport.ranges import (  # noqa: E402
     FileRangeReader,
     HubRangeReader,
+    ObjectRangeReader,
     RangeReader,
     URLRangeReader,
 )

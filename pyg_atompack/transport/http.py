@@ -15,7 +15,8 @@ crosses a ``fork``). Per request this module adds what that client leaves out:
   of the URL they were given for. The Hub answers ``resolve/`` of large files with a 302
   to a signed URL on a CDN, which must not see the Hub token (and rejects a request that
   carries one);
-* **retries** with backoff and jitter for connection errors, timeouts, 408, 429 and 5xx,
+* **retries** (the one loop, :func:`~pyg_atompack.transport.retry.with_retries`) with
+  backoff and jitter for connection errors, timeouts, 408, 429 and 5xx,
   honouring ``Retry-After`` and the Hub's ``RateLimit`` header; a dropped body is resumed
   with a ``Range`` request from the byte where it broke;
 * **prompt cancellation**: a :class:`CancelToken`-like object shuts the connection's socket
@@ -48,7 +49,6 @@ from pyg_atompack.transport.errors import (
     RemoteNotFoundError,
     RemoteOfflineError,
     RemoteTooLargeError,
-    RemoteUnavailableError,
     TransportError,
 )
 from pyg_atompack.transport.redact import redact_url
@@ -57,6 +57,7 @@ from pyg_atompack.transport.retry import (
     RetryPolicy,
     TransientError,
     server_wait,
+    with_retries,
 )
 
 logger = logging.getLogger(__name__)
@@ -292,40 +293,6 @@ def open_response(url: str, *, method: str = "GET", headers: Mapping[str, str] |
             response.close()
     raise TransportError(f"{redact_url(url)}: more than {MAX_REDIRECTS} redirects",
                          url=redact_url(url))
-
-
-def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
-                 cancel: Cancel = NEVER, position: Callable[[], int] | None = None) -> Any:
-    """Run ``attempt`` until it succeeds, retrying :class:`TransientError` under ``policy``.
-
-    Args:
-        attempt: One try; raises :class:`TransientError` for causes worth retrying.
-        url: For messages (redacted here).
-        policy: Retries and backoff.
-        cancel: Interrupts backoff waits.
-        position: Where a resumed transfer continues, for the log. (default: none)
-
-    Returns:
-        What ``attempt`` returned.
-
-    Raises:
-        RemoteUnavailableError: Every attempt failed for a transient cause.
-    """
-    where = redact_url(url)
-    for number in range(policy.retries + 1):
-        try:
-            return attempt()
-        except TransientError as error:
-            if number == policy.retries:
-                raise RemoteUnavailableError(
-                    f"{where}: giving up after {number + 1} attempts: {error}", url=where
-                ) from error
-            wait = policy.delay(number, error.retry_after)
-            resume = f" (resuming at byte {position()})" if position else ""
-            logger.warning("%s: %s; retry %d/%d in %.2fs%s", where, error, number + 1,
-                           policy.retries, wait, resume)
-            cancel.sleep(wait)
-    raise AssertionError("unreachable")
 
 
 def _content_range_start(value: str | None) -> int | None:

@@ -25,9 +25,17 @@ them, and an unpickled handle uses the standard credential chain (environment
 variables, ``AWS_PROFILE`` / ``profile=``, config files, instance roles).
 
 Every failure raises one :class:`~pyg_atompack.transport.TransportError` subclass whose
-message names the object URL and the cause. Connection failures, timeouts, throttling
-and 5xx answers are retried with exponential backoff and jitter (``retries`` times);
-nothing else is.
+message names the object URL and the cause (never a credential). Retries are the
+project's one policy (:class:`~pyg_atompack.transport.RetryPolicy`, run by
+:func:`~pyg_atompack.transport.retry.with_retries`, as for HTTP(S)): connection
+failures, timeouts, 408, 429, 5xx and S3's throttling codes are retried with
+exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else is.
+botocore and s3fs make a single attempt each, so retries never multiply.
+
+:func:`object_range_readers` gives the listed objects the
+:class:`~pyg_atompack.transport.RangeReader` interface
+(:class:`~pyg_atompack.transport.ObjectRangeReader`), for record-level reads (record
+blocks, the page cache) exactly as for HTTP(S) files.
 
 This module is torch-free.
 """
@@ -36,15 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import json
 import logging
 import mmap
 import os
 import posixpath
-import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -56,9 +63,15 @@ from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
     RemoteNotFoundError,
-    RemoteUnavailableError,
     TransportError,
     UnsupportedURLError,
+)
+from pyg_atompack.transport.retry import (
+    RETRYABLE_STATUSES,
+    RetryPolicy,
+    TransientError,
+    server_wait,
+    with_retries,
 )
 
 __all__ = [
@@ -69,6 +82,7 @@ __all__ = [
     "download",
     "is_object_store_url",
     "list_objects",
+    "object_range_readers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,10 +100,11 @@ _SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "passwor
                              "account_key", "sas_token", "connection_string",
                              "client_secret", "credentials", "aws_access_key_id",
                              "aws_secret_access_key", "aws_session_token"})
-_TRANSIENT_STATUSES = frozenset({408, 429, *range(500, 600)})
+# S3's throttling / transient error codes; the statuses are the transport's
+# RETRYABLE_STATUSES (408, 429, 5xx), as for HTTP(S)
 _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
                               "ServiceUnavailable", "Throttling", "ThrottlingException",
-                              "RequestTimeTooSkewed"})
+                              "RequestLimitExceeded", "TooManyRequestsException"})
 
 
 class CancelLike(Protocol):
@@ -189,7 +204,7 @@ def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
 def _is_transient(error: BaseException) -> bool:
     code, status = _client_error_info(error)
     if code is not None or status is not None:
-        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES
+        return code in _TRANSIENT_CODES or status in RETRYABLE_STATUSES
     names = {type(cause).__name__ for cause in _causes(error)}
     transient_names = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                        "ConnectionClosedError", "ClientPayloadError",
@@ -198,6 +213,18 @@ def _is_transient(error: BaseException) -> bool:
                        "TimeoutError", "ConnectionResetError", "ConnectionRefusedError",
                        "BrokenPipeError", "ProxyConnectionError", "_Truncated"}
     return bool(names & transient_names)
+
+
+def _server_wait(error: BaseException) -> float | None:
+    """The wait the store asked for (``Retry-After``), from the botocore answer if any."""
+    for cause in _causes(error):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            headers = response.get("ResponseMetadata", {}).get("HTTPHeaders") or {}
+            lowered = {str(k).lower(): v for k, v in headers.items()}
+            return server_wait({"Retry-After": lowered.get("retry-after"),
+                                "RateLimit": lowered.get("ratelimit")})
+    return None
 
 
 class _Truncated(Exception):
@@ -215,33 +242,27 @@ class ObjectStore:
         profile: A named profile of the AWS config files. (default: ``AWS_PROFILE``)
         endpoint_url: An S3-compatible endpoint (MinIO, Ceph, R2, ...).
             (default: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS)
-        retries: Retries of a transient failure (connection, timeout, throttling, 5xx)
-            of each request; a retried download resumes where it stopped. (default: 4)
-        backoff: First retry wait in seconds, doubled each retry, with up to 50%
-            random jitter. (default: 0.5)
-        connect_timeout: Seconds to establish a connection. (default: 10.0)
-        read_timeout: Seconds without a byte before a transfer counts as stalled.
-            (default: 60.0)
+        retry: Retries, backoff and timeouts of every request (``timeout`` is the read
+            timeout, ``connect_timeout`` the connect timeout): transient failures
+            (connection, timeout, 408, 429, 5xx, throttling) are retried, and a
+            retried transfer resumes where it stopped.
+            (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
         **storage_options: Further options of the fsspec filesystem (e.g. ``key``,
             ``secret``, ``token``, ``client_kwargs``); credentials among them are
             never pickled.
     """
 
     def __init__(self, url: str, *, anon: bool = False, profile: str | None = None,
-                 endpoint_url: str | None = None, retries: int = 4, backoff: float = 0.5,
-                 connect_timeout: float = 10.0, read_timeout: float = 60.0,
+                 endpoint_url: str | None = None, retry: RetryPolicy | None = None,
                  **storage_options: Any) -> None:
         self.scheme, self.bucket, self.key = _split_url(url)
-        if retries < 0 or backoff < 0 or connect_timeout <= 0 or read_timeout <= 0:
-            raise ValueError("retries and backoff must be >= 0, timeouts > 0")
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.url = f"{self.scheme}://{self.bucket}/{self.key}"
         self.anon = anon
         self.profile = profile
         self.endpoint_url = endpoint_url
-        self.retries = retries
-        self.backoff = backoff
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        self.retry = retry or RetryPolicy()
         self.storage_options, self._secrets = _split_secrets(storage_options)
         self._secrets_dropped = False
         self._fs: Any = None
@@ -280,10 +301,11 @@ class ObjectStore:
         options["skip_instance_cache"] = True
         if self.scheme == "s3":
             # one retry policy, ours: botocore and s3fs each make a single attempt
+            # (botocore's "max_attempts" counts retries, "total_max_attempts" attempts)
             config = dict(options.pop("config_kwargs", {}))
-            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
-            config.setdefault("connect_timeout", self.connect_timeout)
-            config.setdefault("read_timeout", self.read_timeout)
+            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", self.retry.connect_timeout)
+            config.setdefault("read_timeout", self.retry.timeout)
             options.update(config_kwargs=config, anon=self.anon)
             endpoint = (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                         or os.environ.get("AWS_ENDPOINT_URL"))
@@ -314,14 +336,27 @@ class ObjectStore:
         """The URL of ``key`` in this bucket."""
         return f"{self.scheme}://{self.bucket}/{key}"
 
+    def with_retry(self, retry: RetryPolicy) -> ObjectStore:
+        """A copy of this handle with another retry policy (and a client of its own).
+
+        Args:
+            retry: The policy.
+
+        Returns:
+            The new handle (secrets given to this one are kept, in memory only).
+        """
+        clone = copy.copy(self)
+        clone.retry = retry
+        clone._fs, clone._pid, clone._lock = None, None, threading.Lock()
+        return clone
+
     # ------------------------------------------------------------------ errors
-    def _translate(self, error: BaseException, url: str, attempts: int = 1) -> TransportError:
-        """One :class:`TransportError` subclass for ``error`` met while reading ``url``."""
+    def _translate(self, error: BaseException, url: str) -> TransportError:
+        """One :class:`TransportError` subclass for a permanent ``error`` met at ``url``."""
         if isinstance(error, TransportError):
             return error
         code, status = _client_error_info(error)
         names = {type(cause).__name__ for cause in _causes(error)}
-        tried = f" after {attempts} attempts" if attempts > 1 else ""
         if "NoCredentialsError" in names or "PartialCredentialsError" in names:
             hint = (" (credentials given as options are not pickled: in spawned workers "
                     "use the environment or a profile)" if self._secrets_dropped else "")
@@ -344,40 +379,43 @@ class ObjectStore:
             return RemoteAuthError(
                 f"{url}: access denied ({code or status or 'forbidden'}): check the "
                 f"credentials and the bucket policy", url=url, status=status)
-        if _is_transient(error):
-            endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-                os.environ.get("AWS_ENDPOINT_URL")
-            where = _redact_endpoint(endpoint) if endpoint else "the default endpoint"
-            return RemoteUnavailableError(
-                f"{url}: {code or type(error).__name__} from {where}{tried}: "
-                f"{_first_line(error)}", url=url, status=status)
         return TransportError(f"{url}: {code or type(error).__name__}: {_first_line(error)}",
                               url=url, status=status)
 
+    def _describe_transient(self, error: BaseException) -> str:
+        code, _ = _client_error_info(error)
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+            os.environ.get("AWS_ENDPOINT_URL")
+        where = _redact_endpoint(endpoint) if endpoint else "the default endpoint"
+        return f"{code or type(error).__name__} from {where}: {_first_line(error)}"
+
     def _retrying(self, url: str, operation: Callable[[], Any],
                   cancel: CancelLike | None = None) -> Any:
-        """Run ``operation``, retrying transient failures with backoff and jitter."""
-        for attempt in range(self.retries + 1):
+        """Run ``operation`` under :attr:`retry` (the transport's one retry loop).
+
+        Transient causes become :class:`TransientError` for
+        :func:`~pyg_atompack.transport.retry.with_retries`; anything else is translated
+        into the error family at once, without a retry.
+        """
+
+        def attempt() -> Any:
             try:
                 return operation()
             except asyncio.CancelledError:
                 if cancel is not None:
                     cancel.raise_if_cancelled()
                 raise
-            except Exception as error:  # noqa: BLE001 - translated or re-raised below
+            except TransportError:
+                raise
+            except Exception as error:  # noqa: BLE001 - classified and translated here
                 if cancel is not None:
                     cancel.raise_if_cancelled()
-                if isinstance(error, TransportError) or not _is_transient(error) \
-                        or attempt == self.retries:
-                    raise self._translate(error, url, attempt + 1) from error
-                wait = self.backoff * 2 ** attempt * (1 + 0.5 * random.random())
-                logger.warning("%s: %s; retry %d/%d in %.2fs", url, _first_line(error),
-                               attempt + 1, self.retries, wait)
-                if cancel is not None and hasattr(cancel, "sleep"):
-                    cancel.sleep(wait)
-                else:
-                    time.sleep(wait)
-        raise AssertionError("unreachable")
+                if _is_transient(error):
+                    raise TransientError(self._describe_transient(error),
+                                         retry_after=_server_wait(error)) from error
+                raise self._translate(error, url) from error
+
+        return with_retries(attempt, url=url, policy=self.retry, cancel=cancel)
 
     # ------------------------------------------------------------------ listing
     def _info(self, key: str) -> ObjectInfo:
@@ -821,6 +859,29 @@ def list_objects(url: str, *, suffixes: Sequence[str] | None = SHARD_SUFFIXES,
     """
     store = ObjectStore(url, **options)
     return store, store.list(suffixes)
+
+
+def object_range_readers(url: str, *, suffixes: Sequence[str] = (".atp",),
+                         **options: Any) -> list[Any]:
+    """Range readers for the objects an object-store URL names (one listing request).
+
+    Args:
+        url: A prefix, object or ``manifest.json`` URL (see :meth:`ObjectStore.list`).
+        suffixes: Names to keep. (default: ``(".atp",)``)
+        **options: :class:`ObjectStore` options (``anon``, ``profile``, ``endpoint_url``,
+            ``retry``, fsspec options).
+
+    Returns:
+        One :class:`~pyg_atompack.transport.ObjectRangeReader` per object, in POSIX
+        path order, sharing one picklable, fork-safe handle.
+
+    Raises:
+        TransportError: The listing failed (see :meth:`ObjectStore.list`).
+    """
+    from pyg_atompack.transport.ranges import ObjectRangeReader
+
+    store, objects = list_objects(url, suffixes=suffixes, **options)
+    return [ObjectRangeReader(store, obj) for obj in objects]
 
 
 def download(store: ObjectStore, obj: ObjectInfo,

@@ -10,7 +10,11 @@ wrap the transport's range reads:
 * :class:`URLRangeReader`: a plain HTTP(S) URL, through the resumable ranged transfer of
   :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
   missing byte, under the source's retry policy);
-* :class:`HubRangeReader`: a listed Hub file, through :func:`pyg_atompack.hub.transfer.fetch_range`.
+* :class:`HubRangeReader`: a listed Hub file, through :func:`pyg_atompack.hub.transfer.fetch_range`;
+* :class:`ObjectRangeReader`: a listed object-store object (``s3://``, ``gs://``,
+  ``az://``), through :meth:`pyg_atompack.transport.objectstore.ObjectStore.read_into`
+  (a ranged ``GET`` pinned to the listed ETag, resumed after a dropped connection under
+  the store's retry policy).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["FileRangeReader", "HubRangeReader", "RangeReader", "URLRangeReader", "read_range"]
+__all__ = ["FileRangeReader", "HubRangeReader", "ObjectRangeReader", "RangeReader",
+           "URLRangeReader", "read_range"]
 
 
 @runtime_checkable
@@ -202,3 +207,56 @@ class HubRangeReader:
 
     def __repr__(self) -> str:
         return f"HubRangeReader({self.name!r}, size={self.size})"
+
+
+class ObjectRangeReader:
+    """Range reads of a listed object-store object.
+
+    Picklable without secrets and fork-safe: the store handle makes its client lazily in
+    each process (see :class:`~pyg_atompack.transport.objectstore.ObjectStore`). Every
+    read is conditioned on the listed ETag, so an object replaced since it was listed
+    raises :class:`~pyg_atompack.transport.RemoteIntegrityError` instead of mixing two
+    versions.
+
+    Args:
+        store: The :class:`~pyg_atompack.transport.objectstore.ObjectStore` that listed
+            the object.
+        obj: Its :class:`~pyg_atompack.transport.objectstore.ObjectInfo`.
+    """
+
+    def __init__(self, store: Any, obj: Any) -> None:
+        self.store = store
+        self.obj = obj
+        self.name = obj.url
+        self.size = int(obj.size)
+        if obj.sha256:
+            self.identity = f"sha256:{obj.sha256.lower()}"
+        else:  # the ETag changes whenever the object is written again
+            self.identity = f"object:{obj.url}|{obj.etag or ''}|{self.size}"
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
+
+        Args:
+            start (int): First byte of the object to read.
+            out (memoryview): Writable buffer; its length is the number of bytes read.
+            cancel (CancelToken, optional): Stops the transfer in flight and any backoff
+                wait when cancelled. (default: :obj:`None`)
+
+        Raises:
+            RemoteRangeError: The range lies outside the listed object.
+            TransportError: The range could not be read after the retries, or the
+                object changed since it was listed (names the URL).
+        """
+        from pyg_atompack.transport.errors import RemoteRangeError
+
+        if not len(out):
+            return
+        if start < 0 or start + len(out) > self.size:
+            raise RemoteRangeError(f"{self.name}: range [{start}, {start + len(out)}) outside "
+                                   f"the {self.size}-byte object", url=self.name)
+        self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
+                             cancel=cancel)
+
+    def __repr__(self) -> str:
+        return f"ObjectRangeReader({self.name!r}, size={self.size})"

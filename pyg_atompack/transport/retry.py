@@ -3,15 +3,27 @@
 A server's wish is honoured: ``Retry-After`` (seconds or an HTTP date) and the Hub's
 ``RateLimit: "resolvers";r=0;t=N`` header (IETF draft RateLimit fields), which the Hub
 sends with a 429 instead of ``Retry-After``.
+
+:func:`with_retries` is the one retry loop: the HTTP(S) transport and the object-store
+backend both run their attempts through it, each turning the causes it deems transient
+into :class:`TransientError` and raising everything else as it is.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from typing import Any
+
+from pyg_atompack.transport.errors import RemoteUnavailableError
+from pyg_atompack.transport.redact import redact_url
+
+logger = logging.getLogger(__name__)
 
 #: HTTP statuses worth retrying: request timeout, too many requests, every server error.
 RETRYABLE_STATUSES = frozenset({408, 429, *range(500, 600)})
@@ -138,3 +150,43 @@ def server_wait(headers) -> float | None:
     """
     wait = parse_retry_after(headers.get("Retry-After"))
     return wait if wait is not None else parse_ratelimit_reset(headers.get("RateLimit"))
+
+
+def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
+                 cancel: Any = None, position: Callable[[], int] | None = None) -> Any:
+    """Run ``attempt`` until it succeeds, retrying :class:`TransientError` under ``policy``.
+
+    Any other exception ends the loop at once (permanent causes are never retried).
+
+    Args:
+        attempt: One try; raises :class:`TransientError` for causes worth retrying.
+        url: For messages (redacted here).
+        policy: Retries and backoff.
+        cancel: Interrupts backoff waits: an object with ``sleep(seconds)`` that raises
+            when cancelled (:class:`~pyg_atompack.stream.CancelToken`).
+            (default: :obj:`None`, plain sleeps)
+        position: Where a resumed transfer continues, for the log. (default: none)
+
+    Returns:
+        What ``attempt`` returned.
+
+    Raises:
+        RemoteUnavailableError: Every attempt failed for a transient cause (the message
+            names the redacted URL, the attempt count and the last cause).
+    """
+    where = redact_url(url)
+    sleep = getattr(cancel, "sleep", None) or time.sleep
+    for number in range(policy.retries + 1):
+        try:
+            return attempt()
+        except TransientError as error:
+            if number == policy.retries:
+                raise RemoteUnavailableError(
+                    f"{where}: giving up after {number + 1} attempts: {error}", url=where
+                ) from error
+            wait = policy.delay(number, error.retry_after)
+            resume = f" (resuming at byte {position()})" if position else ""
+            logger.warning("%s: %s; retry %d/%d in %.2fs%s", where, error, number + 1,
+                           policy.retries, wait, resume)
+            sleep(wait)
+    raise AssertionError("unreachable")

@@ -11,6 +11,9 @@ through it.
   bytes from the server (a dropped transfer; the client must resume);
 * :meth:`ThrottlingProxy.stall_next`: the next connection(s) stop relaying after a
   number of bytes and hold the socket open (a stalled transfer);
+* :meth:`ThrottlingProxy.fail_next`: the next connection(s) answer their first request
+  with an S3-style error themselves (``503 SlowDown``, as S3 throttles; optionally with
+  ``Retry-After``) and close, without reaching the server;
 * :attr:`ThrottlingProxy.ranges`: the ``Range`` headers of the requests relayed.
 
 Written here because no maintained package offers a paced, fault-injecting TCP relay
@@ -44,10 +47,11 @@ class ThrottlingProxy:
         self.bandwidth = bandwidth
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self._faults: deque[tuple[str, int]] = deque()
+        self._faults: deque[tuple] = deque()
         self._lock = threading.Lock()
         self.ranges: list[str] = []
         self.connections = 0
+        self.failed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
@@ -76,6 +80,32 @@ class ThrottlingProxy:
         with self._lock:
             self._faults.extend([("stall", after_bytes)] * times)
 
+    def fail_next(self, status: int = 503, code: str = "SlowDown", times: int = 1,
+                  retry_after: int | None = None) -> None:
+        """Answer the next ``times`` connections' first request with an S3 error."""
+        with self._lock:
+            self._faults.extend([("status", status, code, retry_after)] * times)
+
+    def _fail(self, client: socket.socket, status: int, code: str,
+              retry_after: int | None) -> None:
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and (chunk := client.recv(65536)):
+                data += chunk
+            with self._lock:
+                self.ranges.extend(m.decode() for m in _RANGE.findall(data))
+                self.failed += 1
+            body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                    f'<Message>injected by the test proxy</Message></Error>').encode()
+            extra = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+            head = (f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n")
+            client.sendall(head.encode() + body)
+        except OSError:
+            pass
+        finally:
+            _close(client)
+
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
@@ -85,6 +115,10 @@ class ThrottlingProxy:
             with self._lock:
                 fault = self._faults.popleft() if self._faults else None
                 self.connections += 1
+            if fault is not None and fault[0] == "status":
+                threading.Thread(target=self._fail, args=(client, *fault[1:]),
+                                 daemon=True).start()
+                continue
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             threading.Thread(target=self._requests, args=(client, upstream),
                              daemon=True).start()
