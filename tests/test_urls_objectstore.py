@@ -43,9 +43,13 @@ def test_s3_urls_everywhere(moto, tmp_path, capsys):
     moto.upload_directory(atp_dir, BUCKET, "atp")
     moto.upload_directory(pt_dir, BUCKET, "pt")
 
-    dataset = AtompackDataset(f"s3://{BUCKET}/atp/")
-    assert dataset.reader.downloaded_shards() == []  # opened from header range reads
     local = AtompackDataset(atp_dir)
+    by_record = AtompackDataset(f"s3://{BUCKET}/atp/", cache_dir=tmp_path / "pages")
+    assert [float(by_record[i].energy) for i in range(7)] == \
+        [float(local[i].energy) for i in range(7)]
+    assert not (tmp_path / "cache").exists()  # no shard downloaded whole
+    dataset = AtompackDataset(f"s3://{BUCKET}/atp/", prefetch_shards=True)
+    assert dataset.reader.downloaded_shards() == []  # opened from header range reads
     assert len(dataset) == len(local) == 7
     assert [float(dataset[i].energy) for i in range(7)] == \
         [float(local[i].energy) for i in range(7)]

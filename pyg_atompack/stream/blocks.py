@@ -36,6 +36,7 @@ from pyg_atompack.stream.buffers import allocate
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
     ShardFetchError,
+    ShardIntegrityError,
     StreamCancelled,
     StreamError,
 )
@@ -45,6 +46,7 @@ from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamSlot
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.atp_meta import load_meta
+from pyg_atompack.transport.errors import RemoteIntegrityError
 from pyg_atompack.transport.ranges import FileRangeReader, RangeReader, URLRangeReader
 
 logger = logging.getLogger(__name__)
@@ -294,7 +296,10 @@ class BlockLoader:
             except StreamError:
                 raise
             except OSError as error:
-                raise ShardFetchError(f"shard {name}: {error}") from error
+                # an object changed since it was listed stays an integrity error
+                kind = (ShardIntegrityError if isinstance(error, RemoteIntegrityError)
+                        else ShardFetchError)
+                raise kind(f"shard {name}: {error}") from error
             finally:
                 view.release()
             record.download_finish_s = recorder.now()
