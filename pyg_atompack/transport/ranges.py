@@ -219,9 +219,10 @@ class ObjectRangeReader:
     versions.
 
     Args:
-        store: The :class:`~pyg_atompack.transport.objectstore.ObjectStore` that listed
-            the object.
-        obj: Its :class:`~pyg_atompack.transport.objectstore.ObjectInfo`.
+        store (ObjectStore): The :class:`~pyg_atompack.transport.objectstore.ObjectStore`
+            that listed the object.
+        obj (ObjectInfo): Its :class:`~pyg_atompack.transport.objectstore.ObjectInfo`
+            (URL, size, ETag, sha256 from a manifest).
     """
 
     def __init__(self, store: Any, obj: Any) -> None:
