@@ -16,7 +16,11 @@ sleep, modelling a GPU step). Each pair runs, in rotating order:
 * ``s3``: the ``prefetch`` arm over ``ObjectStoreSource("s3://...")``: the same shards
   uploaded to a moto S3 server (``tests/servers/moto_s3.py``, its own process) behind a
   TCP relay with the same per-connection bandwidth limit (``tests/servers/tcp_proxy.py``,
-  its own process).
+  its own process);
+* ``s3-whole`` / ``s3-blocks``: the same molecules as ``.atp`` shards in the same bucket,
+  streamed whole (``blocks=False``) or as record blocks of half a shard each
+  (``blocks=True``: one ranged ``GET`` per block, metadata read before the clock starts),
+  same relay; their ratio isolates what record blocks cost over an object store.
 
 Speed-ups are ``sequential / candidate`` per pair, summarised by their geometric mean and a
 deterministic percentile-bootstrap 95% interval (``benchmarks/paired_stats.py``). Peak
@@ -24,12 +28,14 @@ RSS growth of each run is sampled from ``/proc/self/statm``. Writes
 ``benchmarks/results/stream.md`` (+ ``stream.json``) and
 ``benchmarks/figures/stream_timeline.png``.
 
-Run: ``.venv/bin/python benchmarks/stream_overlap.py [--pairs 10] [--quick]``
+Run: ``.venv/bin/python benchmarks/stream_overlap.py [--pairs 10] [--quick]
+[--arms sequential,prefetch,s3,s3-whole,s3-blocks] [--out benchmarks/_work/x.md]``
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import multiprocessing
@@ -129,13 +135,16 @@ def consume(samples, compute_per_sample: float) -> int:
 
 
 def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
-               lazy_decode: bool = True, s3_endpoint: str | None = None):
+               lazy_decode: bool = True, s3_endpoint: str | None = None,
+               s3_prefix: str = "shards", blocks: bool | None = None,
+               block_bytes: int = 64 << 20, cache_dir: Path | None = None):
     if s3_endpoint is None:
         source = HTTPSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
-        source = ObjectStoreSource(f"s3://{S3_BUCKET}/shards/", endpoint_url=s3_endpoint)
+        source = ObjectStoreSource(f"s3://{S3_BUCKET}/{s3_prefix}/", endpoint_url=s3_endpoint)
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                 lazy_decode=lazy_decode)
+                                 lazy_decode=lazy_decode, blocks=blocks,
+                                 block_bytes=block_bytes, cache_dir=cache_dir)
     with RssSampler() as rss:
         started = time.perf_counter()
         consume(dataset, compute)
@@ -157,6 +166,22 @@ class _FoldPipeHTTPSource:
         with urllib.request.urlopen(f"{self.base_url}/{identifier}") as response:
             buffer = io.BytesIO(response.read())
         return torch.load(buffer, map_location="cpu", weights_only=False)
+
+
+def write_atp_shards(root: Path, shards: int, samples: int, atoms: int) -> int:
+    """``.atp`` twins of the ``.pt`` shards (same counts and sizes); returns the largest."""
+    import numpy as np
+
+    from pyg_atompack import atp
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for shard in range(shards):
+        with atp.Writer(root / f"shard-{shard:04d}.atp", compression="none") as writer:
+            writer.add_batch(rng.normal(size=(samples, atoms, 3)).astype(np.float32),
+                             rng.integers(1, 10, (samples, atoms)).astype(np.uint8),
+                             energy=np.arange(samples, dtype=np.float64))
+    return max(p.stat().st_size for p in root.glob("*.atp"))
 
 
 def run_foldpipe(base_url: str, names: list[str], compute: float):
@@ -198,7 +223,16 @@ def draw_timelines(panels: list[tuple[str, list[dict]]], path: Path) -> None:
     plt.close(figure)
 
 
+def _pair(times: dict, reference: str, candidate: str):
+    """Paired speed-ups of ``candidate`` over ``reference``, or None if either did not run."""
+    if reference in times and candidate in times:
+        return summarize_pairs(times[reference], times[candidate])
+    return None
+
+
 def fmt_ci(summary) -> str:
+    if summary is None:
+        return "not run"
     low, high = summary.speedup_ci
     return f"{summary.speedup_geomean:.2f}x [{low:.2f}, {high:.2f}]"
 
@@ -212,9 +246,14 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.08, help="compute s per shard")
     parser.add_argument("--quick", action="store_true", help="3 pairs, 8 shards (smoke run)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "stream.md")
+    parser.add_argument("--arms", default="sequential,prefetch,eager,foldpipe,s3,s3-whole,"
+                        "s3-blocks", help="comma-separated arms (sequential is required)")
     args = parser.parse_args()
     if args.quick:
         args.pairs, args.shards = 3, 8
+    arms = args.arms.split(",")
+    if "sequential" not in arms:
+        parser.error("--arms needs 'sequential' (every ratio is against it)")
 
     regimes = [  # (D/C, prefetch, concurrency)
         (0.5, 2, 2),
@@ -228,12 +267,15 @@ def main() -> None:
     moto = MotoS3Server().start()
     os.environ.update(s3_environment(moto.endpoint_url))
     moto.upload_directory(root, S3_BUCKET, "shards")
+    atp_bytes = write_atp_shards(root / "atp", args.shards, args.samples, args.atoms)
+    moto.upload_directory(root / "atp", S3_BUCKET, "atp")
+    meta_cache = root / "meta-cache"
     rows, loader_rows, s3_rows, details, panels = [], [], [], {}, []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(root, bandwidth)
         relay = ServerProcess(moto.port, bandwidth, target=_relay)
-        times = {"sequential": [], "prefetch": [], "eager": [], "foldpipe": [], "s3": []}
+        times = {variant: [] for variant in arms}
         rss = {variant: [] for variant in times}
         traces = {}
         variants = list(times)
@@ -252,6 +294,14 @@ def main() -> None:
                             server.base_url, prefetch, concurrency, compute_per_sample,
                             s3_endpoint=relay.base_url)
                         traces[variant] = (trace, stats)
+                    elif variant in ("s3-whole", "s3-blocks"):
+                        blocks = variant == "s3-blocks"
+                        elapsed, growth, trace, stats = run_stream(
+                            server.base_url, prefetch, concurrency, compute_per_sample,
+                            s3_endpoint=relay.base_url, s3_prefix="atp", blocks=blocks,
+                            block_bytes=atp_bytes // 2 if blocks else 64 << 20,
+                            cache_dir=meta_cache)
+                        traces[variant] = (trace, stats)
                     else:
                         depth, conc = (0, 1) if variant == "sequential" else (prefetch,
                                                                             concurrency)
@@ -264,36 +314,40 @@ def main() -> None:
         finally:
             server.stop()
             relay.stop()
-        ours = summarize_pairs(times["sequential"], times["prefetch"])
-        s3_vs_seq = summarize_pairs(times["sequential"], times["s3"])
-        s3_vs_http = summarize_pairs(times["prefetch"], times["s3"])
-        s3_rows.append((ratio, s3_vs_seq, s3_vs_http))
-        theirs = summarize_pairs(times["sequential"], times["foldpipe"])
-        versus = summarize_pairs(times["foldpipe"], times["prefetch"])
-        eager_versus = summarize_pairs(times["foldpipe"], times["eager"])
-        lazy_gain = summarize_pairs(times["eager"], times["prefetch"])
-        overlap = trace_overlap(traces["prefetch"][0]).to_dict()
+
+        pair = functools.partial(_pair, times)
+        ours = pair("sequential", "prefetch")
+        s3_vs_seq, s3_vs_http = pair("sequential", "s3"), pair("prefetch", "s3")
+        blocks_vs_whole = pair("s3-whole", "s3-blocks")
+        s3_rows.append((ratio, s3_vs_seq, s3_vs_http, pair("sequential", "s3-whole"),
+                        blocks_vs_whole))
+        theirs = pair("sequential", "foldpipe")
+        versus = pair("foldpipe", "prefetch")
+        eager_versus = pair("foldpipe", "eager")
+        lazy_gain = pair("eager", "prefetch")
+        overlap = (trace_overlap(traces["prefetch"][0]).to_dict() if "prefetch" in traces
+                   else {"overlap": float("nan"), "wait": float("nan")})
         peak = {v: max(r) / 2**20 for v, r in rss.items()}
         rows.append((ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak))
         loader_rows.append((ratio, versus, eager_versus, lazy_gain,
-                            traces["prefetch"][1], traces["eager"][1]))
+                            traces.get("prefetch", (None, None))[1],
+                            traces.get("eager", (None, None))[1]))
+        summaries = {"prefetch_vs_sequential": ours, "foldpipe_vs_sequential": theirs,
+                     "prefetch_vs_foldpipe": versus, "eager_vs_foldpipe": eager_versus,
+                     "prefetch_vs_eager": lazy_gain, "s3_vs_sequential": s3_vs_seq,
+                     "s3_vs_http_prefetch": s3_vs_http, "s3_blocks_vs_s3_whole": blocks_vs_whole}
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
-            "times": times, "rss_growth_bytes": rss, "prefetch_vs_sequential": ours.to_dict(),
-            "foldpipe_vs_sequential": theirs.to_dict(), "prefetch_vs_foldpipe": versus.to_dict(),
-            "eager_vs_foldpipe": eager_versus.to_dict(),
-            "prefetch_vs_eager": lazy_gain.to_dict(),
-            "prefetch_trace_overlap": overlap, "prefetch_stats": traces["prefetch"][1],
-            "eager_stats": traces["eager"][1],
-            "s3_vs_sequential": s3_vs_seq.to_dict(), "s3_vs_http_prefetch": s3_vs_http.to_dict(),
-            "s3_stats": traces["s3"][1],
+            "times": times, "rss_growth_bytes": rss, "prefetch_trace_overlap": overlap,
+            **{k: v.to_dict() for k, v in summaries.items() if v is not None},
+            **{f"{k}_stats": v[1] for k, v in traces.items()},
         }
         panels.append((f"D/C={ratio}: sequential (prefetch=0)", traces["sequential"][0]))
-        panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
-                       traces["prefetch"][0]))
-        print(f"D/C={ratio}: prefetch {fmt_ci(ours)}, foldpipe {fmt_ci(theirs)}, "
-              f"prefetch/foldpipe {fmt_ci(versus)}, eager/foldpipe {fmt_ci(eager_versus)}, "
-              f"s3 {fmt_ci(s3_vs_seq)}, s3/http {fmt_ci(s3_vs_http)}", flush=True)
+        if "prefetch" in traces:
+            panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
+                           traces["prefetch"][0]))
+        print(f"D/C={ratio}: " + ", ".join(f"{k} {fmt_ci(v)}" for k, v in summaries.items()
+                                            if v is not None), flush=True)
     moto.stop()
 
     figure = HERE / "figures" / "stream_timeline.png"
@@ -316,8 +370,8 @@ def main() -> None:
         lines.append(
             f"| {ratio} | {prefetch} | {concurrency} | {fmt_ci(ours)} | {fmt_ci(theirs)} | "
             f"{fmt_ci(versus)} | {overlap['overlap']:.2f} | {overlap['wait']:.2f} | "
-            f"{peak['sequential']:.1f} / {peak['prefetch']:.1f} / {peak['eager']:.1f} / "
-            f"{peak['foldpipe']:.1f} |"
+            + " / ".join(f"{peak.get(v, float('nan')):.1f}"
+                         for v in ("sequential", "prefetch", "eager", "foldpipe")) + " |"
         )
     lines += [
         "",
@@ -337,6 +391,8 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for ratio, versus, eager_versus, lazy_gain, lazy_stats, eager_stats in loader_rows:
+        if lazy_stats is None or eager_stats is None:
+            continue
         lazy_ms = 1e3 * lazy_stats["deserialize_s"] / max(1, lazy_stats["shards"])
         eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
         lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
@@ -349,13 +405,19 @@ def main() -> None:
         "shards in a moto S3 server (its own process) behind a TCP relay (its own process) "
         "with the same per-connection bandwidth cap, so the arms differ only in the "
         "transport (s3fs/aiobotocore and moto's request handling instead of `http.client` "
-        "and the file server). `s3 vs HTTP` > 1 would mean the S3 arm is faster.",
+        "and the file server). `s3 vs HTTP` > 1 would mean the S3 arm is faster. "
+        f"`s3-whole` / `s3-blocks`: the same molecules as `.atp` shards (largest "
+        f"{atp_bytes / 1024:.0f} KiB, so D/C is {atp_bytes / shard_bytes:.2f}x the nominal "
+        "ratio) streamed whole or as record blocks of half a shard (one ranged GET each); "
+        "`blocks vs whole` > 1 would mean blocks are faster.",
         "",
-        "| D/C | s3 vs sequential (HTTP) | s3 vs HTTP prefetch |",
-        "|---|---|---|",
+        "| D/C | s3 vs sequential (HTTP) | s3 vs HTTP prefetch | s3-whole (.atp) vs "
+        "sequential | s3-blocks vs s3-whole |",
+        "|---|---|---|---|---|",
     ]
-    for ratio, s3_vs_seq, s3_vs_http in s3_rows:
-        lines.append(f"| {ratio} | {fmt_ci(s3_vs_seq)} | {fmt_ci(s3_vs_http)} |")
+    for ratio, s3_vs_seq, s3_vs_http, whole_vs_seq, blocks_vs_whole in s3_rows:
+        lines.append(f"| {ratio} | {fmt_ci(s3_vs_seq)} | {fmt_ci(s3_vs_http)} | "
+                     f"{fmt_ci(whole_vs_seq)} | {fmt_ci(blocks_vs_whole)} |")
     lines += [
         "",
         "Work on the prefetch thread holds the GIL and delays the consumer each time it "
