@@ -62,6 +62,7 @@ from pyg_atompack.stream import HTTPSource, ObjectStoreSource, ShardStreamDatase
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 S3_BUCKET = "stream-bench"
+DEFAULT_OUT = HERE / "results" / "stream.md"
 
 
 # ------------------------------------------------------------------ server process
@@ -245,7 +246,7 @@ def main() -> None:
     parser.add_argument("--atoms", type=int, default=48)
     parser.add_argument("--compute", type=float, default=0.08, help="compute s per shard")
     parser.add_argument("--quick", action="store_true", help="3 pairs, 8 shards (smoke run)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "stream.md")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--arms", default="sequential,prefetch,eager,foldpipe,s3,s3-whole,"
                         "s3-blocks", help="comma-separated arms (sequential is required)")
     args = parser.parse_args()
@@ -351,6 +352,8 @@ def main() -> None:
     moto.stop()
 
     figure = HERE / "figures" / "stream_timeline.png"
+    if args.out != DEFAULT_OUT:  # a check run never overwrites the recorded figure
+        figure = args.out.with_name(f"{args.out.stem}_timeline.png")
     draw_timelines([p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]], figure)
     lines = [
         "# Streaming overlap benchmark (`benchmarks/stream_overlap.py`)",
