@@ -29,6 +29,7 @@ from pyg_atompack.transport import (
     RemoteAuthError,
     RemoteIntegrityError,
     RemoteNotFoundError,
+    RetryPolicy,
     atp_meta,
 )
 from tests.big_atp import write_big_atp, write_manifest
@@ -100,6 +101,30 @@ def test_blocks_deliver_every_record_once_with_two_workers(files, proxy, tmp_pat
     shipped = sum(_span(r) for r in proxy.ranges)
     total = sum((files / n).stat().st_size for n in NAMES)
     assert shipped < total + (64 << 10)  # records once, plus the small metadata
+
+
+def _spans(ranges: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for value in ranges:
+        first, last = re.fullmatch(r"bytes=(\d+)-(\d+)", value).groups()
+        out.append((int(first), int(last) + 1))
+    return out
+
+
+def test_a_connection_cut_mid_block_resumes_that_block(files, proxy, tmp_path):
+    source = ObjectStoreSource(f"s3://{BUCKET}/big/",
+                               retry=RetryPolicy(retries=3, backoff=0.01))
+    dataset = ShardStreamDataset(source, blocks=True, block_bytes=BLOCK, cache_dir=tmp_path,
+                                 prefetch=0, split_first=False)  # metadata read here
+    proxy.ranges.clear()
+    proxy.cut_next(after_bytes=200_000)  # the next connection: the first block's GET
+    assert [int(s.energy.item()) for s in dataset] == list(range(2 * RECORDS))
+    spans = _spans(proxy.ranges)
+    first = spans[0]
+    assert first[1] - first[0] > 200_000  # the cut fell inside the block
+    # the retry asked for the block's missing tail only, then the next blocks followed
+    assert spans[1][1] == first[1] and first[0] < spans[1][0] <= first[0] + 200_000
+    assert all(b - a <= BLOCK for a, b in spans)
 
 
 def test_auto_blocks_for_object_shards_larger_than_a_block(proxy, tmp_path):
