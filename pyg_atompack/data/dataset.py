@@ -193,9 +193,8 @@ class AtompackDataset(Dataset):
             apply on top. (default: :obj:`None`)
         cache_dir (str, optional): For remote sources read by record (``http(s)://``
             and object-store URLs, and ``hf://`` with ``prefetch_shards=False``): where
-            the metadata
-            (header, schema, index) and the page cache live, shared by DataLoader
-            workers, ranks and later runs of one machine. (default:
+            the metadata (header, schema, index) and the page cache live, shared by
+            DataLoader workers, ranks and later runs of one machine. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
         cache_bytes (int, optional): Bound on that page cache; least recently used
             pages are evicted. (default: 8 GiB)
