@@ -204,6 +204,34 @@ def test_altered_object_is_detected(files, moto, proxy, tmp_path):
         list(stream)
 
 
+def test_caches_follow_a_rewritten_object_despite_a_stale_manifest(files, moto, proxy,
+                                                                   tmp_path):
+    client = moto.client()
+    client.put_object(Bucket=BUCKET, Key="stale/manifest.json",
+                      Body=(files / "manifest.json").read_bytes())
+    for name in NAMES:
+        client.upload_file(str(files / name), BUCKET, f"stale/{name}")
+    first = AtompackDataset(f"s3://{BUCKET}/stale/", cache_dir=tmp_path)
+    assert first.reader.shards[0].range_reader.identity.startswith("sha256:")
+    assert [float(first[i].energy) for i in range(RECORDS)] == list(range(RECORDS))
+    # rewritten with other bytes of the same size; the manifest still names the old sha256
+    data = bytearray((files / NAMES[0]).read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (tmp_path / "v2.atp").write_bytes(bytes(data))
+    client.put_object(Bucket=BUCKET, Key=f"stale/{NAMES[0]}", Body=bytes(data))
+    second = AtompackDataset(f"s3://{BUCKET}/stale/", cache_dir=tmp_path)
+    local = AtompackDataset(tmp_path / "v2.atp")
+    differs = 0
+    for i in range(RECORDS):  # new metadata and pages, not the cached ones of version 1
+        got, want, old = second[i], local[i], first.reader.shards[0][i]
+        for key in ("pos", "z", "forces"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), (i, key)
+        differs += not np.array_equal(np.asarray(old.positions), want.pos.numpy()) or \
+            not np.array_equal(np.asarray(old.forces), want.forces.numpy())
+    assert differs == 1  # the rewritten record is read as it now is
+    assert proxy.ranges.count(HEADER_RANGE) == 3  # the rewritten file's metadata again
+
+
 def test_truncated_object_is_detected(files, moto, proxy, tmp_path):
     # the converter's manifest names the full size; the bucket holds half the object
     data = (files / NAMES[0]).read_bytes()

@@ -230,10 +230,13 @@ class ObjectRangeReader:
         self.obj = obj
         self.name = obj.url
         self.size = int(obj.size)
+        # the ETag changes whenever the object is written again: with it, cached
+        # metadata and pages follow the object even when a manifest's sha256 is stale
+        etag = f"|etag:{obj.etag}" if obj.etag else ""
         if obj.sha256:
-            self.identity = f"sha256:{obj.sha256.lower()}"
-        else:  # the ETag changes whenever the object is written again
-            self.identity = f"object:{obj.url}|{obj.etag or ''}|{self.size}"
+            self.identity = f"sha256:{obj.sha256.lower()}{etag}"
+        else:
+            self.identity = f"object:{obj.url}|{self.size}{etag}"
 
     def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
         """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
