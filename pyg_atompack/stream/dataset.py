@@ -28,6 +28,7 @@ from pyg_atompack.stream.blocks import (
     wants_blocks,
 )
 from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.handoff import install as install_handoff
 from pyg_atompack.stream.loading import ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
@@ -35,7 +36,7 @@ from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import ShardInfo, Source
-from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream
+from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
 from pyg_atompack.stream.trace import TraceRecorder, merge_traces, summarize
 
 
@@ -74,6 +75,13 @@ class ShardStreamDataset(IterableDataset):
     shard is read exactly once; see :mod:`pyg_atompack.stream.splitting` for how ranks
     are given equal sample counts (surplus samples are dropped, never padded).
 
+    With DataLoader workers, ``prefetch`` and ``concurrency`` are the rank's budget,
+    split between its workers (:func:`~pyg_atompack.stream.splitting.worker_share`):
+    two workers at ``prefetch=2, concurrency=2`` each keep one shard ahead over one
+    connection, so adding workers multiplies neither memory nor connections. Workers
+    send their samples and batches to the main process packed into one buffer each
+    (:mod:`pyg_atompack.stream.handoff`) instead of one shared-memory segment per tensor.
+
     Traces: :attr:`trace` and :meth:`stats` describe the latest iteration (per-shard
     download / deserialise / consume times and a summary). DataLoader workers write
     their traces as JSON into :attr:`trace_dir` when their iteration ends or is closed;
@@ -86,8 +94,12 @@ class ShardStreamDataset(IterableDataset):
             :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
             ``http(s)://``, object stores, a local directory). Listed once, here.
         prefetch: Shards retrieved and decoded ahead of the one being consumed; ``0``
-            loads each shard on demand in the consumer's thread. (default: :obj:`1`)
-        concurrency: Maximum downloads in flight (effective up to ``prefetch``).
+            loads each shard on demand in the consumer's thread. A budget per rank:
+            DataLoader workers share it (worker ``w`` of ``n`` gets
+            :func:`~pyg_atompack.stream.splitting.worker_share`, at least 1).
+            (default: :obj:`1`)
+        concurrency: Maximum downloads in flight (effective up to ``prefetch``), per
+            rank like ``prefetch`` (each worker gets at least one connection).
             (default: :obj:`1`)
         shuffle: Permute shard order per epoch and samples within each shard.
             (default: :obj:`False`)
@@ -326,6 +338,8 @@ class ShardStreamDataset(IterableDataset):
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BaseData]:
         slot = self.slot()
+        if get_worker_info() is not None:
+            install_handoff()  # batches leave this worker as one buffer each
         plan = self.plan(slot)
         progress = self._start_progress(slot)
         recorder = TraceRecorder(slot.rank, slot.worker)
@@ -348,12 +362,15 @@ class ShardStreamDataset(IterableDataset):
                                  lazy_decode=self.lazy_decode)
         # the first shard has nothing to overlap with: with several connections allowed
         # it is fetched over all of them at once, as byte ranges, before any other starts
-        split = self.concurrency if self.split_first and jobs else 1
+        # prefetch and concurrency are per rank: this worker gets its share of both
+        prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
+        concurrency = worker_share(self.concurrency, slot)
+        split = concurrency if self.split_first and jobs else 1
         first = jobs[0] if jobs else None
         prefetcher = Prefetcher(
             jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
                                                   parts=split if job is first else 1),
-            depth=self.prefetch, concurrency=self.concurrency, first_alone=split > 1,
+            depth=prefetch, concurrency=concurrency, first_alone=split > 1,
         )
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
         handed = 0

@@ -11,6 +11,11 @@ rank's total, rounded down to whole batches: surplus samples at the end of a ran
 stream are **dropped** for that epoch (a different few each epoch when shuffling). When
 counts are unknown, ranks get equal numbers of *shards* (surplus shards of the epoch's
 order are dropped), which equalises samples only for equally sized shards.
+
+``prefetch`` and ``concurrency`` are budgets *per rank*: a rank's DataLoader workers
+share them (:func:`worker_share`), so adding workers neither multiplies the decoded
+shards held in memory nor the connections opened to the server. Each worker still keeps
+at least one shard ahead (when ``prefetch > 0``) and one connection.
 """
 
 from __future__ import annotations
@@ -102,6 +107,24 @@ def _water_fill(capacities: Sequence[int], total: int) -> list[int]:
                 quotas[b] += share
             remaining -= share * len(open_bins)
     return quotas
+
+
+def worker_share(budget: int, slot: StreamSlot, *, minimum: int = 1) -> int:
+    """This stream's part of a per-rank ``budget`` split between the rank's workers.
+
+    The ``budget % num_workers`` first workers get one more than the others, so the
+    shares add up to ``budget`` whenever each is at least ``minimum``.
+
+    Args:
+        budget: The rank's total (``prefetch`` or ``concurrency``).
+        slot: The stream (its ``worker`` and ``num_workers`` count; ranks do not share).
+        minimum: The least any worker gets. (default: :obj:`1`)
+
+    Returns:
+        ``max(minimum, budget // num_workers + (worker < budget % num_workers))``.
+    """
+    share = budget // slot.num_workers + (slot.worker < budget % slot.num_workers)
+    return max(minimum, share)
 
 
 @dataclass(frozen=True)
