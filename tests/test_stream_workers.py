@@ -53,7 +53,8 @@ def _odd_sample(i: int) -> Data:
 
 def test_worker_share_splits_the_rank_budget():
     shares = [worker_share(3, StreamSlot(0, 1, w, 2)) for w in range(2)]
-    assert shares == [2, 1]
+    assert shares == [2, 2]  # equal, rounded up: no worker sets the pace of the others
+    assert [worker_share(4, StreamSlot(0, 1, w, 2)) for w in range(2)] == [2, 2]
     assert [worker_share(1, StreamSlot(0, 1, w, 2)) for w in range(2)] == [1, 1]  # floor of 1
     assert worker_share(0, StreamSlot(0, 1, 1, 2), minimum=0) == 0  # prefetch=0 stays off
     assert worker_share(4, StreamSlot(1, 2, 0, 1)) == 4  # ranks do not share

@@ -76,9 +76,10 @@ class ShardStreamDataset(IterableDataset):
     are given equal sample counts (surplus samples are dropped, never padded).
 
     With DataLoader workers, ``prefetch`` and ``concurrency`` are the rank's budget,
-    split between its workers (:func:`~pyg_atompack.stream.splitting.worker_share`):
-    two workers at ``prefetch=2, concurrency=2`` each keep one shard ahead over one
-    connection, so adding workers multiplies neither memory nor connections. Workers
+    split in equal parts, rounded up, between its workers
+    (:func:`~pyg_atompack.stream.splitting.worker_share`): two workers at
+    ``prefetch=2, concurrency=2`` each keep one shard ahead over one connection, so
+    adding workers multiplies neither memory nor connections. Workers
     send their samples and batches to the main process packed into one buffer each
     (:mod:`pyg_atompack.stream.handoff`) instead of one shared-memory segment per tensor.
 
@@ -95,9 +96,8 @@ class ShardStreamDataset(IterableDataset):
             ``http(s)://``, object stores, a local directory). Listed once, here.
         prefetch: Shards retrieved and decoded ahead of the one being consumed; ``0``
             loads each shard on demand in the consumer's thread. A budget per rank:
-            DataLoader workers share it (worker ``w`` of ``n`` gets
-            :func:`~pyg_atompack.stream.splitting.worker_share`, at least 1).
-            (default: :obj:`1`)
+            each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
+            (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
         concurrency: Maximum downloads in flight (effective up to ``prefetch``), per
             rank like ``prefetch`` (each worker gets at least one connection).
             (default: :obj:`1`)

@@ -13,9 +13,10 @@ counts are unknown, ranks get equal numbers of *shards* (surplus shards of the e
 order are dropped), which equalises samples only for equally sized shards.
 
 ``prefetch`` and ``concurrency`` are budgets *per rank*: a rank's DataLoader workers
-share them (:func:`worker_share`), so adding workers neither multiplies the decoded
-shards held in memory nor the connections opened to the server. Each worker still keeps
-at least one shard ahead (when ``prefetch > 0``) and one connection.
+share them in equal parts, rounded up (:func:`worker_share`), so adding workers neither
+multiplies the decoded shards held in memory nor the connections opened to the server.
+Each worker still keeps at least one shard ahead (when ``prefetch > 0``) and one
+connection.
 """
 
 from __future__ import annotations
@@ -112,19 +113,20 @@ def _water_fill(capacities: Sequence[int], total: int) -> list[int]:
 def worker_share(budget: int, slot: StreamSlot, *, minimum: int = 1) -> int:
     """This stream's part of a per-rank ``budget`` split between the rank's workers.
 
-    The ``budget % num_workers`` first workers get one more than the others, so the
-    shares add up to ``budget`` whenever each is at least ``minimum``.
+    Every worker gets the same share, rounded up: a DataLoader takes batches from its
+    workers in turn, so one worker with less prefetch or fewer connections than the
+    others would set the pace of all of them. The shares add up to at most
+    ``budget + num_workers - 1``.
 
     Args:
         budget: The rank's total (``prefetch`` or ``concurrency``).
-        slot: The stream (its ``worker`` and ``num_workers`` count; ranks do not share).
+        slot: The stream (its ``num_workers`` count; ranks do not share).
         minimum: The least any worker gets. (default: :obj:`1`)
 
     Returns:
-        ``max(minimum, budget // num_workers + (worker < budget % num_workers))``.
+        ``max(minimum, ceil(budget / num_workers))``.
     """
-    share = budget // slot.num_workers + (slot.worker < budget % slot.num_workers)
-    return max(minimum, share)
+    return max(minimum, -(-budget // slot.num_workers))
 
 
 @dataclass(frozen=True)
