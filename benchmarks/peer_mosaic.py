@@ -10,8 +10,9 @@ the other arms:
 
 * ``{"op": "convert", "source": npz, "out": dir, "size_limit": bytes}``: write MDS
   shards from the structures in ``source`` with ``MDSWriter``;
-* ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n}``: one pass of
-  ``StreamingDataset(remote=..., local=<fresh dir>)`` through a ``DataLoader``, the
+* ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n, "ragged": b}``:
+  one pass of ``StreamingDataset(remote=..., local=<fresh dir>)`` through a
+  ``DataLoader`` (``ragged``: structures of different sizes, atoms concatenated), the
   consumer sleeping ``compute`` seconds per batch;
 * ``{"op": "quit"}``.
 
@@ -88,22 +89,36 @@ def convert(source: str, out: str, size_limit: int) -> dict:
     import numpy as np
 
     streaming = _import_streaming()
-    arrays = np.load(source)
-    count = len(arrays["energy"])
+    arrays = np.load(source)  # atoms of all structures concatenated, cut at ``offsets``
+    offsets = arrays["offsets"]
+    z, pos, forces, energy = (arrays[k] for k in ("z", "pos", "forces", "energy"))
     columns = {"z": "ndarray:int64", "pos": "ndarray:float32", "forces": "ndarray:float32",
                "energy": "float32"}
     started = time.perf_counter()
     with streaming.MDSWriter(out=out, columns=columns, size_limit=size_limit) as writer:
-        for i in range(count):
-            writer.write({"z": arrays["z"][i], "pos": arrays["pos"][i],
-                          "forces": arrays["forces"][i], "energy": np.float32(arrays["energy"][i])})
+        for i in range(len(offsets) - 1):
+            atoms = slice(offsets[i], offsets[i + 1])
+            writer.write({"z": z[atoms], "pos": pos[atoms], "forces": forces[atoms],
+                          "energy": np.float32(energy[i])})
     elapsed = time.perf_counter() - started
     files = [os.path.join(out, n) for n in os.listdir(out)]
     return {"seconds": elapsed, "bytes": sum(os.path.getsize(f) for f in files),
             "files": len(files)}
 
 
-def read(remote: str, compute: float, batch_size: int) -> dict:
+def _concat(samples: list[dict]) -> dict:
+    # structures of different sizes: atoms concatenated (default collate cannot stack them)
+    import numpy as np
+    import torch
+
+    out = {k: torch.from_numpy(np.concatenate([s[k] for s in samples]))
+           for k in ("z", "pos", "forces")}
+    out["energy"] = torch.tensor([float(s["energy"]) for s in samples])
+    out["n_atoms"] = torch.tensor([len(s["z"]) for s in samples])
+    return out
+
+
+def read(remote: str, compute: float, batch_size: int, ragged: bool = False) -> dict:
     import torch
 
     streaming = _import_streaming()
@@ -117,7 +132,8 @@ def read(remote: str, compute: float, batch_size: int) -> dict:
             dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True,
                                                  batch_size=batch_size)
             loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
-                                                 num_workers=0)
+                                                 num_workers=0,
+                                                 collate_fn=_concat if ragged else None)
             first, samples = None, 0
             for batch in loader:
                 if first is None:

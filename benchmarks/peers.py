@@ -90,6 +90,8 @@ MOSAIC_REQUIREMENTS = [
     "safetensors==0.8.0", "regex", "pyyaml", "packaging", "tqdm", "filelock",
 ]
 REGIMES = [(0.5, 2, 2), (1.0, 2, 2), (3.0, 4, 3)]  # (D/C, prefetch, concurrency)
+#: Atom counts of the mixed-size set, drawn uniformly per structure (mean 64, as the other).
+MIXED_ATOMS = (8, 120)
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -123,56 +125,102 @@ def _litdata_item(item):  # module level: litdata.optimize pickles it into worke
     return item
 
 
+def make_items(shard: int, count: int, atoms: int | tuple[int, int]) -> list[dict]:
+    """``count`` structures as dicts of arrays: ``atoms`` each, or drawn from ``(low, high)``."""
+    if isinstance(atoms, int):
+        arrays = make_structures(shard, count, atoms)
+        return [{k: v[i] for k, v in arrays.items()} for i in range(count)]
+    rng = np.random.default_rng([shard, 7])
+    items = []
+    for n in rng.integers(atoms[0], atoms[1] + 1, count):
+        items.append({"z": rng.integers(1, 10, n).astype(np.int64),
+                      "pos": rng.normal(size=(n, 3)).astype(np.float32),
+                      "forces": rng.normal(size=(n, 3)).astype(np.float32),
+                      "energy": np.float32(rng.normal())})
+    return items
+
+
+def item_data(item: dict) -> Data:
+    return Data(z=torch.from_numpy(item["z"]), pos=torch.from_numpy(item["pos"]),
+                forces=torch.from_numpy(item["forces"]),
+                energy=torch.tensor([float(item["energy"])], dtype=torch.float64))
+
+
 def write_formats(www: Path, lit_dir: Path, mds_source: Path, shards: int, per_shard: int,
-                  atoms: int) -> tuple[dict, dict]:
-    """Write .pt, .atp, tar and LitData stores; returns (names, conversion figures)."""
+                  atoms: int | tuple[int, int]) -> tuple[dict, dict]:
+    """Write .pt, .atp, tar and LitData stores and the MDS source (structures as flat
+    arrays + offsets, for ``peer_mosaic.py``); returns (names, conversion figures).
+
+    ``atoms`` is the atom count of every structure, or a ``(low, high)`` range each
+    structure's count is drawn from (the mixed-size set).
+    """
     import litdata
     import webdataset as wds
 
-    parts = [make_structures(s, per_shard, atoms) for s in range(shards)]
+    parts = [make_items(s, per_shard, atoms) for s in range(shards)]
     names = {"pt": [], "atp": [], "tar": []}
     convert = {}
     started = time.perf_counter()
-    for s, arrays in enumerate(parts):  # the reference: a training set already in .pt
+    for s, items in enumerate(parts):  # the reference: a training set already in .pt
         name = f"shard-{s:04d}.pt"
-        torch.save([as_data(arrays, i) for i in range(per_shard)], www / "pt" / name)
+        torch.save([item_data(item) for item in items], www / "pt" / name)
         names["pt"].append(name)
     convert["pt (source)"] = {"seconds": time.perf_counter() - started,
                               "bytes": dir_bytes(www / "pt")}
     write_manifest(www / "pt", names["pt"], [per_shard] * shards)
 
     started = time.perf_counter()
-    for s, arrays in enumerate(parts):
+    for s, items in enumerate(parts):
         name = f"shard-{s:04d}.atp"
         with atp.Writer(www / "atp" / name, overwrite=True) as writer:
-            writer.add_batch(arrays["pos"], arrays["z"].astype(np.uint8),
-                             energy=arrays["energy"].astype(np.float64), forces=arrays["forces"])
+            if isinstance(atoms, int):  # equal sizes: one call per shard
+                stacked = {k: np.stack([item[k] for item in items]) for k in items[0]}
+                writer.add_batch(stacked["pos"], stacked["z"].astype(np.uint8),
+                                 energy=stacked["energy"].astype(np.float64),
+                                 forces=stacked["forces"])
+            else:
+                for item in items:
+                    writer.add(item["pos"], item["z"].astype(np.uint8),
+                               energy=float(item["energy"]), forces=item["forces"])
         names["atp"].append(name)
     convert["ours .atp"] = {"seconds": time.perf_counter() - started,
                             "bytes": dir_bytes(www / "atp")}
     write_manifest(www / "atp", names["atp"], [per_shard] * shards)
 
     started = time.perf_counter()
-    for s, arrays in enumerate(parts):
+    for s, items in enumerate(parts):
         name = f"shard-{s:04d}.tar"
         with wds.TarWriter(str(www / "tar" / name)) as sink:
-            for i in range(per_shard):  # one pickled member per sample, as in the issue
+            for i, item in enumerate(items):  # one pickled member per sample, as in the issue
                 sink.write({"__key__": f"{s:04d}{i:06d}",
-                            "pyd": {k: v[i:i + 1] if k == "energy" else v[i]
-                                    for k, v in arrays.items()}})
+                            "pyd": {**item, "energy": np.array([item["energy"]])}})
         names["tar"].append(name)
     convert["webdataset"] = {"seconds": time.perf_counter() - started,
                              "bytes": dir_bytes(www / "tar")}
 
-    items = [{k: v[i] for k, v in arrays.items()} for arrays in parts for i in range(per_shard)]
+    flat = [item for items in parts for item in items]
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        litdata.optimize(fn=_litdata_item, inputs=items, output_dir=str(lit_dir),
+        litdata.optimize(fn=_litdata_item, inputs=flat, output_dir=str(lit_dir),
                          chunk_size=per_shard, num_workers=1, mode="overwrite",
                          start_method="fork")  # spawn would re-import this script
     convert["litdata"] = {"seconds": time.perf_counter() - started, "bytes": dir_bytes(lit_dir)}
-    np.savez(mds_source, **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    offsets = np.cumsum([0] + [len(item["z"]) for item in flat])
+    np.savez(mds_source, offsets=offsets,
+             energy=np.array([item["energy"] for item in flat], dtype=np.float32),
+             **{k: np.concatenate([item[k] for item in flat]) for k in ("z", "pos", "forces")})
     return names, convert
+
+
+def concat_collate(samples: list[dict]) -> dict:
+    """Batch structures of different sizes the way a graph loader does: atoms concatenated,
+    one energy per structure, and the atom counts (default collate cannot stack them)."""
+    return {"z": torch.from_numpy(np.concatenate([s["z"] for s in samples])),
+            "pos": torch.from_numpy(np.concatenate([s["pos"] for s in samples])),
+            "forces": torch.from_numpy(np.concatenate([s["forces"] for s in samples])),
+            "energy": torch.tensor([float(np.asarray(s["energy"]).reshape(-1)[0])
+                                    for s in samples]),
+            "n_atoms": torch.tensor([len(s["z"]) for s in samples])}
 
 
 # ------------------------------------------------------------------ servers
@@ -370,7 +418,11 @@ def _batch_len(batch) -> int:
     return len(batch[-1])  # a tuple / list of collated columns
 
 
-def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int = 0):
+def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int = 0,
+         dataset_batches: bool = False):
+    """``ShardStreamDataset`` batching itself (no workers), or behind ``num_workers``
+    DataLoader workers: PyG's ``DataLoader`` collating samples, or with
+    ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``."""
     def build():
         source = HTTPSource(f"{base_url}/{kind}/manifest.json")
         if workers == 0:
@@ -378,31 +430,37 @@ def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int
                                       shuffle=True, batch_size=BATCH)
         from torch_geometric.loader import DataLoader
 
+        if dataset_batches:
+            dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
+                                         shuffle=True, batch_size=BATCH)
+            return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
         dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                      shuffle=True)
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return build
 
 
-def litdata_arm(cache: Path):
+def litdata_arm(cache: Path, ragged: bool = False):
     def build():
         import litdata
 
         shutil.rmtree(cache, ignore_errors=True)  # every pass downloads afresh
         dataset = litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=str(cache),
                                            shuffle=True)
-        return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=0)
+        return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=0,
+                                           collate_fn=concat_collate if ragged else None)
     return build
 
 
-def webdataset_arm(base_url: str, names: list[str], workers: int = 0):
+def webdataset_arm(base_url: str, names: list[str], workers: int = 0, ragged: bool = False):
     def build():
         import webdataset as wds
 
         urls = [f"{base_url}/tar/{n}" for n in names]
         dataset = (wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
                    .shuffle(1000).decode().map(_sample_dict))
-        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers,
+                                           collate_fn=concat_collate if ragged else None)
     return build
 
 
@@ -439,23 +497,28 @@ def run_pairs(arms: dict, pairs: int) -> dict[str, list]:
 
 
 def streaming_arms(base: str, names: dict, cache: Path, mosaic: MosaicArm | None,
-                   prefetch: int, concurrency: int, compute: float) -> dict:
+                   prefetch: int, concurrency: int, compute: float,
+                   ragged: bool = False) -> dict:
+    """Every streaming arm; ``ragged``: structures of different sizes, so the peers read
+    through :func:`concat_collate` (their default collate cannot stack them)."""
+    tar = names["tar"]
     arms = {
         "ours_pt": lambda: consume(ours(base, "pt", prefetch, concurrency), compute),
         "ours_atp": lambda: consume(ours(base, "atp", prefetch, concurrency), compute),
-        "litdata": lambda: consume(litdata_arm(cache), compute, cache),
-        "webdataset": lambda: consume(webdataset_arm(base, names["tar"]), compute),
-        "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute),
+        "litdata": lambda: consume(litdata_arm(cache, ragged), compute, cache),
+        "webdataset": lambda: consume(webdataset_arm(base, tar, ragged=ragged), compute),
+        "webdataset_w2": lambda: consume(webdataset_arm(base, tar, 2, ragged), compute),
         "foldpipe": lambda: consume(foldpipe_arm(base, names["pt"]), compute),
     }
     if mosaic is not None:
         arms["mosaic"] = lambda: mosaic.ask(op="read", remote=f"s3://{BUCKET}/mds",
-                                            compute=compute, batch_size=BATCH)
+                                            compute=compute, batch_size=BATCH, ragged=ragged)
     return arms
 
 
 def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path,
-                   shard_bytes: int, compute_batch: float, regimes, log) -> dict:
+                   shard_bytes: int, compute_batch: float, regimes, log,
+                   ragged: bool = False) -> dict:
     compute_shard = compute_batch * args.per_shard / BATCH
     results = {}
     for ratio, prefetch, concurrency in regimes:
@@ -475,7 +538,7 @@ def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path
                 log(f"MosaicML arm unavailable: {exc}")
             cache = Path(tempfile.mkdtemp(prefix="litdata-cache-"))
             arms = streaming_arms(base, names, cache, mosaic, prefetch, concurrency,
-                                  compute_batch)
+                                  compute_batch, ragged)
             runs = run_pairs(arms, args.pairs)
             shutil.rmtree(cache, ignore_errors=True)
         finally:
@@ -580,9 +643,10 @@ def random_access_part(args, scratch: Path, log) -> dict:
 
 # ------------------------------------------------------------------ part 3
 def worker_arms(base: str, names: dict, compute: float, traces: dict) -> dict:
-    def ours_workers(prefetch: int, concurrency: int, key: str):
+    def ours_workers(prefetch: int, concurrency: int, key: str, dataset_batches: bool = False):
         def run():
-            build = ours(base, "pt", prefetch, concurrency, workers=2)
+            build = ours(base, "pt", prefetch, concurrency, workers=2,
+                         dataset_batches=dataset_batches)
             holder = {}
 
             def make():
@@ -595,7 +659,7 @@ def worker_arms(base: str, names: dict, compute: float, traces: dict) -> dict:
         return run
 
     return {"ours_w2_k2c2": ours_workers(2, 2, "ours_w2_k2c2"),
-            "ours_w2_k1c1": ours_workers(1, 1, "ours_w2_k1c1"),
+            "ours_w2_dsbatch": ours_workers(2, 2, "ours_w2_dsbatch", dataset_batches=True),
             "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute,
                                              arrivals=True),
             "ours_w0_k2c2": lambda: consume(ours(base, "pt", 2, 2), compute, arrivals=True),
@@ -620,8 +684,9 @@ def workers_part(args, www: Path, names: dict, shard_bytes: int, compute_batch: 
         summary = {
             "w2_k2c2_vs_wds_w2": summarize_pairs([r["seconds"] for r in runs["webdataset_w2"]],
                                                  [r["seconds"] for r in runs["ours_w2_k2c2"]]),
-            "w2_k1c1_vs_wds_w2": summarize_pairs([r["seconds"] for r in runs["webdataset_w2"]],
-                                                 [r["seconds"] for r in runs["ours_w2_k1c1"]]),
+            "w2_dsbatch_vs_wds_w2": summarize_pairs(
+                [r["seconds"] for r in runs["webdataset_w2"]],
+                [r["seconds"] for r in runs["ours_w2_dsbatch"]]),
             "w0_vs_wds_w0": summarize_pairs([r["seconds"] for r in runs["webdataset_w0"]],
                                             [r["seconds"] for r in runs["ours_w0_k2c2"]]),
         }
@@ -686,7 +751,8 @@ def draw(streaming: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def report(args, streaming, random_access, workers, convert, shard_sizes, meta, out) -> None:
+def report(args, streaming, random_access, workers, convert, shard_sizes, meta, out,
+           mixed=None) -> None:
     lines = [
         "# Peers: LitData, MosaicML streaming, WebDataset, FoldPipe, OnDiskDataset "
         "(`benchmarks/peers.py`)",
@@ -736,6 +802,33 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
                          f"{median([p['rss_growth'] for p in passes]) / 2**20:.0f} / "
                          f"{median([p['disk_peak'] for p in passes]) / 2**20:.1f}")
         lines.append(f"| {ratio} | " + " | ".join(cells) + " |")
+    if mixed:
+        row = mixed["1.0"]
+        lines += [
+            "",
+            f"## Mixed sizes: {MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms per structure, "
+            f"D/C = 1 (k {row['prefetch']} / conc. {row['concurrency']})",
+            "",
+            "The same pipeline over structures whose atom counts are drawn uniformly from "
+            f"{MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} (mean 64; mean `.pt` shard "
+            f"{mixed['shard_bytes']['pt'] / 1024:.0f} KiB, {mixed['shards']} shards). The "
+            "peers' default collate cannot "
+            "stack arrays of different shapes, so they batch with `concat_collate` (atoms "
+            "concatenated, as a graph loader does); ours and FoldPipe batch PyG `Batch`es.",
+            "",
+            "| arm | their time / ours (.pt) | first batch s / RSS MiB / disk MiB |",
+            "|---|---|---|",
+        ]
+        for arm in ("ours_pt", *peers):
+            passes = row["runs"].get(arm)
+            if not passes:
+                lines.append(f"| {arm} | did not run | – |")
+                continue
+            ratio_cell = "reference" if arm == "ours_pt" else fmt(row["ours_pt_vs"][arm])
+            lines.append(f"| {arm} | {ratio_cell} | "
+                         f"{median([p['first_batch_s'] for p in passes]):.2f} / "
+                         f"{median([p['rss_growth'] for p in passes]) / 2**20:.0f} / "
+                         f"{median([p['disk_peak'] for p in passes]) / 2**20:.1f} |")
     lines += [
         "",
         "Conversion before training (from the structures in memory; ours reads existing "
@@ -758,24 +851,63 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
     lines += ["", f"Store build from the same arrays: `.atp` {build['atp']['seconds']:.2f} s, "
               f"{build['atp']['bytes']:,} bytes; OnDiskDataset (SQLite) "
               f"{build['ondisk']['seconds']:.2f} s, {build['ondisk']['bytes']:,} bytes.", ""]
-    if workers:
-        lines += ["## DataLoader workers (the issue's finding)", "",
-                  "| D/C | ours w=2 k2c2 vs WDS w=2 | ours w=2 k1c1 vs WDS w=2 | ours w=0 vs "
-                  "WDS w=0 | first batch s (ours w2 / WDS w2 / ours w0 / WDS w0) |",
-                  "|---|---|---|---|---|"]
-        for ratio, row in workers.items():
-            s = row["summary"]
-            firsts = " / ".join(
-                f"{median([p['first_batch_s'] for p in row['runs'][a]]):.2f}"
-                for a in ("ours_w2_k2c2", "webdataset_w2", "ours_w0_k2c2", "webdataset_w0"))
-            lines.append(f"| {ratio} | {fmt(s['w2_k2c2_vs_wds_w2'])} | "
-                         f"{fmt(s['w2_k1c1_vs_wds_w2'])} | {fmt(s['w0_vs_wds_w0'])} | "
-                         f"{firsts} |")
-        lines.append("")
+    lines += workers_lines(workers)
     lines += meta.get("notes", [])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
+
+
+def workers_lines(workers: dict) -> list[str]:
+    """The table of part 3 (ours vs WebDataset behind ``DataLoader(num_workers=2)``)."""
+    if not workers:
+        return []
+    lines = ["## DataLoader workers (the issue's finding)", "",
+             "| D/C | ours w=2 (PyG DataLoader) vs WDS w=2 | ours w=2, dataset batches "
+             "vs WDS w=2 | ours w=0 vs WDS w=0 | first batch s (ours w2 / WDS w2 / "
+             "ours w0 / WDS w0) |",
+             "|---|---|---|---|---|"]
+    for ratio, row in workers.items():
+        s = row["summary"]
+        firsts = " / ".join(
+            f"{median([p['first_batch_s'] for p in row['runs'][a]]):.2f}"
+            for a in ("ours_w2_k2c2", "webdataset_w2", "ours_w0_k2c2", "webdataset_w0"))
+        lines.append(f"| {ratio} | {fmt(s['w2_k2c2_vs_wds_w2'])} | "
+                     f"{fmt(s['w2_dsbatch_vs_wds_w2'])} | {fmt(s['w0_vs_wds_w0'])} | "
+                     f"{firsts} |")
+    return [*lines, ""]
+
+
+def workers_only(args, meta: dict, log) -> None:
+    """``--workers-only``: part 3 alone, into ``results/peers_workers.md`` (+ ``.json``)."""
+    scratch = Path(tempfile.mkdtemp(prefix="peers-workers-"))
+    try:
+        www = scratch / "www"
+        for sub in ("pt", "atp", "tar"):
+            (www / sub).mkdir(parents=True)
+        names, _ = write_formats(www, scratch / "litdata", scratch / "mds.npz", args.shards,
+                                 args.per_shard, args.atoms)
+        shard_bytes = (www / "pt" / names["pt"][0]).stat().st_size
+        workers = workers_part(args, www, names, shard_bytes, args.compute, [1.0, 3.0], log)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta["load_end"] = os.getloadavg()[0].__round__(1)
+    out = HERE / "results" / "peers_workers.md"
+    lines = ["# Peers, part 3 only: DataLoader workers (`benchmarks/peers.py --workers-only`)",
+             "", f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
+             f"{meta['load_start']} / {meta['load_end']}. {args.shards} shards x "
+             f"{args.per_shard} structures of {args.atoms} atoms, {args.pairs} pairs, "
+             f"consumer {args.compute * 1e3:.0f} ms per batch of {BATCH}; ours at prefetch 2, "
+             "concurrency 2 per rank (each of the 2 workers: 1 and 1). Ratios: WebDataset's "
+             "time / ours, > 1 means ours is faster.", "", *workers_lines(workers)]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for row in workers.values():
+        row.pop("traces", None)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "workers": workers},
+                                                   indent=1, default=str), encoding="utf-8")
+    print("\n".join(lines), flush=True)
+    print(json.dumps({ratio: round(row["summary"]["w2_k2c2_vs_wds_w2"]["speedup_geomean"], 3)
+                      for ratio, row in workers.items()}), flush=True)
 
 
 NOTES = [
@@ -818,6 +950,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="D/C = 1 only, 2 pairs, 6 shards (smoke run, < 5 min)")
     parser.add_argument("--no-workers", action="store_true", help="skip part 3")
+    parser.add_argument("--no-mixed", action="store_true",
+                        help=f"skip the mixed-size set ({MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms)")
+    parser.add_argument("--workers-only", action="store_true",
+                        help="run part 3 alone (into results/peers_workers.md)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peers.md")
     args = parser.parse_args()
     regimes, worker_ratios = REGIMES, [1.0, 3.0]
@@ -832,38 +968,62 @@ def main() -> None:
                        f"Python {platform.python_version()}",
             "load_start": os.getloadavg()[0].__round__(1)}
     ensure_litdata()
+    if args.workers_only:
+        workers_only(args, meta, log)
+        return
     scratch = Path(tempfile.mkdtemp(prefix="peers-"))
     begun = time.perf_counter()
     try:
-        www = scratch / "www"
-        for sub in ("pt", "atp", "tar"):
-            (www / sub).mkdir(parents=True)
-        lit_dir, mds_dir = scratch / "litdata", scratch / "mds"
-        names, convert = write_formats(www, lit_dir, scratch / "mds.npz", args.shards,
-                                       args.per_shard, args.atoms)
         mosaic_version = None
-        try:
-            converter = MosaicArm()
-            mosaic_version = converter.version
-            pt_shard = (www / "pt" / names["pt"][0]).stat().st_size
-            convert["mosaicml (MDSWriter)"] = converter.ask(
-                op="convert", source=str(scratch / "mds.npz"), out=str(mds_dir),
-                size_limit=pt_shard)
-            converter.close()
-        except Exception as exc:
-            log(f"MosaicML venv or conversion failed: {exc}")
-            mds_dir.mkdir(exist_ok=True)
-        shard_sizes = {kind: (www / kind / names[kind][0]).stat().st_size
-                       for kind in ("pt", "atp", "tar")}
-        shard_sizes["litdata"] = max(p.stat().st_size for p in lit_dir.glob("*.bin"))
-        if any(mds_dir.glob("*.mds")):
-            shard_sizes["mds"] = max(p.stat().st_size for p in mds_dir.glob("*.mds"))
+
+        def build_stores(root: Path, atoms, shards: int) -> tuple:
+            """Every format of one structure set under ``root``: (www, names, convert,
+            litdata dir, MDS dir, shard sizes)."""
+            nonlocal mosaic_version
+            www = root / "www"
+            for sub in ("pt", "atp", "tar"):
+                (www / sub).mkdir(parents=True)
+            lit_dir, mds_dir = root / "litdata", root / "mds"
+            names, convert = write_formats(www, lit_dir, root / "mds.npz", shards,
+                                           args.per_shard, atoms)
+            try:
+                converter = MosaicArm()
+                mosaic_version = converter.version
+                pt_shard = (www / "pt" / names["pt"][0]).stat().st_size
+                convert["mosaicml (MDSWriter)"] = converter.ask(
+                    op="convert", source=str(root / "mds.npz"), out=str(mds_dir),
+                    size_limit=pt_shard)
+                converter.close()
+            except Exception as exc:
+                log(f"MosaicML venv or conversion failed: {exc}")
+                mds_dir.mkdir(exist_ok=True)
+            sizes = {kind: int(np.mean([(www / kind / n).stat().st_size for n in names[kind]]))
+                     for kind in ("pt", "atp", "tar")}
+            sizes["litdata"] = max(p.stat().st_size for p in lit_dir.glob("*.bin"))
+            if any(mds_dir.glob("*.mds")):
+                sizes["mds"] = max(p.stat().st_size for p in mds_dir.glob("*.mds"))
+            return www, names, convert, lit_dir, mds_dir, sizes
+
+        www, names, convert, lit_dir, mds_dir, shard_sizes = build_stores(
+            scratch, args.atoms, args.shards)
+        # the mixed-size set: fewer shards in a quick run, to stay within its 5 minutes
+        mixed_args = argparse.Namespace(**{**vars(args),
+                                           "shards": 4 if args.quick else args.shards})
+        mixed_stores = None if args.no_mixed else build_stores(
+            scratch / "mixed", MIXED_ATOMS, mixed_args.shards)
         import litdata.streaming.downloader as litdata_downloader
 
         litdata_downloader._OBSTORE_AVAILABLE = False  # see NOTES: obstore refuses http://
         log(f"[{time.perf_counter() - begun:.0f} s] formats written; streaming part")
         streaming = streaming_part(args, www, names, lit_dir, mds_dir, shard_sizes["pt"],
                                    args.compute, regimes, log)
+        mixed = {}
+        if mixed_stores is not None:
+            log(f"[{time.perf_counter() - begun:.0f} s] mixed-size streaming part")
+            m_www, m_names, _, m_lit, m_mds, m_sizes = mixed_stores
+            mixed = streaming_part(mixed_args, m_www, m_names, m_lit, m_mds, m_sizes["pt"],
+                                   args.compute, [REGIMES[1]], log, ragged=True)
+            mixed["shard_bytes"], mixed["shards"] = m_sizes, mixed_args.shards
         log(f"[{time.perf_counter() - begun:.0f} s] random-access part")
         random_access = random_access_part(args, scratch, log)
         log(f"[{time.perf_counter() - begun:.0f} s] workers part")
@@ -872,9 +1032,11 @@ def main() -> None:
         meta["load_end"] = os.getloadavg()[0].__round__(1)
         meta["versions"] = versions(mosaic_version)
         meta["notes"] = NOTES
-        report(args, streaming, random_access, workers, convert, shard_sizes, meta, args.out)
+        report(args, streaming, random_access, workers, convert, shard_sizes, meta, args.out,
+               mixed)
         details = {"meta": meta, "convert": convert, "shard_bytes": shard_sizes,
-                   "streaming": streaming, "random_access": random_access, "workers": workers}
+                   "streaming": streaming, "mixed": mixed, "random_access": random_access,
+                   "workers": workers}
         args.out.with_suffix(".json").write_text(json.dumps(details, indent=1, default=str),
                                                  encoding="utf-8")
         if not args.quick:
