@@ -958,7 +958,7 @@ def main() -> None:
     args = parser.parse_args()
     regimes, worker_ratios = REGIMES, [1.0, 3.0]
     if args.quick:
-        args.pairs, args.shards, args.per_shard, args.ra_structures = 2, 6, 128, 2048
+        args.pairs, args.shards, args.per_shard, args.ra_structures = 2, 6, 128, 1024
         regimes, worker_ratios = [REGIMES[1]], []
         args.out = Path(tempfile.mkdtemp(prefix="peers-quick-")) / "peers.md"
     torch.set_num_threads(1)
