@@ -8,11 +8,11 @@ worker's resource-sharer thread, which must win the worker's GIL to answer. A Py
 ``Batch`` of molecules holds about 14 tensors (four attributes, ``batch``, ``ptr``, and a
 slice and an increment tensor per attribute), so each batch costs 14 such round trips,
 and every one waits while the worker's prefetch threads decode shards. Measured with a
-worker sending batches of 32 molecules of 64 atoms on a loaded 2-core machine: 30 ms a
-batch (74 ms with one busy thread in the worker), against 11 ms (34 ms) for the four
-tensors of a default-collated dict of the same data, and 3 ms (11 ms) for the same
-``Batch`` packed as below. At 20 ms of training per batch that hand-off alone made the
-workers slower than loading in the main process.
+worker process sending batches of 32 molecules of 64 atoms through a queue (two runs on
+a loaded 2-core machine): 30 ms a batch (74 ms with one busy thread in the worker),
+against 5–12 ms (25–34 ms) for the four tensors of a default-collated dict of the same
+data, and 3 ms (11 ms) for the same ``Batch`` packed as below. At 20 ms of training per
+batch that hand-off alone made the workers slower than loading in the main process.
 
 Inside a DataLoader worker, :class:`~pyg_atompack.stream.ShardStreamDataset` therefore
 registers :func:`reduce_packed` with ``ForkingPickler`` for ``Data``, ``HeteroData`` and
