@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pyg_atompack import atp
+from pyg_atompack.atp import cache
 
 ACCESS = ("mmap", "pread", "memory")
 BUILTIN_ARRAYS = ("forces", "charges", "velocities", "cell", "stress")
@@ -219,8 +220,7 @@ def test_format_facts(golden_dir, golden_expected):
             else:
                 assert f.schema is None, rel
             for i, sections in enumerate(facts.get("record_sections", [])):
-                st = f._state()
-                layout = f._record(st, i)[2]
+                layout = cache.record(f._state(), i)[2]
                 assert [[s.kind, s.key, s.tag] for s in layout.slots] == sections, rel
 
 

@@ -293,13 +293,13 @@ def test_bools_are_not_molecule_indices(tmp_path, golden_dir):
 @pytest.mark.parametrize("bug", [NameError, AttributeError, MemoryError, TypeError])
 def test_programming_errors_are_not_reported_as_corruption(golden_dir, monkeypatch, access,
                                                             bug):
-    from pyg_atompack.atp import batch, mapped, reader
+    from pyg_atompack.atp import batch, cache, mapped
 
     def broken(*args, **kwargs):
         raise bug("simulated bug in the decoder")
 
-    monkeypatch.setattr(mapped.MappedPlan, "decode", broken)
-    monkeypatch.setattr(reader, "decode_molecule", broken)
+    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda **values: broken)
+    monkeypatch.setattr(cache, "decode_molecule", broken)
     monkeypatch.setattr(batch, "read_mapped", broken)
     monkeypatch.setattr(batch, "_homogeneous", broken)
     monkeypatch.setattr(batch, "_heterogeneous", broken)
@@ -587,7 +587,7 @@ def test_mixed_size_batches_never_remember_a_damaged_record(tmp_path, monkeypatc
                 assert batch["mask"]["energy"].tolist() == carries
                 has_forces = [f[i].forces is not None for i in indices]
                 assert batch["mask"]["forces"].tolist() == has_forces
-        ids = f._st.views.structures.ids
+        ids = f._st.cache.structures.ids
         assert ids[0] and ids[2] != ids[0]  # never taken for the healthy structure
         _assert_batch_equals_records(f, healthy[::-1], f.read_batch(healthy[::-1]))
         assert structured[-1] is not None
@@ -610,7 +610,7 @@ def test_mixed_size_batches_without_free_structure_ids(tmp_path, monkeypatch):
             indices = list(range(19, -1, -2))
             _assert_batch_equals_records(f, indices, f.read_batch(indices))
         assert checked == [10, 10]
-        assert not f._st.views.structures.ids.any()
+        assert not f._st.cache.structures.ids.any()
 
 
 def test_read_batch_index_forms(golden_dir):
@@ -769,7 +769,7 @@ def test_first_touch_check_in_place_refuses_a_record_of_another_structure(
     path = _write_small(tmp_path / "same.atp", [4, 4, 4])
     with atp.open(path, access="mmap") as f:
         f[0]
-        layout = next(iter(f._state().layouts.values()))
+        layout = next(iter(f._state().cache.layouts.values()))
         offset = int(f.index["offset"][2])
         target = offset + layout.spans[1][0]
     data = bytearray(path.read_bytes())

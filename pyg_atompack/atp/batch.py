@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from . import cache as _cache
 from .assemble import assemble, store
+from .cache import UNCHECKED
 from .codecs import CODEC_NONE, decompress
 from .errors import (
     CORRUPT_DATA_ERRORS,
@@ -25,26 +27,14 @@ from .errors import (
     RecordDecodeError,
 )
 from .fields import FieldInfo
-from .filestate import UNCHECKED
 from .gather import plan_of, read_mapped, read_single
-from .header import HEADER_SIZE
 from .preads import read_ranges
-from .records import (
-    OP_ARRAY,
-    OP_F32,
-    OP_F64,
-    OP_I64,
-    OP_PBC,
-    Layout,
-    Slot,
-    decode_slot,
-)
-from .structure import StructureMemo, read_structured
+from .records import Layout, decode_slot
+from .structure import read_structured
 from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
-_SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
 _BUILTIN_SHAPES = {"energy": (), "forces": (3,), "velocities": (3,), "charges": (),
                    "cell": (3, 3), "stress": (3, 3), "pbc": (3,), "name": None}
 
@@ -137,49 +127,25 @@ def _normalize_indices(indices: Any, count: int, name: str) -> np.ndarray:
     return idx.astype(np.int64, copy=False)
 
 
-def _check_index_bounds(reader, st) -> None:
-    """Check every index entry against the file once; raises naming the first bad record."""
-    if getattr(st, "index_checked", False):
-        return
-    index = st.index
-    offsets, stored = index["offset"], index["stored"].astype(np.uint64)
-    bad = (offsets < HEADER_SIZE) | (offsets > st.size) | (offsets + stored > st.size)
-    if st.codec == CODEC_NONE:
-        bad |= index["stored"] != index["raw"]
-    if bad.any():
-        j = int(np.argmax(bad))
-        raise RecordDecodeError(
-            f"{reader.name}: record {j}: stored bytes [{int(offsets[j])}, +{int(stored[j])}) "
-            f"lie outside the {st.size}-byte file or disagree with its size")
-    st.index_checked = True
-
-
-def _fetch(reader, st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
+def _fetch(st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
     """Uncompressed bytes of every requested record (slices of the mapping if ``mapped``)."""
     if not len(idx):
         return []
-    _check_index_bounds(reader, st)
+    st.cache.check_index(st)
     off_l, raw_l = entries["offset"].tolist(), entries["raw"].tolist()
     if st.codec == CODEC_NONE and mapped:
         got = operator.itemgetter(*[slice(o, o + r) for o, r in zip(off_l, raw_l)])(st.buf)
         return [got] if len(off_l) == 1 else list(got)
     sto_l = entries["stored"].tolist()
     if mapped:
-        recs = [reader._read(st, o, s) for o, s in zip(off_l, sto_l)]
+        recs = [st.read(o, s) for o, s in zip(off_l, sto_l)]
     else:  # not in memory: every read in flight at once (preads.py)
-        recs = read_ranges(st.fd, off_l, sto_l, reader.name, idx.tolist(), st.pread,
+        recs = read_ranges(st.fd, off_l, sto_l, st.name, idx.tolist(), st.pread,
                            probe=st.buf is None)
     if st.codec == CODEC_NONE:
         return recs
-    return [decompress(st.codec, d, r, f"{reader.name}: record {int(i)}")
+    return [decompress(st.codec, d, r, f"{st.name}: record {int(i)}")
             for d, r, i in zip(recs, raw_l, idx)]
-
-
-def _columns(st) -> tuple[np.ndarray, np.ndarray]:
-    """Every record's offset and atom count as int64 (made once per reader)."""
-    if st.columns is None:
-        st.columns = (st.index["offset"].astype(np.int64), st.index["n_atoms"].astype(np.int64))
-    return st.columns
 
 
 def _use_mapping(st, entries: np.ndarray) -> bool:
@@ -196,25 +162,35 @@ def _use_mapping(st, entries: np.ndarray) -> bool:
     return st.resident(int(entries["offset"][0]), max(int(entries["stored"][0]), 1))
 
 
-def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
-    """Decode ``indices`` of ``reader`` into the flat batch dict (see module docstring)."""
-    st = reader._state()
-    name = reader.name
+def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
+    """Decode ``indices`` of an open file into the flat batch dict (see module docstring).
+
+    Args:
+        st: the file's :class:`~pyg_atompack.atp.filestate.FileState` (its decode cache
+            is read and filled).
+        indices: molecule indices (negative allowed), any order, repeats allowed.
+        infos: the resolved fields to decode (:func:`resolve_fields`).
+
+    Returns:
+        The ``read_batch`` dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
+    """
+    name = st.name
+    cache = st.cache
     idx = _normalize_indices(indices, st.count, name)
-    if st.u8 is not None and len(idx) and st.memo is not UNCHECKED:
+    if st.u8 is not None and len(idx) and cache.memo is not UNCHECKED:
         # hot path: every record checked before, all of one layout, in memory
-        offsets, n_atoms = _columns(st)
+        offsets, n_atoms = cache.index_columns(st)
         offsets = offsets[idx]
-        lids = np.frombuffer(st.memo, np.uint16)[idx]
+        lids = np.frombuffer(cache.memo, np.uint16)[idx]
         first = int(lids[0])
         if first and (lids == first).all() and (
                 st.resident is None or st.resident(int(offsets[0]), 1)):
             try:
-                out = read_single(reader, st, idx, offsets, first, infos)
+                out = read_single(st, idx, offsets, first, infos)
             except AtpError:
                 raise
             except CORRUPT_DATA_ERRORS as exc:
-                raise _name_failed_record(reader, idx, exc) from exc
+                raise _name_failed_record(st, idx, exc) from exc
             out["n_atoms"] = n_atoms[idx]
             return out
     entries = st.index[idx]
@@ -225,37 +201,37 @@ def read_batch(reader, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, A
             # mapped, uncompressed: gather straight from the file
             if not (n_atoms == n_atoms[0]).all():
                 # mixed sizes: one gather per field when the records share a structure
-                out = _read_structured(reader, st, idx, entries, n_atoms, infos)
+                out = _read_structured(st, idx, entries, n_atoms, infos)
                 if out is not None:
                     out["n_atoms"] = n_atoms
                     return out
-            lids = _checked_layout_ids(reader, st, idx, entries)
+            lids = _checked_layout_ids(st, idx, entries)
             # grouped gathers pay per group; mostly-distinct layouts decode faster per record
             if lids is not None and ((lids == lids[0]).all()
                                      or 4 * (len(np.unique(lids)) - 1) <= len(lids)):
-                out = read_mapped(reader, st, idx, entries["offset"], lids, n_atoms, infos)
+                out = read_mapped(st, idx, entries["offset"], lids, n_atoms, infos)
                 out["n_atoms"] = n_atoms
                 return out
-        recs = _fetch(reader, st, idx, entries, mapped)
-        layouts = _layouts(reader, st, idx, entries, recs)
+        recs = _fetch(st, idx, entries, mapped)
+        layouts = _layouts(st, idx, entries, recs)
         if layouts is not None and len(layouts) == 1:
             out = _homogeneous(recs, layouts[0], infos, idx, name)
         else:
             if layouts is None:
-                layouts = [reader._layout(st, rec, int(r), int(n), int(i)) for rec, r, n, i in
+                layouts = [cache.layout(st, rec, int(r), int(n), int(i)) for rec, r, n, i in
                            zip(recs, entries["raw"], entries["n_atoms"], idx)]
             out = _heterogeneous(recs, layouts, infos, n_atoms, idx, name, st.pos_dtype)
     except AtpError:
         raise
     except CORRUPT_DATA_ERRORS as exc:  # numpy/struct errors on corrupt records
-        raise _name_failed_record(reader, idx, exc) from exc
+        raise _name_failed_record(st, idx, exc) from exc
     out["n_atoms"] = n_atoms
     for key in ("properties", "atom_properties", "mask"):
         out.setdefault(key, {})
     return out
 
 
-def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
+def _read_structured(st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
     """``read_batch`` of mixed-size records sharing one structure (structure.py).
 
     Records verified against a structure before (by an earlier batch) are known
@@ -263,10 +239,9 @@ def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any]
     the first record's layout and the unverified records are checked against it.
     Returns None when they do not share it or a field needs per-record decoding.
     """
-    _check_index_bounds(reader, st)
-    memo = st.views.structures
-    if memo is None:
-        memo = st.views.structures = StructureMemo(st.count)
+    cache = st.cache
+    cache.check_index(st)
+    memo = cache.structure_memo()
     ids = memo.ids[idx]
     sid = int(ids[0])
     offsets = entries["offset"].astype(np.int64)
@@ -276,12 +251,12 @@ def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any]
         structure = memo.structures[sid]
     else:
         first = int(idx[0])
-        lid = reader._memo(st)[first]
+        lid = cache.memo_array()[first]
         if lid:
-            layout = st.memo_layouts[lid]
+            layout = cache.memo_layouts[lid]
         else:
-            layout = reader._record(st, first)[2]
-            reader._remember(st, first, layout)
+            layout = _cache.record(st, first)[2]
+            cache.remember(first, layout)
         structure = plan_of(layout, st.u8).structure(layout)
         if structure is None:
             return None
@@ -291,43 +266,44 @@ def _read_structured(reader, st, idx, entries, n_atoms, infos) -> dict[str, Any]
     return read_structured(structure, offsets, n_atoms, infos)
 
 
-def _name_failed_record(reader, idx: np.ndarray, exc: Exception) -> AtpError:
+def _name_failed_record(st, idx: np.ndarray, exc: Exception) -> AtpError:
     """The error for a batch whose vectorised decode failed, naming the record at fault.
 
-    Only runs on failure: the records are decoded one by one (``reader[i]``) until
-    one fails; its own error names the record. When each decodes alone, the message
-    names the batch's records instead.
+    Only runs on failure: the records are decoded one by one until one fails; its
+    own error names the record. When each decodes alone, the message names the
+    batch's records instead.
     """
     for i in dict.fromkeys(idx.tolist()):
         try:
-            reader[i]
+            _cache.molecule(st, i)
         except RecordDecodeError as error:
             return RecordDecodeError(f"{error} (in read_batch: {exc})")
         except AtpError as error:  # e.g. the file shrank under a pread reader
             return error
     shown = ", ".join(map(str, idx[:8].tolist())) + (", ..." if len(idx) > 8 else "")
-    return RecordDecodeError(f"{reader.name}: read_batch of records [{shown}] failed: {exc}")
+    return RecordDecodeError(f"{st.name}: read_batch of records [{shown}] failed: {exc}")
 
 
-def _checked_layout_ids(reader, st, idx: np.ndarray, entries: np.ndarray) -> np.ndarray | None:
+def _checked_layout_ids(st, idx: np.ndarray, entries: np.ndarray) -> np.ndarray | None:
     """Memo layout id of every record of a mapped uncompressed file, checking new ones.
 
     Records whose ``(raw size, n_atoms)`` has a known layout are checked together
     by comparing their structural bytes; the rest go through the one-record parse.
     Returns None when some layout could not get an id (more than 65535 layouts).
     """
-    memo = np.frombuffer(reader._memo(st), np.uint16)
+    cache = st.cache
+    memo = np.frombuffer(cache.memo_array(), np.uint16)
     lids = memo[idx]
     if lids.all():
         return lids
-    _check_index_bounds(reader, st)
+    cache.check_index(st)
     new = np.flatnonzero(lids == 0)
     new_idx, new_entries = idx[new], entries[new]
     keys = (new_entries["raw"].astype(np.int64) << 32) | new_entries["n_atoms"]
     # one size in the common case: skip the sort of np.unique
     distinct = [int(keys[0])] if (keys == keys[0]).all() else np.unique(keys).tolist()
     for key in distinct:
-        layout = st.layouts.get((key >> 32, key & 0xFFFFFFFF))
+        layout = cache.layouts.get((key >> 32, key & 0xFFFFFFFF))
         members = np.flatnonzero(keys == key)
         if layout is not None and layout.memo_id is not None:
             cols, expected = layout.check_arrays()
@@ -337,12 +313,12 @@ def _checked_layout_ids(reader, st, idx: np.ndarray, entries: np.ndarray) -> np.
             members = members[~ok]
         for j in members.tolist():
             i = int(new_idx[j])
-            reader._remember(st, i, reader._record(st, i)[2])
+            cache.remember(i, _cache.record(st, i)[2])
     lids = memo[idx]
     return lids if lids.all() else None
 
 
-def _layouts(reader, st, idx, entries, recs) -> list[Layout] | None:
+def _layouts(st, idx, entries, recs) -> list[Layout] | None:
     """``[layout]`` when all records share one layout, else None.
 
     Records checked before (by ``reader[i]`` or an earlier batch) are known from the
@@ -353,9 +329,10 @@ def _layouts(reader, st, idx, entries, recs) -> list[Layout] | None:
     raw, n = entries["raw"], entries["n_atoms"]
     if not ((raw == raw[0]).all() and (n == n[0]).all()):
         return None
-    layout = reader._layout(st, recs[0], int(raw[0]), int(n[0]), int(idx[0]))
-    reader._remember(st, int(idx[0]), layout)
-    memo = np.frombuffer(st.memo, np.uint16)
+    cache = st.cache
+    layout = cache.layout(st, recs[0], int(raw[0]), int(n[0]), int(idx[0]))
+    cache.remember(int(idx[0]), layout)
+    memo = np.frombuffer(cache.memo, np.uint16)
     lid = layout.memo_id
     if lid is not None and (memo[idx] == lid).all():
         return [layout]
@@ -367,14 +344,6 @@ def _layouts(reader, st, idx, entries, recs) -> list[Layout] | None:
     if lid is not None:
         memo[idx] = lid
     return [layout]
-
-
-def _value_shape(slot: Slot) -> tuple[int, ...]:
-    if slot.single:  # 3x3 cell / stress
-        return slot.dtype.shape
-    if slot.dtype.shape:  # vec3 subarray dtype
-        return (slot.count, *slot.dtype.shape)
-    return (slot.count,)
 
 
 def _homogeneous(recs, layout: Layout, infos, idx, name) -> dict[str, Any]:
@@ -399,20 +368,15 @@ def _homogeneous(recs, layout: Layout, infos, idx, name) -> dict[str, Any]:
         if slot is None:
             per_record[field] = [None] * count
             continue
-        op = slot.op
-        if op == OP_ARRAY:
-            shape = _value_shape(slot)
-            values = column(slot.offset, slot.length, slot.dtype.base)
+        shape = slot.value_shape
+        if shape is not None:  # fixed size: one strided column copy
+            nbytes = slot.elem.itemsize * int(np.prod(shape, dtype=np.int64))
+            values = column(slot.offset, nbytes, slot.elem)
             if info.per_atom:
                 values = values.reshape(count * n, *shape[1:])
             else:
                 values = values.reshape(count, *shape)
-            store(out, info, values, np.ones(count, bool))
-        elif op in _SCALAR_DTYPES:
-            values = column(slot.offset, slot.length, _SCALAR_DTYPES[op]).reshape(count)
-            store(out, info, values, np.ones(count, bool))
-        elif op == OP_PBC:
-            store(out, info, matrix[:, slot.offset:slot.offset + 3] != 0, np.ones(count, bool))
+            store(out, info, values != 0 if slot.to_bool else values, np.ones(count, bool))
         else:
             per_record[field] = [decode_slot(rec, 0, slot, n, (name, int(i)))
                                  for rec, i in zip(recs, idx)]

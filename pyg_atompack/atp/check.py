@@ -118,15 +118,14 @@ def verify(path: str | os.PathLike) -> list[str]:
                             f"index (ignored by readers)")
         if h.schema_len:
             try:
-                decode_schema(reader._read(reader._state(), h.schema_offset, h.schema_len),
-                              path)
+                decode_schema(reader._state().read(h.schema_offset, h.schema_len), path)
             except AtpError as exc:
                 problems.append(str(exc))
         for i in range(len(reader)):
             try:
                 mol = reader[i]
                 st = reader._state()
-                layout = st.layouts.get((int(reader.index["raw"][i]),
+                layout = st.cache.layouts.get((int(reader.index["raw"][i]),
                                          int(reader.index["n_atoms"][i])))
                 if layout is not None and layout.trailing:
                     problems.append(f"{path}: record {i}: {layout.trailing} bytes after the "

@@ -2,9 +2,9 @@
 
 A :class:`FileState` is everything an open :class:`~pyg_atompack.atp.Reader` holds.
 It is built in one go (and released completely if any step fails), and rebuilt
-lazily by the reader after unpickling or fork. The per-record caches the reader
-fills while decoding (layouts, the memo of checked layouts, mapped plans) start
-empty here.
+lazily by the reader after unpickling or fork. What decoding learns while the file
+is open (layouts, the memo of checked records, plans, views) lives in the state's
+:class:`~pyg_atompack.atp.cache.DecodeCache`, made empty here.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 
 import numpy as np
 
+from .cache import DecodeCache
 from .codecs import CODEC_NONE
 from .errors import AtpValueError, HeaderError, TruncatedFileError
 from .header import HEADER_SIZE, select_header
 from .index import INDEX_DTYPE, decode_index
-from .mapped import WholeFileViews
 from .preads import mapping_address, resident
 from .schema import decode_schema
 from .types import POSITIONS_DTYPE_BY_TAG
@@ -30,18 +30,6 @@ F32 = np.dtype("<f4")
 # kernel's read-ahead wins (bench_atp.py: on the 35 MB file cold, the plain map reads
 # 1.3-1.7x atompack-db's rate, the random-advised paths 0.2-1.1x)
 RANDOM_ADVICE_BYTES = 128 << 20
-
-
-class _Unchecked:
-    """Stand-in for the per-record memo before any record was checked: all unknown."""
-
-    __slots__ = ()
-
-    def __getitem__(self, i: int) -> int:
-        return 0
-
-
-UNCHECKED = _Unchecked()
 
 
 class FileState:
@@ -58,9 +46,8 @@ class FileState:
     """
 
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
-                 "index", "index_buf", "count", "layouts", "codec", "fields", "n_atoms", "u8",
-                 "memo", "memo_layouts", "memo_plans", "views", "index_checked", "access",
-                 "resident", "pread", "columns", "resolved")
+                 "index", "index_buf", "count", "codec", "fields", "n_atoms", "u8", "access",
+                 "resident", "pread", "cache")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
@@ -72,8 +59,7 @@ class FileState:
         self.pread = os.pread
         self.fd = -1
         self.mm = self.mv = self.u8 = self.buf = None
-        self.index = self.index_buf = self.layouts = self.memo = self.memo_layouts = None
-        self.memo_plans = self.views = None
+        self.index = self.index_buf = self.cache = None
         try:
             self._map(path, image, access)
             self._parse()
@@ -152,7 +138,7 @@ class FileState:
                 self.mv = memoryview(self.mm)
                 end = header.index_offset + header.index_len
                 if self.access == "auto":
-                    self.prefetch(header.index_offset, header.index_len)
+                    self.load_range(header.index_offset, header.index_len)
                 self.index_buf = self.mv[header.index_offset:end]
             else:
                 self.index_buf = self.read(header.index_offset, header.index_len)
@@ -160,26 +146,15 @@ class FileState:
         else:
             self.index_buf = b""
             self.index = np.zeros(0, dtype=INDEX_DTYPE)
-        self.layouts = {}
-        # per-record memo of checked layouts (ids into memo_layouts; 0 = not checked yet),
-        # an array('H') once the first record is checked
-        self.memo = UNCHECKED
-        self.memo_layouts = [None]
-        self.index_checked = False
-        # mapped uncompressed files decode through per-layout plans (memo id -> plan)
+        # mapped (or in-memory) uncompressed files decode records in place
         if self.buf is not None and self.codec == CODEC_NONE:
             self.u8 = np.frombuffer(self.buf, np.uint8)
-            self.views = WholeFileViews(self.u8)
             address = mapping_address(self.u8) if self.access == "auto" else None
             if address is not None:
                 self.resident = functools.partial(resident, address)
-            self.memo_plans = [None]
+        self.cache = DecodeCache(self.count, self.u8)
         self.fields = None
         self.n_atoms = None
-        # read_batch's per-reader caches: (offsets int64, n_atoms int64) of every
-        # record, and the resolved ``fields=`` selections (key: the selection tuple)
-        self.columns = None
-        self.resolved = {}
 
     def prefetch(self, offset: int, length: int) -> None:
         """Start reading ``[offset, offset + length)`` of the mapping in the background.
@@ -195,10 +170,48 @@ class FileState:
         with contextlib.suppress(OSError, ValueError):
             self.mm.madvise(mmap.MADV_WILLNEED, start, min(offset + length, self.size) - start)
 
+    def load_range(self, offset: int, length: int) -> None:
+        """Bring ``[offset, offset + length)`` into the page cache now, in large reads.
+
+        Used for the index at open under ``"auto"``: random ``f[i]`` and every
+        ``read_batch`` touch index pages all over it, and under ``MADV_RANDOM`` each
+        would otherwise be a separate disk read in the middle of the reads of the
+        records (or, with ``MADV_WILLNEED``, a background read competing with them).
+        Read through the descriptor in 1 MiB pieces (the bytes are dropped: the
+        mapping then finds them in the page cache); skipped when already resident.
+        """
+        if length <= 0:
+            return
+        address = mapping_address(np.frombuffer(self.mm, np.uint8))
+        if address is None:  # residency cannot be asked: read in the background instead
+            self.prefetch(offset, length)
+            return
+        if resident(address, offset, length):
+            return
+        chunk = bytearray(min(length, 1 << 20))
+        end = offset + length
+        while offset < end:
+            view = memoryview(chunk)[:min(len(chunk), end - offset)]
+            got = os.preadv(self.fd, [view], offset)
+            if got <= 0:
+                break
+            offset += got
+
+    def prefetch_record(self, offset: int, length: int) -> None:
+        """Ask for a record's pages in one read before its first touch ("auto").
+
+        Under ``MADV_RANDOM`` a fault reads only its own page, so touching a record
+        that spans two pages not in memory waits for two reads one after the other;
+        ``MADV_WILLNEED`` over the record first issues one read for both. On pages
+        already in memory it only looks them up.
+        """
+        start = offset - offset % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            self.mm.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+
     def release(self) -> None:
         """Drop the caches, the mapping and the descriptor (idempotent)."""
-        self.index = self.index_buf = self.u8 = self.layouts = self.memo = None
-        self.memo_layouts = self.memo_plans = self.views = None
+        self.index = self.index_buf = self.u8 = self.cache = None
         if self.mv is not None:
             self.mv.release()
             self.mv = None

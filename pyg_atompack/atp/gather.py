@@ -21,11 +21,10 @@ import numpy as np
 
 from .assemble import assemble, store
 from .fields import FieldInfo
-from .records import OP_ARRAY, OP_F32, OP_F64, OP_I64, OP_PBC, Layout, Slot, decode_slot
+from .records import Layout, Slot, decode_slot
 from .structure import Structure, build_structure
 
 _U8 = np.dtype("u1")
-_SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
 
 
 # values of at least this many bytes are gathered as opaque blocks (one memcpy per record)
@@ -82,20 +81,9 @@ class Window:
 
 def slot_window(file_u8: np.ndarray, slot: Slot) -> Window | None:
     """The window of a fixed-size section, or None when its values need per-record decoding."""
-    op = slot.op
-    if op == OP_ARRAY:
-        if slot.single:  # 3x3 cell / stress
-            shape = slot.dtype.shape
-        elif slot.dtype.shape:  # vec3 rows
-            shape = (slot.count, *slot.dtype.shape)
-        else:
-            shape = (slot.count,)
-        return Window(file_u8, slot.offset, slot.dtype.base, shape)
-    if op in _SCALAR_DTYPES:
-        return Window(file_u8, slot.offset, _SCALAR_DTYPES[op], ())
-    if op == OP_PBC:
-        return Window(file_u8, slot.offset, _U8, (3,), to_bool=True)
-    return None
+    if slot.value_shape is None:
+        return None
+    return Window(file_u8, slot.offset, slot.elem, slot.value_shape, slot.to_bool)
 
 
 class GatherPlan:
@@ -197,16 +185,15 @@ def plan_of(layout: Layout, file_u8: np.ndarray) -> GatherPlan:
     return layout.gather
 
 
-def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray,
+def read_mapped(st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray,
                 n_atoms: np.ndarray, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """The ``read_batch`` dict of checked records of a mapped uncompressed file.
 
     Args:
-        reader: the reader (for its name and mapping).
-        st: its open state.
+        st: the open file state (mapping, name, decode cache).
         idx: record indices.
         offsets: their file offsets.
-        layout_ids: their checked layout ids (``st.memo_layouts``).
+        layout_ids: their checked layout ids (``st.cache.memo_layouts``).
         n_atoms: their atom counts (int64).
         infos: the fields to decode.
 
@@ -222,9 +209,9 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
     everyone.flags.writeable = False
     first = int(layout_ids[0])
     if (layout_ids == first).all():
-        return read_single(reader, st, idx, offsets, first, infos)
+        return read_single(st, idx, offsets, first, infos)
     lids, group_of = np.unique(layout_ids, return_inverse=True)
-    plans = [plan_of(st.memo_layouts[lid], file_u8) for lid in lids.tolist()]
+    plans = [plan_of(st.cache.memo_layouts[lid], file_u8) for lid in lids.tolist()]
     out["positions"] = gather_groups([p.positions for p in plans], group_of, offsets,
                                      n_atoms, True)[0]
     out["atomic_numbers"] = gather_groups([p.numbers for p in plans], group_of, offsets,
@@ -233,29 +220,28 @@ def read_mapped(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np
         got = gather_groups([p.window(field) for p in plans], group_of, offsets, n_atoms,
                             info.per_atom)
         if got is None:
-            _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms)
+            _per_record(st, out, info, idx, offsets, layout_ids, n_atoms)
         else:
             values, present = got
             store(out, info, values, everyone if present.all() else present)
     return out
 
 
-def read_single(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
+def read_single(st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
                 infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """:func:`read_mapped` of records that all have the checked layout ``layout_id``.
 
     Args:
-        reader: the reader (for its name and mapping).
-        st: its open state.
+        st: the open file state (mapping, name, decode cache).
         idx: record indices.
         offsets: their file offsets (int64).
-        layout_id: their layout's id (``st.memo_layouts``).
+        layout_id: their layout's id (``st.cache.memo_layouts``).
         infos: the fields to decode.
 
     Returns:
         Everything but ``n_atoms`` of the ``read_batch`` dict.
     """
-    layout = st.memo_layouts[layout_id]
+    layout = st.cache.memo_layouts[layout_id]
     plan = plan_of(layout, st.u8)
     out: dict[str, Any] = {"properties": {}, "atom_properties": {}, "mask": {}}
     everyone = np.ones(len(idx), bool)
@@ -269,18 +255,18 @@ def read_single(reader, st, idx: np.ndarray, offsets: np.ndarray, layout_id: int
         else:
             lids = np.full(len(idx), layout_id, np.uint16)
             n_atoms = np.full(len(idx), layout.n_atoms, np.int64)
-            _per_record(reader, st, out, info, idx, offsets, lids, n_atoms)
+            _per_record(st, out, info, idx, offsets, lids, n_atoms)
     return out
 
 
-def _per_record(reader, st, out, info, idx, offsets, layout_ids, n_atoms) -> None:
+def _per_record(st, out, info, idx, offsets, layout_ids, n_atoms) -> None:
     """Decode a field record by record (strings, tensors, ragged or absent values)."""
-    layouts = st.memo_layouts
+    layouts = st.cache.memo_layouts
     values, present = [], []
     for i, base, lid in zip(idx.tolist(), offsets.tolist(), layout_ids.tolist()):
         layout = layouts[lid]
         slot = layout.by_field.get(info.name)
         present.append(slot is not None)
         values.append(None if slot is None else
-                      decode_slot(st.buf, base, slot, layout.n_atoms, (reader.name, i)))
+                      decode_slot(st.buf, base, slot, layout.n_atoms, (st.name, i)))
     assemble(out, info, values, present, n_atoms)

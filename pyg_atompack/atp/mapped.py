@@ -1,25 +1,29 @@
-"""Fast ``reader[i]`` for uncompressed records of a memory-mapped file.
+"""Fast ``reader[i]`` for uncompressed records of a mapped file or an in-memory image.
 
-Creating an array with ``np.frombuffer`` on an mmap costs about a microsecond,
-slicing an existing array a fifth of that. So every array a layout decodes is
-cut from a *whole-file view*: the file seen as one long array of the field's
-row dtype, starting at byte shift ``s < itemsize`` (one view per dtype and
-shift, shared by all layouts of the reader).
+Creating an array with ``np.frombuffer`` costs about a microsecond, indexing an
+existing array with one integer a tenth of that. So every array a record decodes
+to is one integer index into a *whole-file view*: the file seen as overlapping
+values of one element dtype and shape, one value starting at every byte (row
+stride 1 byte), so that row ``b`` is the value stored at file byte ``b``. A field
+at record offset ``o`` of the record at file offset ``base`` is row ``base + o``,
+whatever the record's offset or alignment; decoding a record is one index per
+array plus one :class:`struct.Struct` unpack that reads every fixed-size scalar
+(energy, pbc, ...), its pad bytes skipping the gaps. The views of one mapping are
+shared by all its layouts (:class:`WholeFileViews`), so a file of many atom counts
+costs one view per distinct value shape.
 
-Which view and which row a field lands on depends only on the record's file
-offset modulo ``period`` (the lcm of the layout's item sizes): for
-``base = period * q + s`` the field at record offset ``o`` starts at row
-``q * (period // itemsize) + (s + o) // itemsize`` of the view with shift
-``(s + o) % itemsize``. A :class:`MappedPlan` keeps, per ``s``, the ready list of
-``(key, view, step, first, count, single)`` tuples, so decoding a record is one
-``divmod`` plus one slice per array. Fixed-size scalars (energy, pbc, ...) are
-read by one precompiled :class:`struct.Struct` whose pad bytes skip the gaps.
+At that point the interpreter's own work (a loop over the fields, tuple unpacking,
+attribute look-ups) is a third of a record's decode, so each plan's ``decode`` is a
+straight-line function made for its layout (:func:`_decoder`): the source is
+generated from the *number* of arrays and the scalar widths only (field names,
+views and offsets are bound as closure values, never written into the source),
+compiled once per such pattern and closed over each plan's values.
 """
 
 from __future__ import annotations
 
-import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,136 +39,150 @@ _new_molecule = Molecule.__new__
 
 
 class WholeFileViews:
-    """Whole-file typed views of one mapping, created on first use.
-
-    It also carries the mapping's ``structures`` memo (``structure.StructureMemo``,
-    set by ``read_batch`` on first use), which lives exactly as long as the mapping.
+    """Whole-file views of one mapping, one per value dtype and shape, made on first use.
 
     Args:
         file_u8: the mapped file as a uint8 array.
     """
 
-    __slots__ = ("file_u8", "_views", "structures")
+    __slots__ = ("file_u8", "_views")
 
     def __init__(self, file_u8: np.ndarray) -> None:
         self.file_u8 = file_u8
-        self._views: dict[tuple[np.dtype, int], np.ndarray] = {}
-        self.structures = None
+        self._views: dict[tuple[np.dtype, tuple[int, ...]], np.ndarray] = {}
 
-    def get(self, dtype: np.dtype, shift: int) -> np.ndarray:
-        """The file as rows of ``dtype`` starting at byte ``shift``.
+    def get(self, elem: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The file as values of ``shape`` and dtype ``elem``, row ``b`` starting at byte ``b``.
 
         Args:
-            dtype: row dtype (may be a subarray dtype such as ``('<f4', (3,))``).
-            shift: byte offset of row 0, ``0 <= shift < dtype.itemsize``.
+            elem: element dtype.
+            shape: shape of one value (e.g. ``(n, 3)``, ``(3, 3)``, ``(k,)``).
 
         Returns:
-            A read-only view over the mapping.
+            A view over the mapping (read-only over a read-only mapping).
         """
-        view = self._views.get((dtype, shift))
+        view = self._views.get((elem, shape))
         if view is None:
-            size = len(self.file_u8)
-            rows = max(size - shift, 0) // dtype.itemsize
-            view = np.frombuffer(self.file_u8, dtype, rows, shift if rows else 0)
-            self._views[(dtype, shift)] = view
+            inner = []
+            stride = elem.itemsize
+            for dim in reversed(shape):
+                inner.insert(0, stride)
+                stride *= dim
+            rows = max(len(self.file_u8) - stride + 1, 0)  # stride: bytes of one value
+            view = np.ndarray((rows, *shape), elem, self.file_u8, 0, (1, *inner))
+            self._views[(elem, shape)] = view
         return view
 
 
 class MappedPlan:
     """Per-layout recipe turning a record's file offset into a :class:`Molecule`.
 
+    ``plan.decode(buf, base, name, index)`` decodes the record at file offset
+    ``base`` of the mapping ``buf`` (already checked against the file size; ``name``
+    and ``index`` only name it in errors) into a molecule whose arrays are zero-copy
+    views of the mapping.
+
     Args:
         layout: the checked layout the plan decodes.
-        views: the reader's shared whole-file views.
+        views: the mapping's shared whole-file views.
     """
 
-    # n_atoms rather than the layout itself: the layout caches its plan, and a cycle
-    # through the plan would keep the file's buffer alive until a full garbage collection
-    __slots__ = ("n_atoms", "views", "period", "arrays", "by_shift", "scalars", "scalar_offset",
-                 "scalar_keys", "others", "customs")
+    # no reference to the layout: the layout caches its plan, and a cycle through the
+    # plan would keep the file's buffer alive until a full garbage collection
+    __slots__ = ("decode",)
 
     def __init__(self, layout: Layout, views: WholeFileViews) -> None:
-        self.n_atoms = n = layout.n_atoms
-        self.views = views
-        arrays = [("positions", layout.pos_rows, 4, n, False),
-                  ("atomic_numbers", _U8, layout.z_offset, n, False)]
+        n = layout.n_atoms
+        arrays = [("positions", views.get(layout.pos_dtype, (n, 3)), 4),
+                  ("atomic_numbers", views.get(_U8, (n,)), layout.z_offset)]
         scalar_slots = []
         others = []
         for slot in layout.builtins:
             if slot.op == OP_ARRAY:
-                arrays.append((slot.key, slot.dtype, slot.offset, slot.count, slot.single))
+                arrays.append((slot.key, views.get(slot.elem, slot.value_shape), slot.offset))
             elif slot.op in _SCALAR_CODES:
                 scalar_slots.append(slot)
             else:
                 others.append(slot)
-        self.arrays = tuple(arrays)
-        self.period = math.lcm(*(dtype.itemsize for _, dtype, _, _, _ in arrays))
-        self.by_shift: list[tuple | None] = [None] * self.period
-        self.scalars, self.scalar_offset, self.scalar_keys = _scalar_reader(scalar_slots)
-        self.others = tuple(others)
-        self.customs = layout.customs
-
-    def _arrays_at(self, shift: int) -> tuple:
-        """The slicing recipe for records whose offset is ``shift`` modulo the period."""
-        period = self.period
-        recipe = []
-        for key, dtype, offset, count, single in self.arrays:
-            itemsize = dtype.itemsize
-            start = shift + offset
-            view = self.views.get(dtype, start % itemsize)
-            recipe.append((key, view, period // itemsize, start // itemsize, count, single))
-        recipe = tuple(recipe)
-        self.by_shift[shift] = recipe
-        return recipe
-
-    def decode(self, buf, base: int, name: str, index: int) -> Molecule:
-        """Decode the record at file offset ``base``.
-
-        Args:
-            buf: the mapping (scalars and strings are read from it).
-            base: the record's file offset (already checked against the file size).
-            name: file name for error messages.
-            index: record index for error messages.
-
-        Returns:
-            The molecule; arrays are read-only zero-copy views of the mapping.
-        """
-        q, shift = divmod(base, self.period)
-        recipe = self.by_shift[shift] or self._arrays_at(shift)
-        mol = _new_molecule(Molecule)
-        d = mol.__dict__
-        for key, view, step, first, count, single in recipe:
-            row = q * step + first
-            d[key] = view[row] if single else view[row:row + count]
-        if self.scalars is not None:
-            values = self.scalars.unpack_from(buf, base + self.scalar_offset)
-            for key, pos, width in self.scalar_keys:
-                d[key] = values[pos] if width == 1 else values[pos:pos + width]
-        if self.others or self.customs:
-            self._decode_sections(d, buf, base, (name, index))
-        return mol
-
-    def _decode_sections(self, d: dict, buf, base: int, where: tuple) -> None:
-        """Strings, tensors and custom sections: decoded one by one, checked as they go."""
-        n = self.n_atoms
-        if self.others:
-            for slot in self.others:
-                d[slot.key] = decode_slot(buf, base, slot, n, where)
-        if self.customs:
-            props: dict[str, Any] = {}
-            atom_props: dict[str, Any] = {}
-            for slot in self.customs:
-                target = atom_props if slot.kind == KIND_ATOM else props
-                target[slot.key] = decode_slot(buf, base, slot, n, where)
-            d["properties"] = props
-            d["atom_properties"] = atom_props
+        unpack, scalar_offset, scalar_keys = _scalar_reader(scalar_slots)
+        values: dict[str, Any] = {"new": _new_molecule, "Molecule": Molecule, "unpack": unpack,
+                                  "scalar_offset": scalar_offset, "sections": _decode_sections,
+                                  "n_atoms": n, "others": tuple(others),
+                                  "customs": layout.customs}
+        for j, (key, view, offset) in enumerate(arrays):
+            values.update({f"k{j}": key, f"v{j}": view, f"o{j}": offset})
+        for j, (key, _) in enumerate(scalar_keys):
+            values[f"q{j}"] = key
+        widths = tuple(width for _, width in scalar_keys)
+        self.decode = _decoder(len(arrays), widths, bool(others or layout.customs))(**values)
 
 
-def _scalar_reader(slots: list) -> tuple[struct.Struct | None, int, tuple]:
+_DECODER_FACTORIES: dict[tuple, Callable] = {}
+
+
+def _decoder(n_arrays: int, widths: tuple[int, ...], sections: bool) -> Callable:
+    """The factory of straight-line decoders for one pattern of fields (compiled once).
+
+    Args:
+        n_arrays: number of array fields (positions and atomic numbers included).
+        widths: number of struct values of each scalar field (1, or 3 for pbc).
+        sections: whether strings, tensors or custom sections follow.
+
+    Returns:
+        ``factory(**values)`` returning ``decode(buf, base, name, index)``, where
+        ``values`` binds ``k<j>`` / ``v<j>`` / ``o<j>`` (key, view, record offset of
+        array ``j``), ``q<j>`` (key of scalar ``j``) and the helpers named below.
+    """
+    pattern = (n_arrays, widths, sections)
+    factory = _DECODER_FACTORIES.get(pattern)
+    if factory is None:
+        names = ["new", "Molecule", "unpack", "scalar_offset", "sections", "n_atoms", "others",
+                 "customs"]
+        names += [f"{c}{j}" for j in range(n_arrays) for c in "kvo"]
+        names += [f"q{j}" for j in range(len(widths))]
+        body = ["mol = new(Molecule)", "d = mol.__dict__"]
+        body += [f"d[k{j}] = v{j}[base + o{j}]" for j in range(n_arrays)]
+        if widths:
+            parts = [f"s{j}" for j in range(sum(widths))]
+            body.append(f"{', '.join(parts)}, = unpack(buf, base + scalar_offset)")
+            pos = 0
+            for j, width in enumerate(widths):
+                value = parts[pos] if width == 1 else f"({', '.join(parts[pos:pos + width])})"
+                body.append(f"d[q{j}] = {value}")
+                pos += width
+        if sections:
+            body.append("sections(d, buf, base, (name, index), n_atoms, others, customs)")
+        body.append("return mol")
+        source = (f"def factory({', '.join(names)}):\n"
+                  "    def decode(buf, base, name, index):\n" +
+                  "".join(f"        {line}\n" for line in body) +
+                  "    return decode\n")
+        namespace: dict[str, Any] = {}
+        exec(compile(source, "<atp mapped decoder>", "exec"), namespace)
+        factory = _DECODER_FACTORIES[pattern] = namespace["factory"]
+    return factory
+
+
+def _decode_sections(d: dict, buf, base: int, where: tuple, n: int, others: tuple,
+                     customs: tuple) -> None:
+    """Strings, tensors and custom sections: decoded one by one, checked as they go."""
+    for slot in others:
+        d[slot.key] = decode_slot(buf, base, slot, n, where)
+    if customs:
+        props: dict[str, Any] = {}
+        atom_props: dict[str, Any] = {}
+        for slot in customs:
+            target = atom_props if slot.kind == KIND_ATOM else props
+            target[slot.key] = decode_slot(buf, base, slot, n, where)
+        d["properties"] = props
+        d["atom_properties"] = atom_props
+
+
+def _scalar_reader(slots: list) -> tuple[Callable | None, int, tuple]:
     """One struct reading every fixed-size scalar of a record, pad bytes over the gaps.
 
     Returns:
-        ``(struct or None, record offset of the first scalar, ((key, position, width), ...))``
+        ``(unpack_from or None, record offset of the first scalar, ((key, width), ...))``
         where ``width`` is 1 for a number and 3 for a pbc triple.
     """
     if not slots:
@@ -174,14 +192,11 @@ def _scalar_reader(slots: list) -> tuple[struct.Struct | None, int, tuple]:
     keys = []
     first = slots[0].offset
     pos = first
-    n_values = 0
     for slot in slots:
         code, size = _SCALAR_CODES[slot.op]
         if slot.offset > pos:
             fmt.append(f"{slot.offset - pos}x")
         fmt.append(code)
-        width = 3 if slot.op == OP_PBC else 1
-        keys.append((slot.key, n_values, width))
-        n_values += width
+        keys.append((slot.key, 3 if slot.op == OP_PBC else 1))
         pos = slot.offset + size
-    return struct.Struct("".join(fmt)), first, tuple(keys)
+    return struct.Struct("".join(fmt)).unpack_from, first, tuple(keys)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import contextlib
 import mmap
 import os
@@ -14,29 +13,17 @@ from typing import Any
 import numpy as np
 
 from . import batch as _batch
-from .codecs import CODEC_NAMES, CODEC_NONE, decompress
-from .errors import (
-    CORRUPT_DATA_ERRORS,
-    AtpError,
-    AtpValueError,
-    ReadOnlyError,
-    RecordDecodeError,
-    TruncatedFileError,
-)
+from . import cache as _cache
+from .codecs import CODEC_NAMES, decompress
+from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, ReadOnlyError, RecordDecodeError
 from .fields import FieldInfo, fields_from_schema, merge_layout
-from .filestate import F32, UNCHECKED, FileState
-from .header import HEADER_SIZE, Header
-from .index import ENTRY_STRUCT, molecule_index
-from .mapped import MappedPlan
+from .filestate import F32, FileState
+from .header import Header
+from .index import molecule_index
 from .molecule import Molecule
-from .records import Layout, build_layout, decode_molecule
 from .schema import Schema
 
 ACCESS_MODES = ("auto", "mmap", "pread")
-# bound on cached layouts; a crafted file with endless distinct layouts only costs re-parsing
-_MAX_LAYOUTS = 4096
-# larger records are checked through a memoryview instead of a copy
-_COPY_CHECK_LIMIT = 1 << 16
 _OPEN_READERS: weakref.WeakSet = weakref.WeakSet()
 _OFFSET_UNPACK = struct.Struct("<Q").unpack_from  # the offset of an index entry
 _SCAN_CHUNK = 1024  # records read ahead at once by iteration (access="auto")
@@ -109,10 +96,6 @@ class Reader:
         self._st = st
         _OPEN_READERS.add(self)
         return st
-
-    def _read(self, st: FileState, offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset + length)`` of the file (see :meth:`FileState.read`)."""
-        return st.read(offset, length)
 
     def _drop_state(self, close: bool) -> None:
         st, self._st = self._st, None
@@ -220,110 +203,27 @@ class Reader:
         st = self._state()
         schema = Schema(4 if st.pos_dtype == F32 else 7)
         for i in range(st.count):
-            merge_layout(schema, self._record(st, i)[2])
+            merge_layout(schema, _cache.record(st, i)[2])
         return schema
 
     # ------------------------------------------------------------------ records
-    def _entry(self, st: FileState, i: int) -> tuple[int, int, int, int]:
-        off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
-        if off < HEADER_SIZE or off + stored > st.size:
-            raise RecordDecodeError(
-                f"{self._name}: record {i}: stored bytes [{off}, +{stored}) lie outside the "
-                f"data region of the {st.size}-byte file")
-        return off, stored, raw, n
-
-    def _record(self, st: FileState, i: int) -> tuple[Any, int, Layout]:
-        """The buffer holding record ``i``, its offset there, and its checked layout."""
-        off, stored, raw, n = self._entry(st, i)
-        if st.codec == CODEC_NONE:
-            if stored != raw:
-                raise RecordDecodeError(f"{self._name}: record {i}: stored size {stored} != "
-                                        f"raw size {raw} without compression")
-            if st.buf is not None:
-                buf, base = st.buf, off
-                rec = buf[off:off + raw] if raw <= _COPY_CHECK_LIMIT or st.mv is None \
-                    else st.mv[off:off + raw]
-            else:
-                buf = rec = bytearray(raw)
-                if os.preadv(st.fd, [buf], off) != raw:
-                    raise TruncatedFileError(f"{self._name}: record {i}: short read")
-                base = 0
-        else:
-            data = self._read(st, off, stored)
-            out = decompress(st.codec, data, raw, f"{self._name}: record {i}")
-            buf = rec = bytearray(out) if st.buf is None else out
-            base = 0
-        layout = st.layouts.get((raw, n))
-        if layout is None or not layout.matches(rec):
-            layout = self._layout(st, rec, raw, n, i)
-        return buf, base, layout
-
-    def _memo(self, st: FileState) -> array.array:
-        """The per-record memo of checked layout ids, created on first use."""
-        if st.memo is UNCHECKED:
-            st.memo = array.array("H", bytes(2 * st.count))
-        return st.memo
-
-    def _remember(self, st: FileState, i: int, layout: Layout) -> None:
-        memo = self._memo(st)
-        lid = layout.memo_id
-        if lid is None and len(st.memo_layouts) < 65535:
-            lid = layout.memo_id = len(st.memo_layouts)
-            st.memo_layouts.append(layout)
-            if st.memo_plans is not None:
-                st.memo_plans.append(self._plan(st, layout))
-        if lid is not None:
-            memo[i] = lid
-
-    def _plan(self, st: FileState, layout: Layout) -> MappedPlan:
-        if layout.plan is None:
-            layout.plan = MappedPlan(layout, st.views)
-        return layout.plan
-
-    def _layout(self, st: FileState, rec, raw: int, n: int, i: int) -> Layout:
-        """The checked layout of record ``i`` (bytes ``rec``), parsing it when new."""
-        layout = st.layouts.get((raw, n))
-        if layout is None or not layout.matches(rec):
-            layout = build_layout(rec, n, st.pos_dtype, st.header.record_format,
-                                  (self._name, i))
-            if len(st.layouts) >= _MAX_LAYOUTS:
-                st.layouts.clear()
-            st.layouts[(raw, n)] = layout
-        return layout
-
     def __getitem__(self, i: int) -> Molecule:
         st = self._st or self._load()
         if type(i) is not int or not 0 <= i < st.count:
             if isinstance(i, slice):
                 return [self[j] for j in range(*i.indices(st.count))]
             i = molecule_index(i, st.count, self._name)
+        cache = st.cache
+        plan = cache.plans[cache.memo[i]]
+        if plan is None:  # not checked yet, or not a mapped uncompressed file
+            return _cache.molecule(st, i)
+        # hot path: a record checked before (its committed bytes never change)
         try:
-            plans = st.memo_plans
-            if plans is not None:
-                # hot path (uncompressed, mapped): a record's layout is checked on its
-                # first access and remembered; the file's committed bytes never change
-                plan = plans[st.memo[i]]
-                if plan is not None:
-                    return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
-                                       self._name, i)
-                # first touch: check the record's structural bytes in place against
-                # a known layout of its size (no copy of the record, no re-parse)
-                off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
-                layout = st.layouts.get((raw, n))
-                if layout is not None and stored == raw and off >= HEADER_SIZE and \
-                        off + raw <= st.size and layout.memo_id is not None and \
-                        layout.check_at(st.buf, off) == layout.expected:
-                    memo = st.memo
-                    (self._memo(st) if memo is UNCHECKED else memo)[i] = layout.memo_id
-                    return plans[layout.memo_id].decode(st.buf, off, self._name, i)
-                buf, base, layout = self._record(st, i)
-                self._remember(st, i, layout)
-                return self._plan(st, layout).decode(buf, base, self._name, i)
-            buf, base, layout = self._record(st, i)
-            return decode_molecule(buf, base, layout, (self._name, i))
+            return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
+                               self._name, i)
         except AtpError:
             raise
-        except CORRUPT_DATA_ERRORS as exc:  # numpy/struct errors on a corrupt record
+        except CORRUPT_DATA_ERRORS as exc:  # a string or tensor section that fails
             raise RecordDecodeError(f"{self._name}: record {i}: {exc}") from exc
 
     def get(self, i: int) -> Molecule:
@@ -372,8 +272,8 @@ class Reader:
         """
         st = self._state()
         i = molecule_index(i, st.count, self._name)
-        off, stored, raw, _ = self._entry(st, i)
-        data = bytes(self._read(st, off, stored))
+        off, stored, raw, _ = _cache.entry(st, i)
+        data = bytes(st.read(off, stored))
         return bytes(decompress(st.codec, data, raw, f"{self._name}: record {i}"))
 
     def read_batch(self, indices: Sequence[int] | np.ndarray,
@@ -393,12 +293,27 @@ class Reader:
         """
         st = self._st or self._load()
         key = fields if fields is None or isinstance(fields, str) else tuple(fields)
-        infos = st.resolved.get(key)
+        resolved = st.cache.resolved
+        infos = resolved.get(key)
         if infos is None:
             infos = _batch.resolve_fields(self.fields, fields, self._name)
-            if len(st.resolved) < 64:
-                st.resolved[key] = infos
-        return _batch.read_batch(self, indices, infos)
+            if len(resolved) < 64:
+                resolved[key] = infos
+        return _batch.read_batch(st, indices, infos)
+
+    def read_resolved(self, indices: Sequence[int] | np.ndarray,
+                      infos: dict[str, FieldInfo]) -> dict[str, Any]:
+        """:meth:`read_batch` with the fields already resolved (the multi-file readers' call).
+
+        Args:
+            indices: molecule indices (negative allowed), any order, repeats allowed.
+            infos: ``name -> FieldInfo`` to decode, e.g. resolved against the union of
+                several files' fields.
+
+        Returns:
+            The dict of :meth:`read_batch`.
+        """
+        return _batch.read_batch(self._st or self._load(), indices, infos)
 
     # ------------------------------------------------------------------ writes refused
     def add(self, *args: Any, **kwargs: Any) -> None:

@@ -41,6 +41,8 @@ from .types import (
 # how a section's payload turns into a value
 OP_ARRAY, OP_F64, OP_I64, OP_F32, OP_STR, OP_NONE, OP_PBC, OP_TENSOR = range(8)
 _SCALAR_OPS = {TAG_F64: OP_F64, TAG_I64: OP_I64, TAG_F32: OP_F32}
+# element dtype of the fixed-size scalar payloads
+SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
@@ -54,6 +56,12 @@ _PBC_VALUES = {bytes((a, b, c)): (bool(a), bool(b), bool(c))
 class Slot:
     """Where one section's payload lies in a record and how to decode it.
 
+    Besides what the decode needs (``op``, ``dtype``, ``count``, ``single``), a slot
+    carries the facts every batch path reads: ``elem`` (element dtype, None for
+    strings and None values), ``value_shape`` (shape of one record's value, None
+    when it is not fixed: strings, None values, tensors), ``per_atom`` and
+    ``to_bool`` (pbc bytes become booleans).
+
     Args:
         kind: section kind (0 builtin, 1 atom, 2 molecule).
         key: section key.
@@ -61,13 +69,15 @@ class Slot:
         offset: payload offset from the record start.
         length: payload length in bytes.
         op: decode operation (``OP_*``).
-        dtype: numpy dtype for array/tensor payloads.
+        dtype: numpy dtype for array/tensor payloads. (default: :obj:`None`)
         count: element count for ``OP_ARRAY`` (rows for vec3 / mat3 subarray dtypes).
+            (default: ``0``)
         single: the value is one element of a subarray ``dtype`` (3x3 cell/stress).
+            (default: :obj:`False`)
     """
 
     __slots__ = ("kind", "key", "tag", "offset", "length", "op", "dtype", "count", "single",
-                 "field", "itemsize")
+                 "field", "elem", "value_shape", "per_atom", "to_bool")
 
     def __init__(self, kind, key, tag, offset, length, op, dtype=None, count=0, single=False):
         self.kind = kind
@@ -79,8 +89,18 @@ class Slot:
         self.dtype = dtype
         self.count = count
         self.single = single
-        self.itemsize = dtype.itemsize if dtype is not None else 0
         self.field = field_name(kind, key)
+        self.per_atom = kind == KIND_ATOM or (kind == KIND_BUILTIN and key in PER_ATOM_BUILTINS)
+        self.to_bool = op == OP_PBC
+        self.elem = dtype.base if dtype is not None else SCALAR_DTYPES.get(op)
+        if op == OP_ARRAY:
+            self.value_shape = dtype.shape if single else (count, *dtype.shape)
+        elif op in SCALAR_DTYPES:
+            self.value_shape = ()
+        elif op == OP_PBC:
+            self.elem, self.value_shape = _U8, (3,)
+        else:
+            self.value_shape = None  # strings, None values, tensors: decoded per record
 
 
 def field_name(kind: int, key: str) -> str:

@@ -35,8 +35,7 @@ def find_shards(root: str | os.PathLike) -> list[Path]:
 
 def _read_resolved(shard: Any, indices: np.ndarray, infos: dict[str, FieldInfo]) -> dict:
     """``read_batch`` of one shard with fields already resolved against the union."""
-    own = getattr(shard, "read_resolved", None)  # shard openers other than Reader
-    return own(indices, infos) if own is not None else _batch.read_batch(shard, indices, infos)
+    return shard.read_resolved(indices, infos)
 
 
 def _check_access(access: str) -> None:

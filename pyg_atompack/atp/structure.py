@@ -31,12 +31,10 @@ import numpy as np
 
 from .assemble import assemble, store
 from .fields import FieldInfo
-from .records import OP_ARRAY, OP_F32, OP_F64, OP_I64, OP_PBC, Layout
-from .types import KIND_ATOM, KIND_BUILTIN, PER_ATOM_BUILTINS
+from .records import OP_ARRAY, Layout
 
 _U8 = np.dtype("u1")
 _U32 = np.dtype("<u4")
-_SCALAR_DTYPES = {OP_F64: np.dtype("<f8"), OP_I64: np.dtype("<i8"), OP_F32: np.dtype("<f4")}
 
 
 class _Gather:
@@ -259,24 +257,18 @@ class StructureMemo:
 
 def _slot_gather(slot, a: int, b: int, n0: int) -> tuple[_Gather | None, int]:
     """The gather of one section's payload and its per-atom row width (0: fixed size)."""
-    per_atom = slot.kind == KIND_ATOM or (slot.kind == KIND_BUILTIN and
-                                         slot.key in PER_ATOM_BUILTINS)
-    op = slot.op
-    if op == OP_ARRAY:
-        if per_atom and not slot.single:
-            width = slot.dtype.itemsize
-            if slot.count != n0 or width * n0 != slot.length:
-                return None, 0
-            return _Gather(a, b, True, width, slot.dtype.base, slot.dtype.shape), width
-        shape = slot.dtype.shape if slot.single else (slot.count, *slot.dtype.shape)
-        return _Gather(a, b, False, slot.length, slot.dtype.base, shape), 0
-    if per_atom:
-        return None, 0  # a per-atom tensor: its payload grows with n but is not rows
-    if op in _SCALAR_DTYPES:
-        return _Gather(a, b, False, slot.length, _SCALAR_DTYPES[op], ()), 0
-    if op == OP_PBC and slot.length == 3:
-        return _Gather(a, b, False, 3, _U8, (3,), to_bool=True), 0
-    return None, 0  # strings, None values, tensors: fixed here, decoded per record
+    shape = slot.value_shape
+    if slot.per_atom:
+        # per-atom rows (not a tensor, whose payload grows with n but is not rows)
+        if slot.op != OP_ARRAY or slot.single:
+            return None, 0
+        width = slot.dtype.itemsize
+        if slot.count != n0 or width * n0 != slot.length:
+            return None, 0
+        return _Gather(a, b, True, width, slot.elem, shape[1:]), width
+    if shape is None or slot.length != slot.elem.itemsize * int(np.prod(shape, dtype=np.int64)):
+        return None, 0  # strings, None values, tensors: fixed here, decoded per record
+    return _Gather(a, b, False, slot.length, slot.elem, shape, slot.to_bool), 0
 
 
 def build_structure(layout: Layout, file_u8: np.ndarray) -> Structure | None:

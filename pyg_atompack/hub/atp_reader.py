@@ -385,9 +385,7 @@ class _LazyShard:
         return self.owner.n_atoms[start:stop]
 
     def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
-        from pyg_atompack.atp import batch as atp_batch
-
-        return atp_batch.read_batch(self.owner.shard_reader(self.shard), indices, infos)
+        return self.owner.shard_reader(self.shard).read_resolved(indices, infos)
 
 
 def open_hub_atp(

@@ -161,7 +161,7 @@ class RemoteAtpReader:
         idx = _batch._normalize_indices(indices, len(self), self.name)
         records = np.unique(idx)
         image = self._image(records)
-        return _batch.read_batch(image, np.searchsorted(records, idx), infos)
+        return image.read_resolved(np.searchsorted(records, idx), infos)
 
     def close(self) -> None:
         """Nothing to release: pages live on disk, metadata until the reader is dropped."""
