@@ -779,3 +779,49 @@ def test_first_touch_check_in_place_refuses_a_record_of_another_structure(
         assert f[0].energy == 0.0 and f[1].energy == 1.0  # same layout, checked in place
         with pytest.raises(atp.AtpError, match="record 2"):
             f[2]
+
+
+def test_auto_reads_the_index_into_the_page_cache_at_open(golden_dir, random_advice,
+                                                          monkeypatch):
+    """Not resident: one read through the descriptor at open (random f[i] then never
+    waits for an index page); resident: nothing read."""
+    import os
+
+    from pyg_atompack.atp import filestate
+
+    path = golden_dir / "builtins_none.atp"
+    reads = []
+    original = os.preadv
+
+    def counting(fd, buffers, offset):
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return original(fd, buffers, offset)
+
+    monkeypatch.setattr(filestate.os, "preadv", counting)
+    for in_memory in (False, True):
+        monkeypatch.setattr(filestate, "resident", lambda address, offset, length,
+                            in_memory=in_memory: in_memory)
+        reads.clear()
+        with atp.open(path) as f:
+            header = f.header
+            assert f[2].energy is not None
+        assert reads == ([] if in_memory else [(header.index_offset, header.index_len)])
+
+
+def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, random_advice,
+                                                                    monkeypatch):
+    from pyg_atompack.atp import filestate
+
+    asked = []
+    monkeypatch.setattr(filestate.FileState, "prefetch_record",
+                        lambda self, offset, length: asked.append((offset, length)))
+    path = _write_small(tmp_path / "same.atp", [4, 4, 4])
+    with atp.open(path) as f:
+        for i in (0, 1, 1, 2, 0, 2):
+            assert f[i].energy == float(i)
+        entries = f.index
+    assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in range(3)]
+    asked.clear()
+    with atp.open(path, access="mmap") as f:  # the plain map keeps the kernel's read-ahead
+        f[0]
+    assert asked == []

@@ -232,14 +232,14 @@ def molecule(st, i: int) -> Molecule:
             # first touch: check the record's structural bytes in place against a known
             # layout of its size (no copy of the record, no re-parse)
             off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
+            inside = stored == raw and off >= HEADER_SIZE and off + raw <= st.size
+            if inside and st.resident is not None:
+                st.prefetch_record(off, raw)
             layout = cache.layouts.get((raw, n))
-            if layout is not None and layout.memo_id is not None and stored == raw and \
-                    off >= HEADER_SIZE and off + raw <= st.size:
-                if st.resident is not None:
-                    st.prefetch_record(off, raw)
-                if layout.check_at(st.buf, off) == layout.expected:
-                    cache.memo_array()[i] = layout.memo_id
-                    return cache.plans[layout.memo_id].decode(st.buf, off, st.name, i)
+            if inside and layout is not None and layout.memo_id is not None and \
+                    layout.check_at(st.buf, off) == layout.expected:
+                cache.memo_array()[i] = layout.memo_id
+                return cache.plans[layout.memo_id].decode(st.buf, off, st.name, i)
             buf, base, layout = record(st, i)
             cache.remember(i, layout)
             return cache.plan(layout).decode(buf, base, st.name, i)
