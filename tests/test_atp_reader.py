@@ -810,18 +810,28 @@ def test_auto_reads_the_index_into_the_page_cache_at_open(golden_dir, random_adv
 
 def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, random_advice,
                                                                     monkeypatch):
-    from pyg_atompack.atp import filestate
+    """While first touches wait for the disk, each asks for its record's pages first;
+    once one is served from memory, the next ones skip the request. Nothing is timed:
+    the clock is replaced."""
+    import itertools
+
+    from pyg_atompack.atp import cache, filestate
 
     asked = []
     monkeypatch.setattr(filestate.FileState, "prefetch_record",
                         lambda self, offset, length: asked.append((offset, length)))
-    path = _write_small(tmp_path / "same.atp", [4, 4, 4])
-    with atp.open(path) as f:
-        for i in (0, 1, 1, 2, 0, 2):
-            assert f[i].energy == float(i)
-        entries = f.index
-    assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in range(3)]
+    path = _write_small(tmp_path / "same.atp", [4, 4, 4, 4])
+    for step, want in ((1.0, [0, 1, 2, 3]), (0.0, [0, 1])):
+        clock = itertools.count(0.0, step)  # every touch takes ``step`` seconds
+        monkeypatch.setattr(cache, "perf_counter", lambda clock=clock: next(clock))
+        asked.clear()
+        with atp.open(path) as f:
+            for i in (0, 1, 1, 2, 0, 3, 2):
+                assert f[i].energy == float(i)
+            entries = f.index
+        assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in want]
     asked.clear()
     with atp.open(path, access="mmap") as f:  # the plain map keeps the kernel's read-ahead
         f[0]
+        f[1]
     assert asked == []

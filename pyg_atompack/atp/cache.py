@@ -13,7 +13,9 @@ everything ``reader[i]`` and ``read_batch`` remember between calls:
 * ``views`` (whole-file views, :mod:`.mapped`) and ``structures`` (the mixed-size
   memo, :mod:`.structure`) of a mapped uncompressed file;
 * ``index_checked``, ``columns`` and ``resolved``: the batch path's once-per-file
-  index check, int64 index columns and resolved ``fields=`` selections.
+  index check, int64 index columns and resolved ``fields=`` selections;
+* ``cold``: whether the last first touch of a record waited for the disk, which
+  decides whether the next one asks for its pages first (``"auto"``).
 
 The functions that fill it take the file state as their first argument; nothing
 here refers back to the state, so dropping the state frees the mapping at once.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import array
 import os
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,7 @@ from .header import HEADER_SIZE
 from .index import ENTRY_STRUCT
 from .mapped import MappedPlan, WholeFileViews
 from .molecule import Molecule
+from .preads import CACHED_READ_SECONDS
 from .records import Layout, build_layout, decode_molecule
 from .structure import StructureMemo
 
@@ -66,7 +70,7 @@ class DecodeCache:
     """
 
     __slots__ = ("count", "layouts", "memo", "memo_layouts", "plans", "views", "structures",
-                 "index_checked", "columns", "resolved")
+                 "index_checked", "columns", "resolved", "cold")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
@@ -81,6 +85,8 @@ class DecodeCache:
         self.index_checked = False
         self.columns: tuple[np.ndarray, np.ndarray] | None = None
         self.resolved: dict[Any, dict] = {}
+        # whether the last first touch of a record waited for the disk ("auto" only)
+        self.cold = True
 
     def memo_array(self) -> array.array:
         """The per-record memo of checked layout ids, created on first use."""
@@ -205,6 +211,24 @@ def record(st, i: int) -> tuple[Any, int, Layout]:
     return buf, base, st.cache.layout(st, rec, raw, n, i)
 
 
+def _check_timed(st, cache: DecodeCache, layout: Layout, off: int, raw: int) -> bool:
+    """``layout.check_at`` of a first touch under ``"auto"``, learning whether to prefetch.
+
+    The check is the record's first touch: when the previous first touch had to wait
+    for the disk (slower than a page-cache hit), this one asks for the record's
+    pages with one ``MADV_WILLNEED`` first (:meth:`FileState.prefetch_record`); when
+    it is fast again (the pages are in memory), the system call is skipped. Timing
+    costs two clock reads; the system call on every first touch cost more than that
+    on data already in memory.
+    """
+    if cache.cold:
+        st.prefetch_record(off, raw)
+    start = perf_counter()
+    matches = layout.check_at(st.buf, off) == layout.expected
+    cache.cold = perf_counter() - start > CACHED_READ_SECONDS
+    return matches
+
+
 def molecule(st, i: int) -> Molecule:
     """Decode record ``i`` (in range), checking it when it was not checked before.
 
@@ -233,13 +257,18 @@ def molecule(st, i: int) -> Molecule:
             # layout of its size (no copy of the record, no re-parse)
             off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
             inside = stored == raw and off >= HEADER_SIZE and off + raw <= st.size
-            if inside and st.resident is not None:
-                st.prefetch_record(off, raw)
             layout = cache.layouts.get((raw, n))
-            if inside and layout is not None and layout.memo_id is not None and \
-                    layout.check_at(st.buf, off) == layout.expected:
-                cache.memo_array()[i] = layout.memo_id
-                return cache.plans[layout.memo_id].decode(st.buf, off, st.name, i)
+            if inside and layout is not None and layout.memo_id is not None:
+                if st.resident is None:
+                    matches = layout.check_at(st.buf, off) == layout.expected
+                else:
+                    matches = _check_timed(st, cache, layout, off, raw)
+                if matches:
+                    memo = cache.memo
+                    (cache.memo_array() if memo is UNCHECKED else memo)[i] = layout.memo_id
+                    return cache.plans[layout.memo_id].decode(st.buf, off, st.name, i)
+            elif inside and st.resident is not None:
+                st.prefetch_record(off, raw)
             buf, base, layout = record(st, i)
             cache.remember(i, layout)
             return cache.plan(layout).decode(buf, base, st.name, i)
