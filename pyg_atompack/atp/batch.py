@@ -35,6 +35,7 @@ from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
+_GROUP_MIN = 32  # records per layout group, on average, for a grouped gather
 _BUILTIN_SHAPES = {"energy": (), "forces": (3,), "velocities": (3,), "charges": (),
                    "cell": (3, 3), "stress": (3, 3), "pbc": (3,), "name": None}
 
@@ -206,9 +207,11 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
                     out["n_atoms"] = n_atoms
                     return out
             lids = _checked_layout_ids(st, idx, entries)
-            # grouped gathers pay per group; mostly-distinct layouts decode faster per record
+            # grouped gathers pay per group: they win for groups of >= 32 records on
+            # average (benchmarks/batch_strategies.py: 2 layouts, 256 records 2.0x the
+            # per-record decode; 32 records 0.8x), per-record decoding below that
             if lids is not None and ((lids == lids[0]).all()
-                                     or 4 * (len(np.unique(lids)) - 1) <= len(lids)):
+                                     or _GROUP_MIN * len(np.unique(lids)) <= len(lids)):
                 out = read_mapped(st, idx, entries["offset"], lids, n_atoms, infos)
                 out["n_atoms"] = n_atoms
                 return out
