@@ -21,6 +21,7 @@ import numpy as np
 
 from .assemble import assemble, store
 from .fields import FieldInfo
+from .mapped import exporter
 from .records import Layout, Slot, decode_slot
 from .structure import Structure, build_structure
 
@@ -49,6 +50,7 @@ class Window:
                  value_shape: tuple[int, ...], to_bool: bool = False) -> None:
         nbytes = elem.itemsize * int(np.prod(value_shape, dtype=np.int64))
         rows = max(len(file_u8) - offset - nbytes + 1, 0)
+        buffer = exporter(file_u8)
         inner = []
         stride = elem.itemsize
         for dim in reversed(value_shape):
@@ -57,10 +59,10 @@ class Window:
         start = offset if rows else 0
         if nbytes >= _BLOCK_BYTES:
             # numpy copies an unaligned strided element at a time, a void block at once
-            self.view = np.ndarray((rows,), np.dtype((np.void, nbytes)), file_u8, start, (1,))
+            self.view = np.ndarray((rows,), np.dtype((np.void, nbytes)), buffer, start, (1,))
             self.value_dtype = np.dtype((elem, value_shape))
         else:
-            self.view = np.ndarray((rows, *value_shape), elem, file_u8, start, (1, *inner))
+            self.view = np.ndarray((rows, *value_shape), elem, buffer, start, (1, *inner))
             self.value_dtype = None
         self.elem = elem
         self.value_shape = value_shape

@@ -38,6 +38,17 @@ _SCALAR_CODES = {OP_F64: ("d", 8), OP_I64: ("q", 8), OP_F32: ("f", 4), OP_PBC: (
 _new_molecule = Molecule.__new__
 
 
+def exporter(file_u8: np.ndarray):
+    """The object whose buffer ``file_u8`` views (the mmap, bytes or bytearray).
+
+    New arrays are made over it rather than over ``file_u8``: numpy takes ~20-40 µs
+    to make a strided array over a uint8 array of a 1 GB mapping, under 1 µs over
+    the mapping itself, and a file of many atom counts makes views for each.
+    """
+    base = file_u8.base
+    return base if base is not None and not isinstance(base, np.ndarray) else file_u8
+
+
 class WholeFileViews:
     """Whole-file views of one mapping, one per value dtype and shape, made on first use.
 
@@ -45,10 +56,11 @@ class WholeFileViews:
         file_u8: the mapped file as a uint8 array.
     """
 
-    __slots__ = ("file_u8", "_views")
+    __slots__ = ("file_u8", "_buffer", "_views")
 
     def __init__(self, file_u8: np.ndarray) -> None:
         self.file_u8 = file_u8
+        self._buffer = exporter(file_u8)
         self._views: dict[tuple[np.dtype, tuple[int, ...]], np.ndarray] = {}
 
     def get(self, elem: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -69,7 +81,7 @@ class WholeFileViews:
                 inner.insert(0, stride)
                 stride *= dim
             rows = max(len(self.file_u8) - stride + 1, 0)  # stride: bytes of one value
-            view = np.ndarray((rows, *shape), elem, self.file_u8, 0, (1, *inner))
+            view = np.ndarray((rows, *shape), elem, self._buffer, 0, (1, *inner))
             self._views[(elem, shape)] = view
         return view
 
