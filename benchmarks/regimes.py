@@ -212,18 +212,3 @@ def paired(arms: dict[str, Arm], regime: str, path: Path,
         arms[name].close(handle)
     return {name: (statistics.median(rates[name]), statistics.median(cpu_rates[name]))
             for name in names}
-
-
-# ------------------------------------------------------------------ machine limit
-def random_read_limit(path: Path, offsets: np.ndarray, lengths: np.ndarray) -> float:
-    """Cold random reads per second of plain ``os.pread`` (one thread, file evicted)."""
-    evict(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        start = time.perf_counter()
-        for off, length in zip(offsets.tolist(), lengths.tolist()):
-            os.pread(fd, length, off)
-        return len(offsets) / (time.perf_counter() - start)
-    finally:
-        os.close(fd)

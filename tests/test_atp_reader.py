@@ -835,3 +835,33 @@ def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, ran
         f[0]
         f[1]
     assert asked == []
+
+
+def test_fresh_readers_reuse_parsed_layouts_only_after_checking_them(tmp_path, monkeypatch):
+    """A second reader of records of the same sizes does not parse them again; a record
+    whose structural bytes differ from the known parse is parsed (and refused) anyway."""
+    from pyg_atompack.atp import cache
+
+    parsed = []
+    original = cache.build_layout
+    monkeypatch.setattr(cache, "build_layout",
+                        lambda rec, n, *rest: parsed.append(n) or original(rec, n, *rest))
+    monkeypatch.setattr(cache, "_PARSED", {})
+    sizes = [3, 5, 7, 5]
+    path = _write_small(tmp_path / "sizes.atp", sizes)
+    for access in ("mmap", "pread", "mmap"):
+        with atp.open(path, access=access) as f:
+            assert [f[i].energy for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
+            assert f.read_batch([3, 0, 2])["energy"].tolist() == [3.0, 0.0, 2.0]
+    assert parsed == [3, 5, 7]  # once per size, whatever the reader
+    with atp.open(path) as f:
+        f[1]
+        layout = f._state().cache.layouts[(int(f.index["raw"][1]), 5)]
+        target = int(f.index["offset"][1]) + layout.spans[1][0]
+    data = bytearray(path.read_bytes())
+    data[target] ^= 0xFF  # record 1's section count: another structure, same size
+    path.write_bytes(bytes(data))
+    with atp.open(path) as f:
+        assert f[3].energy == 3.0  # same size, known parse, checked
+        with pytest.raises(atp.AtpError, match="record 1"):
+            f[1]

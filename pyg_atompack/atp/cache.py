@@ -48,6 +48,13 @@ _COPY_CHECK_LIMIT = 1 << 16
 _MAX_MEMO_IDS = 65535
 
 
+# Layouts parsed by any reader in this process, by (positions dtype, record format, raw
+# size, atom count): a fresh reader of a file of many sizes (or of another shard of
+# the same data set) reuses the parse after checking the record's structural bytes
+# against it, as it does with its own layouts; never trusted without that check.
+_PARSED: dict[tuple, Layout] = {}
+
+
 class _Unchecked:
     """Stand-in for the per-record memo before any record was checked: all unknown."""
 
@@ -135,7 +142,16 @@ class DecodeCache:
         """
         layout = self.layouts.get((raw, n))
         if layout is None or not layout.matches(rec):
-            layout = build_layout(rec, n, st.pos_dtype, st.header.record_format, (st.name, i))
+            key = (st.pos_dtype, st.header.record_format, raw, n)
+            known = _PARSED.get(key)
+            if known is not None and known.matches(rec):
+                layout = known.unbound()
+            else:
+                layout = build_layout(rec, n, st.pos_dtype, st.header.record_format,
+                                      (st.name, i))
+                if len(_PARSED) >= MAX_LAYOUTS:
+                    _PARSED.clear()
+                _PARSED[key] = layout.unbound()
             if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()
             self.layouts[(raw, n)] = layout

@@ -154,6 +154,18 @@ class Layout:
         self.plan = None
         self.gather = None
 
+    def unbound(self) -> Layout:
+        """A copy without the reader-bound parts (memo id, decode plans), sharing the rest.
+
+        Everything else is the parse of the record's structure, the same for every
+        record whose structural bytes equal ``expected``, in any file.
+        """
+        copy = Layout.__new__(Layout)
+        for name in self.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy.memo_id = copy.plan = copy.gather = None
+        return copy
+
     def matches(self, rec) -> bool:
         """Whether ``rec`` (the record's bytes) has this layout's structure."""
         return self.check(rec) == self.expected
