@@ -18,7 +18,7 @@ from pyg_atompack.convert import (
     open_reader,
     shard,
 )
-from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS
+from pyg_atompack.pyg.pt import pyg_safe_globals
 
 
 class TinyMolecules(InMemoryDataset):
@@ -57,7 +57,7 @@ class TinyMolecules(InMemoryDataset):
 
 
 def _load(path):
-    with torch.serialization.safe_globals(PYG_SAFE_GLOBALS):
+    with pyg_safe_globals():
         return torch.load(path, weights_only=True)
 
 

@@ -1,11 +1,13 @@
 """PyG ``.pt`` files in, streamable ``.pt`` shards out.
 
-Readers accept a list/tuple of ``Data``, a single ``Data``, an
-``InMemoryDataset`` processed file (``(data, slices)`` or
-``(data.to_dict(), slices, data_class)``) and a directory of shards with a
-``pyg_atompack-shards/1`` manifest. Files are opened with
-``torch.load(weights_only=True)`` and the PyG allow-list of the streaming
-layer, so opening one cannot run code.
+Readers accept what :func:`pyg_atompack.pyg.pt.as_samples` accepts (a list/tuple
+of ``Data``, a single ``Data``, an ``InMemoryDataset`` processed file:
+``(data, slices)`` or ``(data.to_dict(), slices, data_class)``) and a directory
+of shards with a ``pyg_atompack-shards/1`` manifest. Files are read by the
+project's one ``.pt`` path, :func:`pyg_atompack.pyg.pt.decode_pt`, over a private
+memory map of the file: the usual layouts are indexed in place (no unpickling,
+no copy of the file), anything else goes to ``torch.load(weights_only=True)``
+with the PyG allow-list, so opening a file cannot run code.
 
 Shards are ``list[Data]`` with the attribute names of ``docs/architecture.md``.
 Every tensor owns exactly its own storage: ``torch.save`` writes a tensor's
@@ -16,17 +18,20 @@ shard.
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch_geometric.data import Data, InMemoryDataset
+from torch_geometric.data import Data
+from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import BUILTIN_FIELDS, record_to_data
-from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS
+from pyg_atompack.pyg.errors import PtPayloadError, UnsafePtPayloadError
+from pyg_atompack.pyg.pt import decode_pt
 
 from .base import StructureReader
 from .errors import ConvertError, note
@@ -62,61 +67,36 @@ def structure_to_data(structure: Structure) -> Data:
     return data
 
 
-def load_pt(path: str | os.PathLike) -> Any:
-    """``torch.load`` a ``.pt`` file safely (weights only, PyG classes allowed).
+def load_pt(path: str | os.PathLike) -> Sequence[BaseData]:
+    """The samples of a ``.pt`` file, read safely (no pickle can run code).
 
-    Large files are memory-mapped rather than read into memory.
+    The file is memory-mapped copy-on-write, so the indexed layouts are read in place
+    and pages are loaded as samples are taken.
 
     Args:
         path: The file.
 
     Returns:
-        Whatever the file holds.
+        Its samples (``len`` and integer indexing).
 
     Raises:
-        ConvertError: If the file cannot be unpickled safely or at all.
+        ConvertError: If the file cannot be read safely or at all.
     """
-    with torch.serialization.safe_globals(PYG_SAFE_GLOBALS):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc) and "zip" not in str(exc).lower():
-                raise ConvertError(path, f"torch.load failed: {exc}") from exc
-        except Exception as exc:  # UnpicklingError and friends
-            raise ConvertError(path, f"torch.load(weights_only=True) refused it: {exc}") from exc
-        try:  # legacy (non-zip) files cannot be memory-mapped
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ConvertError(path, f"torch.load(weights_only=True) refused it: {exc}") from exc
-
-
-class _LoadedInMemoryDataset(InMemoryDataset):
-    """An ``InMemoryDataset`` around already-loaded ``(data, slices)``."""
-
-    def __init__(self, data: Any, slices: Any) -> None:
-        super().__init__(root=None)
-        self.data, self.slices = data, slices
-
-
-def _as_sequence(content: Any, path: Path) -> Any:
-    """Something with ``len`` and ``[i]`` returning ``Data``."""
-    if isinstance(content, Data):
-        return [content]
-    if isinstance(content, list) and all(isinstance(item, Data) for item in content):
-        return content
-    if isinstance(content, tuple) and len(content) in (2, 3) and isinstance(content[1], dict):
-        data = content[0]
-        if isinstance(data, dict):
-            data_class = content[2] if len(content) == 3 else Data
-            data = data_class.from_dict(data)
-        if not isinstance(data, Data):
-            raise ConvertError(path, f"collated data is a {type(data).__name__}, not Data")
-        return _LoadedInMemoryDataset(data, content[1])
-    if isinstance(content, tuple) and all(isinstance(item, Data) for item in content):
-        return list(content)
-    raise ConvertError(
-        path, f"holds a {type(content).__name__}; expected a list of Data or (data, slices)"
-    )
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            # ACCESS_COPY: a private, writable view (samples may be written to) that
+            # never writes back to the file
+            buffer = (mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size
+                      else bytearray())
+    except OSError as exc:
+        raise ConvertError(path, f"cannot read it: {exc}") from exc
+    try:
+        return decode_pt(buffer)
+    except UnsafePtPayloadError as exc:
+        raise ConvertError(path, f"torch.load(weights_only=True) refused it: {exc}") from None
+    except PtPayloadError as exc:
+        raise ConvertError(path, str(exc)) from exc
 
 
 def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int = 0,
@@ -237,7 +217,7 @@ class PtReader(StructureReader):
     @property
     def length(self) -> int | None:
         if self._length is None:
-            self._first = _as_sequence(load_pt(self.path), self.path)
+            self._first = load_pt(self.path)
             self._length = len(self._first)
         return self._length
 
@@ -248,7 +228,7 @@ class PtReader(StructureReader):
                 raise ConvertError(file, "shard listed in manifest.json is missing")
             items = self._first if self._first is not None and file == self.path else None
             if items is None:
-                items = _as_sequence(load_pt(file), file)
+                items = load_pt(file)
             if len(items) and index == 0 and uses_pyg_force_name(items[0], self.options):
                 note(f"{file}: graphs name their forces 'force' (PyG's MD17 convention); "
                      "they are stored as 'forces' (read them back as 'force' with "

@@ -37,16 +37,30 @@ Every dataset also accepts ``rename=`` and ``names=`` (e.g. ``"pyg-md17"``:
 ``force`` and a float32 ``energy``, PyG's ``MD17`` convention), applied to each
 produced ``Data``/``Batch`` by :mod:`.names`.
 
+:func:`decode_pt` reads every ``.pt`` file of the project (streamed shards and files
+given to the converter): the layouts real datasets use are indexed in place without
+unpickling (:mod:`.pt_index`), anything else goes to ``torch.load(weights_only=True)``
+with the one allow-list :data:`PYG_SAFE_GLOBALS` (:mod:`.pt`).
+
 Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.names`
 (read-side renames and presets), :mod:`.data`
-(one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.errors`.
+(one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.pt`,
+:mod:`.pt_index` and :mod:`.pt_archive` (``.pt`` files), :mod:`.samples` (samples
+built when taken), :mod:`.errors`.
 """
 
 from .batch import flat_to_batch
 from .data import flat_to_data_list, record_to_data
-from .errors import BatchAssemblyError, FieldSelectionError, PygConversionError
+from .errors import (
+    BatchAssemblyError,
+    FieldSelectionError,
+    PtPayloadError,
+    PygConversionError,
+    UnsafePtPayloadError,
+)
 from .fields import BUILTIN_FIELDS, attribute_name, resolve_fields
 from .names import NAME_PRESETS, AttributeNames, names_transform, resolve_names
+from .pt import PYG_SAFE_GLOBALS, decode_pt
 
 __all__ = [
     "AttributeNames",
@@ -55,6 +69,10 @@ __all__ = [
     "FieldSelectionError",
     "BatchAssemblyError",
     "PygConversionError",
+    "PtPayloadError",
+    "UnsafePtPayloadError",
+    "PYG_SAFE_GLOBALS",
+    "decode_pt",
     "attribute_name",
     "record_to_data",
     "flat_to_data_list",

@@ -14,11 +14,7 @@ reference goes returns every page immediately, whatever the allocator's state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-from torch_geometric.data.data import BaseData
-
+from pyg_atompack.pyg.samples import BufferViewSamples
 from pyg_atompack.transport.buffers import (
     RangeIgnoredError,
     ShardBuffer,
@@ -30,46 +26,3 @@ from pyg_atompack.transport.buffers import (
 
 __all__ = ["BufferViewSamples", "RangeIgnoredError", "ShardBuffer", "ShardPart",
            "WritableBuffer", "allocate", "is_writable_buffer"]
-
-class BufferViewSamples(Sequence):
-    """The samples of a shard decoded in place, each built from its buffer when taken.
-
-    Subclasses implement :meth:`_build`. A built sample's tensors view the shard buffer,
-    so keeping one alive keeps the whole buffer alive; :meth:`detached` gives a sample
-    with its own copies, for samples that may outlive their shard.
-
-    Args:
-        length: Number of samples.
-    """
-
-    #: Samples are views of the shard buffer: one kept alive keeps the whole buffer.
-    views_into_buffer = True
-
-    def __init__(self, length: int) -> None:
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: int | slice) -> BaseData | list[BaseData]:  # type: ignore[override]
-        if isinstance(index, slice):
-            return [self[position] for position in range(*index.indices(self._length))]
-        if index < 0:
-            index += self._length
-        if not 0 <= index < self._length:
-            raise IndexError(f"sample {index} out of range for {self._length} samples")
-        return self._build(index)
-
-    def _build(self, index: int) -> BaseData:
-        raise NotImplementedError
-
-    def detached(self, index: int) -> BaseData:
-        """Sample ``index`` with tensors of its own, not views of the shard buffer.
-
-        Args:
-            index: Position of the sample in the shard.
-
-        Returns:
-            The sample, holding no reference to the buffer.
-        """
-        return self[index].apply(torch.clone)

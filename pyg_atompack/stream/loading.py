@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -15,7 +14,6 @@ from pyg_atompack.stream.errors import (
     StreamCancelled,
     StreamError,
 )
-from pyg_atompack.stream.lazy_pt import NotLazyLayout, decode_pt_lazily
 from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
@@ -87,8 +85,8 @@ class ShardLoader:
         trusted: Allow arbitrary pickles in ``.pt`` shards.
         verify: Check size and sha256 against the listing (one re-download on mismatch).
         on_error: ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
-        lazy_decode: Index ``.pt`` lists of ``Data`` in place
-            (:mod:`pyg_atompack.stream.lazy_pt`) instead of unpickling them.
+        lazy_decode: Index ``.pt`` shards in place
+            (:mod:`pyg_atompack.pyg.pt_index`) instead of unpickling them.
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
@@ -166,21 +164,16 @@ class ShardLoader:
             record.download_finish_s = recorder.now()
             record.bytes = len(data)
             cancel.raise_if_cancelled()
-            samples = None
-            atp_shard = is_atp_shard(info.name, data)
-            if self.lazy_decode and not atp_shard:
-                if isinstance(data, bytes):
+            if not is_atp_shard(info.name, data):
+                if self.lazy_decode and isinstance(data, bytes):
                     data = bytearray(data)  # lazily built samples need writable bytes
-                # a list of plain Data: indexed in place, samples built when taken
-                with contextlib.suppress(NotLazyLayout):  # other layouts: torch.load
-                    samples = decode_pt_lazily(data)
-            if samples is None:
-                if not atp_shard and not isinstance(data, bytes):
+                elif not self.lazy_decode and not isinstance(data, bytes):
                     # one memcpy so torch reads the archive through io.BytesIO's C code
                     # instead of a Python file object; rebinding frees the download
                     # buffer before unpickling builds anything
                     data = bytes(data)
-                samples = decode_shard(data, info.name, trusted=self.trusted, lazy=False)
+            samples = decode_shard(data, info.name, trusted=self.trusted,
+                                   lazy=self.lazy_decode)
             # lazily decoded .pt and .atp shards keep the buffer as their samples' storage
             del data
             record.deserialize_finish_s = recorder.now()

@@ -1,4 +1,9 @@
-"""Lazy, in-place decoding of ``.pt`` shards (lists of plain ``Data``) and its buffers."""
+"""Lazy, in-place decoding of ``.pt`` files (``pyg/pt_index.py``) and shard buffers.
+
+Test files are made the way users make them: ``torch.save`` of a list of ``Data``, of
+list slices of an ``InMemoryDataset`` (FoldPipe's shards: views of one storage), of
+``InMemoryDataset.collate`` output, and ``InMemoryDataset.save``.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +20,21 @@ import torch
 from servers.http_server import make_samples, serve_directory
 from torch_geometric.data import Batch, Data, HeteroData, InMemoryDataset
 
+from pyg_atompack.pyg.pt import load_pt_object
+from pyg_atompack.pyg.pt_archive import TorchZipError, read_torch_archive
+from pyg_atompack.pyg.pt_index import LazyPtSamples, NotLazyLayout, index_pt
+from pyg_atompack.pyg.samples import CollatedSamples
 from pyg_atompack.stream import (
     HTTPSource,
     LocalSource,
     RetryPolicy,
+    ShardDecodeError,
     ShardStreamDataset,
     UnsafePayloadError,
     decode_shard,
 )
 from pyg_atompack.stream.buffers import ShardBuffer
-from pyg_atompack.stream.lazy_pt import LazyPtSamples, NotLazyLayout, decode_pt_lazily
-from pyg_atompack.stream.safe_pickle import restricted_torch_load
 from pyg_atompack.stream.sources import CancelToken
-from pyg_atompack.stream.torch_zip import TorchZipError, read_torch_archive
 
 
 def _saved(obj, **options) -> bytearray:
@@ -90,10 +97,10 @@ def test_lazy_decode_equals_torch_load(as_mmap):
     buffer = _saved(samples)
     if as_mmap:
         buffer = _as_mmap(buffer)
-    decoded = decode_pt_lazily(buffer)
+    decoded = index_pt(buffer)
     assert isinstance(decoded, LazyPtSamples) and decoded.views_into_buffer
     _assert_equal_samples(decoded, samples)
-    _assert_equal_samples(decoded, restricted_torch_load(io.BytesIO(bytes(buffer))))
+    _assert_equal_samples(decoded, load_pt_object(io.BytesIO(bytes(buffer))))
     assert [d.idx for d in decoded[2:7]] == [2, 3, 4, 5, 6]
     assert decoded[-1].idx == 299
     with pytest.raises(IndexError, match="out of range"):
@@ -102,16 +109,16 @@ def test_lazy_decode_equals_torch_load(as_mmap):
 
 def test_tuple_of_data_and_newer_pickle_protocols():
     samples = make_samples(1, 40)
-    _assert_equal_samples(decode_pt_lazily(_saved(tuple(samples))), samples)
+    _assert_equal_samples(index_pt(_saved(tuple(samples))), samples)
     # protocol 4 adds FRAME, MEMOIZE, SHORT_BINUNICODE and STACK_GLOBAL
-    _assert_equal_samples(decode_pt_lazily(_saved(samples, pickle_protocol=4)), samples)
+    _assert_equal_samples(index_pt(_saved(samples, pickle_protocol=4)), samples)
 
 
 def test_samples_are_zero_copy_views_with_storages_of_their_own():
     samples = make_samples(2, 50, atoms=8)
     buffer = _saved(samples)
     start, end = _address_range(buffer)
-    sample = decode_pt_lazily(buffer)[17]
+    sample = index_pt(buffer)[17]
     for key in ("pos", "z", "energy"):
         tensor = sample[key]
         assert start <= tensor.data_ptr() < end  # read in place, not copied
@@ -132,7 +139,7 @@ def test_zip64_archives_with_more_than_65535_records():
     table = read_torch_archive(buffer).storages
     offset, size = table.get("65000")
     assert bytes(buffer[offset:offset + size]) == expected
-    decoded = decode_pt_lazily(buffer)
+    decoded = index_pt(buffer)
     assert len(decoded) == 16_400
     _assert_equal_samples([decoded[0], decoded[16_399]], [samples[0], samples[16_399]])
 
@@ -140,10 +147,10 @@ def test_zip64_archives_with_more_than_65535_records():
 def test_decoded_shard_costs_a_few_percent_of_its_file():
     samples = make_samples(4, 3000, atoms=16)
     buffer = _saved(samples)
-    decode_pt_lazily(buffer)  # warm up caches of the first call
+    index_pt(buffer)  # warm up caches of the first call
     tracemalloc.start()
     try:
-        decoded = decode_pt_lazily(buffer)
+        decoded = index_pt(buffer)
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -159,35 +166,104 @@ class _Evil:
         return (os.system, ("echo pwned > /dev/null",))
 
 
-def _shared_storage_samples():
-    base = torch.arange(12.0)
-    return [Data(x=base[:6]), Data(x=base[6:])]  # two samples view one storage
+def _twice_the_same_sample():
+    sample = Data(x=torch.ones(3))
+    return [sample, sample]
 
 
 @pytest.mark.parametrize("payload", [
-    InMemoryDataset.collate(make_samples(1, 5)),
     [HeteroData({"atom": {"x": torch.ones(2, 1)}})],
     Batch.from_data_list(make_samples(1, 3)),
-    [Data(x=torch.ones(3, 4).t())],  # non-contiguous
     [Data(x=torch.nn.Parameter(torch.ones(2)))],  # requires grad
-    _shared_storage_samples(),
+    _twice_the_same_sample(),
     [Data(x=torch.ones(2)), {"not": "data"}],
     [Data(x=[torch.ones(2)])],  # a tensor inside a list attribute
     {"a": Data(x=torch.ones(2))},
-], ids=["collated", "hetero", "batch", "transposed", "parameter", "shared", "mixed",
-        "nested", "dict"])
+    (Data(x=torch.ones(4)), {"x": [0, 2, 4]}),  # slices that are not tensors
+], ids=["hetero", "batch", "parameter", "same twice", "mixed", "nested", "dict",
+        "list slices"])
 def test_other_layouts_are_left_to_torch_load(payload):
     buffer = _saved(payload)
     with pytest.raises(NotLazyLayout):
-        decode_pt_lazily(buffer)
+        index_pt(buffer)
+
+
+class _Molecules(InMemoryDataset):
+    """An ``InMemoryDataset`` of molecules with bonds (``edge_index`` is cut along its
+    last dimension, so its per-sample views are strided) and names (a list)."""
+
+    def __init__(self, root=None, count=30, path=None, atoms=5):
+        super().__init__(root)
+        if path is not None:
+            self.load(path)
+        else:
+            samples = make_samples(9, count, atoms=atoms)
+            for i, sample in enumerate(samples):
+                sample.edge_index = torch.randint(0, atoms, (2, 3 + i % 4))
+                sample.name = f"mol-{i}"
+            self.data, self.slices = self.collate(samples)
+
+
+def test_list_slices_of_a_collated_dataset_are_indexed_without_copying():
+    """FoldPipe's shards: ``torch.save(all_data[a:b])`` with ``all_data = [d for d in
+    dataset]``. Each sample views the dataset's storages, which the file holds once."""
+    dataset = _Molecules(count=120, atoms=48)
+    all_data = [data for data in dataset]
+    shard = all_data[10:70]
+    buffer = _saved(shard)
+    decoded = index_pt(buffer)
+    assert isinstance(decoded, LazyPtSamples)
+    _assert_equal_samples(decoded, shard)
+    _assert_equal_samples(decoded, load_pt_object(io.BytesIO(bytes(buffer))))
+    start, end = _address_range(buffer)
+    sample = decoded[3]
+    assert all(start <= sample[key].data_ptr() < end for key in ("pos", "z", "edge_index"))
+    assert sample.edge_index.stride() == shard[3].edge_index.stride() != (
+        sample.edge_index.size(1), 1)  # a strided view, as in the dataset
+    # the index costs a few percent of the file: the shared storages are not copied
+    tracemalloc.start()
+    try:
+        kept_decoded = index_pt(buffer)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(kept_decoded) == 60 and kept < 0.1 * len(buffer), (kept, len(buffer))
+
+
+@pytest.mark.parametrize("how", ["collate", "save"])
+def test_collated_datasets_are_cut_lazily_as_in_memory_dataset_does(tmp_path, how):
+    dataset = _Molecules(count=12)
+    if how == "collate":  # the (data, slices) tuple of older PyG processed files
+        buffer = _saved((dataset._data, dataset.slices))
+    else:  # InMemoryDataset.save: (data.to_dict(), slices, Data)
+        _Molecules.save(list(dataset), str(tmp_path / "data.pt"))
+        buffer = bytearray((tmp_path / "data.pt").read_bytes())
+        dataset = _Molecules(path=str(tmp_path / "data.pt"))
+    decoded = index_pt(buffer)
+    assert isinstance(decoded, CollatedSamples) and decoded.views_into_buffer
+    _assert_equal_samples(decoded, [dataset[i] for i in range(len(dataset))])
+    start, end = _address_range(buffer)
+    assert start <= decoded[5].pos.data_ptr() < end  # a view of the file, not a copy
+    assert decoded[5].name == "mol-5"
+    # the torch.load path gives the same sequence type and samples
+    _assert_equal_samples(decode_shard(bytes(buffer), "c.pt"), decoded)
+
+
+def test_collated_slices_that_do_not_fit_fail_at_decode_time():
+    data, slices = InMemoryDataset.collate(make_samples(3, 3))
+    slices["pos"] = torch.tensor([0, 100, 200, 300])  # the data holds 9 rows, not 300
+    buffer = _saved((data, slices))
+    for shard in (buffer, bytes(buffer)):  # indexed in place, and through torch.load
+        with pytest.raises(ShardDecodeError, match=r"c\.pt: .*'pos'.*run past"):
+            decode_shard(shard, "c.pt")
 
 
 def test_fallback_keeps_every_layout_decodable():
-    collated = make_samples(1, 5)
-    _assert_equal_samples(decode_shard(_saved(InMemoryDataset.collate(collated)), "c.pt"),
-                          collated)
-    shared = _shared_storage_samples()
-    _assert_equal_samples(decode_shard(_saved(shared), "s.pt"), shared)
+    hetero = [HeteroData({"atom": {"x": torch.ones(2, 1)}})]
+    (decoded,) = decode_shard(_saved(hetero), "h.pt")
+    assert torch.equal(decoded["atom"].x, torch.ones(2, 1))
+    same = _twice_the_same_sample()
+    _assert_equal_samples(decode_shard(_saved(same), "s.pt"), same)
 
 
 def test_unknown_globals_never_run_and_are_refused(tmp_path):
@@ -199,7 +275,7 @@ def test_unknown_globals_never_run_and_are_refused(tmp_path):
 
     buffer = _saved([Data(x=torch.ones(1)), Data(bad=Evil())])
     with pytest.raises(NotLazyLayout, match="global"):
-        decode_pt_lazily(buffer)
+        index_pt(buffer)
     with pytest.raises(UnsafePayloadError, match="posix.system|os.system|trusted=True"):
         decode_shard(buffer, "evil.pt")
     assert not marker.exists()
@@ -210,11 +286,11 @@ def test_damaged_archives_fall_back_and_fail_with_the_shard_name():
     for damaged in (buffer[: len(buffer) // 2], bytearray(b"PK") + buffer[2:100],
                     bytearray(len(buffer))):
         with pytest.raises(NotLazyLayout):
-            decode_pt_lazily(damaged)
+            index_pt(damaged)
         with pytest.raises(Exception, match="broken.pt"):
             decode_shard(damaged, "broken.pt")
     with pytest.raises(NotLazyLayout, match="writable"):
-        decode_pt_lazily(bytes(buffer))
+        index_pt(bytes(buffer))
 
 
 def test_archive_reader_rejects_compressed_records():
