@@ -42,7 +42,7 @@ NOTES = """## What keeps a live shard at its file size
   moment the last reference goes. A bytearray grown chunk by chunk overallocated and
   copied, and once glibc had raised its mmap threshold after the first multi-MiB free,
   later buffers came from the heap and stayed resident after they were freed.
-- **`.pt` lists of `Data` are not unpickled** (`pyg_atompack/stream/lazy_pt.py`): a
+- **`.pt` lists of `Data` are not unpickled** (`pyg_atompack/pyg/pt_index.py`): a
   small pickle machine that calls nothing indexes where every tensor lies in the
   buffer (an offset and a shape per tensor, ~3% of the file on these 64-atom
   structures) and drops each finished sample's objects from its memo; each `Data` is

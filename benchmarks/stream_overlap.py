@@ -7,12 +7,16 @@ sleep, modelling a GPU step). Each pair runs, in rotating order:
 
 * ``sequential``: ``ShardStreamDataset(prefetch=0)``, download then compute;
 * ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the defaults: each
-  ``.pt`` list of ``Data`` indexed in place by ``pyg_atompack.stream.lazy_pt`` and its
+  ``.pt`` list of ``Data`` indexed in place by ``pyg_atompack.pyg.pt_index`` and its
   samples built as the consumer takes them);
 * ``eager``: the same with ``lazy_decode=False``: every shard unpickled on the prefetch
-  thread by the restricted C unpickler of ``pyg_atompack.stream.safe_pickle``, which
+  thread by ``torch.load(weights_only=True)`` with the PyG allow-list, which
   isolates what lazy decoding changes;
 * ``foldpipe``: FoldPipe's ``AsyncFoldPipeLoader`` over a source reading the same server;
+* ``views`` and ``foldpipe-views`` (with ``--arms``): the ``prefetch`` and ``foldpipe``
+  arms over the same molecules saved the way FoldPipe's users make shards, list slices
+  of a collated ``InMemoryDataset`` (``torch.save([d for d in dataset])``: views of one
+  storage per attribute), each shard its own collated dataset;
 * ``s3``: the ``prefetch`` arm over ``ObjectStoreSource("s3://...")``: the same shards
   uploaded to a moto S3 server (``tests/servers/moto_s3.py``, its own process) behind a
   TCP relay with the same per-connection bandwidth limit (``tests/servers/tcp_proxy.py``,
@@ -54,7 +58,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from paired_stats import summarize_pairs, trace_overlap  # noqa: E402
-from servers.http_server import ShardServer, write_pt_shards  # noqa: E402
+from servers.http_server import (  # noqa: E402
+    ShardServer,
+    make_samples,
+    write_manifest,
+    write_pt_shards,
+)
 from servers.moto_s3 import MotoS3Server, s3_environment  # noqa: E402
 from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
 
@@ -93,6 +102,26 @@ class ServerProcess:
     def stop(self) -> None:
         self.process.terminate()
         self.process.join(5)
+
+
+def write_view_shards(root: Path, sizes: list[int], atoms: int) -> list[str]:
+    """The molecules of ``write_pt_shards``, saved as list slices of a collated dataset."""
+    from torch_geometric.data import InMemoryDataset
+
+    class Collated(InMemoryDataset):
+        def __init__(self, samples):
+            super().__init__(None)
+            self.data, self.slices = self.collate(samples)
+
+    root.mkdir(parents=True, exist_ok=True)
+    names = []
+    for shard, count in enumerate(sizes):
+        dataset = Collated(make_samples(shard, count, atoms=atoms))
+        name = f"shard-{shard:04d}.pt"
+        torch.save([data for data in dataset], root / name)  # views of one storage
+        names.append(name)
+    write_manifest(root, names, list(sizes))
+    return names
 
 
 # ------------------------------------------------------------------ measurement
@@ -264,6 +293,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     names = write_pt_shards(root, [args.samples] * args.shards, atoms=args.atoms)
     shard_bytes = max((root / n).stat().st_size for n in names)
+    view_names = write_view_shards(root / "views", [args.samples] * args.shards, args.atoms)
     compute_per_sample = args.compute / args.samples
     moto = MotoS3Server().start()
     os.environ.update(s3_environment(moto.endpoint_url))
@@ -271,7 +301,7 @@ def main() -> None:
     atp_bytes = write_atp_shards(root / "atp", args.shards, args.samples, args.atoms)
     moto.upload_directory(root / "atp", S3_BUCKET, "atp")
     meta_cache = root / "meta-cache"
-    rows, loader_rows, s3_rows, details, panels = [], [], [], {}, []
+    rows, loader_rows, s3_rows, view_rows, details, panels = [], [], [], [], {}, []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(root, bandwidth)
@@ -290,6 +320,14 @@ def main() -> None:
                     if variant == "foldpipe":
                         elapsed, growth = run_foldpipe(server.base_url, names,
                                                        compute_per_sample)
+                    elif variant == "foldpipe-views":
+                        elapsed, growth = run_foldpipe(f"{server.base_url}/views",
+                                                       view_names, compute_per_sample)
+                    elif variant == "views":
+                        elapsed, growth, trace, stats = run_stream(
+                            f"{server.base_url}/views", prefetch, concurrency,
+                            compute_per_sample)
+                        traces[variant] = (trace, stats)
                     elif variant == "s3":
                         elapsed, growth, trace, stats = run_stream(
                             server.base_url, prefetch, concurrency, compute_per_sample,
@@ -336,7 +374,9 @@ def main() -> None:
         summaries = {"prefetch_vs_sequential": ours, "foldpipe_vs_sequential": theirs,
                      "prefetch_vs_foldpipe": versus, "eager_vs_foldpipe": eager_versus,
                      "prefetch_vs_eager": lazy_gain, "s3_vs_sequential": s3_vs_seq,
-                     "s3_vs_http_prefetch": s3_vs_http, "s3_blocks_vs_s3_whole": blocks_vs_whole}
+                     "s3_vs_http_prefetch": s3_vs_http, "s3_blocks_vs_s3_whole": blocks_vs_whole,
+                     "views_vs_foldpipe_views": pair("foldpipe-views", "views")}
+        view_rows.append((ratio, summaries["views_vs_foldpipe_views"], versus))
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
             "times": times, "rss_growth_bytes": rss, "prefetch_trace_overlap": overlap,
@@ -382,10 +422,10 @@ def main() -> None:
         "",
         "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
         "from the shard. Ours (default) indexes each `.pt` list of `Data` in place without "
-        "unpickling it (`pyg_atompack/stream/lazy_pt.py`) and builds each sample as the "
+        "unpickling it (`pyg_atompack/pyg/pt_index.py`) and builds each sample as the "
         "consumer takes it; the `eager` arm (`lazy_decode=False`) unpickles every shard on "
-        "the prefetch thread with CPython's C unpickler restricted to tensors and PyG "
-        "classes (`pyg_atompack/stream/safe_pickle.py`). Deserialise time is per shard, "
+        "the prefetch thread with `torch.load(weights_only=True)` and the PyG allow-list "
+        "(`pyg_atompack/pyg/pt.py`). Deserialise time is per shard, "
         "from the traces of the last pair (for the lazy arm it excludes building the "
         "samples, which happens in the consumer's thread).",
         "",
@@ -400,6 +440,20 @@ def main() -> None:
         eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
         lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
                      f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
+    if any(row[1] is not None for row in view_rows):
+        lines += [
+            "",
+            "## FoldPipe-style shards (`views`)",
+            "",
+            "The same molecules saved as list slices of a collated `InMemoryDataset` "
+            "(views of one storage per attribute). Ours indexes each sample's views in "
+            "place; FoldPipe unpickles them with `torch.load(weights_only=False)`.",
+            "",
+            "| D/C | ours vs FoldPipe (views) | ours vs FoldPipe (lists) |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {ratio} | {fmt_ci(views)} | {fmt_ci(lists)} |"
+                  for ratio, views, lists in view_rows]
     lines += [
         "",
         "## Object-store arm (`s3`)",

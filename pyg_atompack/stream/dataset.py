@@ -110,11 +110,10 @@ class ShardStreamDataset(IterableDataset):
             samples instead of single samples. (default: :obj:`None`)
         transform: Function applied to every sample before batching. (default: :obj:`None`)
         trusted: Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
-            ``weights_only=False``). Only for sources you trust. The safe default
-            unpickles with CPython's C unpickler restricted to tensors and PyG data
-            classes (:mod:`pyg_atompack.stream.safe_pickle`), within a few percent of
-            the unrestricted speed, so there is rarely a reason to set it.
-            (default: :obj:`False`)
+            ``weights_only=False``). Only for sources you trust. The usual layouts
+            are indexed without unpickling either way; the safe default reads any
+            other layout with ``torch.load(weights_only=True)`` and the PyG allow-list
+            (:func:`pyg_atompack.pyg.decode_pt`). (default: :obj:`False`)
         retries: Retries of transient transfer failures (timeouts, resets, HTTP 429/5xx);
             replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
             (default: :obj:`None`, the source's policy)
@@ -134,16 +133,18 @@ class ShardStreamDataset(IterableDataset):
             Without it the resident set keeps the high-water mark of the prefetch
             threads' malloc arenas, several shards above what is alive; see
             :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
-        lazy_decode: Decode a ``.pt`` shard holding a list of plain ``Data`` without
-            unpickling it: :mod:`pyg_atompack.stream.lazy_pt` indexes the downloaded
-            bytes in place (on the prefetch thread, about three times faster than
-            ``torch.load``) and each sample is built when it is taken, its tensors viewing
-            the shard's buffer (~10 us a sample). A decoded shard then costs about its
-            file size instead of ~3x. Samples that may outlive their shard (the last one
-            of each shard, everything in a ``shuffle_buffer``) are copied out, so a
-            consumer holding on to them never pins a whole shard. ``False`` unpickles
-            every ``.pt`` shard with the restricted ``torch.load``. Other layouts and
-            ``.atp`` shards are not affected. (default: :obj:`True`)
+        lazy_decode: Decode a ``.pt`` shard without unpickling it when it holds a
+            list of ``Data`` (tensors of their own, or views of storages the samples
+            share: list slices of an ``InMemoryDataset``) or a collated
+            ``(data, slices)`` tuple: :mod:`pyg_atompack.pyg.pt_index` indexes the
+            downloaded bytes in place (on the prefetch thread, about three times faster
+            than ``torch.load``) and each sample is built when it is taken, its tensors
+            viewing the shard's buffer (~10 us a sample). A decoded shard then costs
+            about its file size instead of ~3x. Samples that may outlive their shard
+            (the last one of each shard, everything in a ``shuffle_buffer``) are copied
+            out, so a consumer holding on to them never pins a whole shard. ``False``
+            unpickles every ``.pt`` shard with ``torch.load(weights_only=True)``. Other
+            layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
         split_first: Fetch the first shard of each iteration over ``concurrency``
             connections at once (byte ranges, for sources with ``fetch_in_parts`` such
             as :class:`~pyg_atompack.stream.HTTPSource` and
