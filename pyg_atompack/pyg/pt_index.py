@@ -230,8 +230,9 @@ class _ShardPickleMachine:
     an object is one method (``_reduce``, ``_build``, ...), which works on the stack.
 
     Args:
-        buffer: The archive's bytes; the pickle is read in place.
-        archive: Where the archive's pickle and storage records lie in ``buffer``.
+        buffer (bytearray | mmap.mmap): The archive's bytes; the pickle is read in place.
+        archive (TorchArchive): Where the archive's pickle and storage records lie in
+            ``buffer``.
     """
 
     def __init__(self, buffer: WritableBuffer, archive: TorchArchive) -> None:
@@ -655,11 +656,11 @@ class LazyPtSamples(BufferViewSamples):
     ``Data`` gets the attribute mapping the pickle holds, as ``torch.load`` restores it.
 
     Args:
-        buffer: The file's writable bytes.
-        tensor_columns: ``{key: (dtype, offsets, shapes, strides, ndim)}``; ``strides``
-            is :obj:`None` when every row is contiguous.
-        object_columns: ``{key: values}`` for plain Python attributes.
-        length: Number of samples.
+        buffer (bytearray | mmap.mmap): The file's writable bytes.
+        tensor_columns (dict[str, tuple]): ``{key: (dtype, offsets, shapes, strides,
+            ndim)}``; ``strides`` is :obj:`None` when every row is contiguous.
+        object_columns (dict[str, list]): ``{key: values}`` for plain Python attributes.
+        length (int): Number of samples.
     """
 
     def __init__(self, buffer: WritableBuffer, tensor_columns: dict[str, tuple],
@@ -724,8 +725,8 @@ def index_pt(buffer: WritableBuffer) -> BufferViewSamples:
     """Index a ``torch.save`` archive of PyG samples without unpickling it.
 
     Args:
-        buffer: The archive's bytes. Kept (not copied) as the samples' storage; it must
-            not be modified afterwards.
+        buffer (bytearray | mmap.mmap): The archive's bytes. Kept (not copied) as the
+            samples' storage; it must not be modified afterwards.
 
     Returns:
         The file's samples, built when taken.
