@@ -10,7 +10,9 @@ writer that consumes them, registered by name in :mod:`.registry`::
         ...
 
 Formats: ``atp``, ``atp-shards``, ``pt``, ``pt-shards``, ``memmap``,
-``diskdataset`` (read only), ``ase``/``extxyz``.
+``diskdataset`` (read only), ``ase``/``extxyz``, and those other packages add
+through the ``pyg_atompack.formats`` entry-point group (:func:`formats` lists
+them all).
 
 ``convert(..., workers=N)`` reads and parses the source in ``N`` processes and
 writes in order (the same output); ``convert(..., part=Part(I, N))`` converts one
@@ -25,10 +27,12 @@ from .options import ReadOptions, WriteOptions, parse_casts, parse_key_map
 from .parallel import Part
 from .pipeline import convert, shard
 from .registry import (
+    ENTRY_POINT_GROUP,
     FORMATS,
     Format,
     detect_destination_format,
     detect_source_format,
+    formats,
     open_reader,
     open_writer,
     register,
@@ -41,6 +45,7 @@ __all__ = [
     "ConversionNote",
     "ConvertError",
     "ENERGY_UNITS_EV",
+    "ENTRY_POINT_GROUP",
     "FORMATS",
     "Format",
     "LENGTH_UNITS_ANGSTROM",
@@ -57,6 +62,7 @@ __all__ = [
     "convert",
     "detect_destination_format",
     "detect_source_format",
+    "formats",
     "merge_parts",
     "open_reader",
     "open_writer",
