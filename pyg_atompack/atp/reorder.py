@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 # builtin arrays whose leading axis runs over atoms (N); other arrays run over molecules (B)
-_ATOM_KEYS = frozenset({"positions", "atomic_numbers", "forces", "velocities", "charges"})
+from .types import ATOM_AXIS_BUILTINS as _ATOM_KEYS
 
 
 def _take(value: Any, index: np.ndarray) -> Any:

@@ -29,8 +29,6 @@ from .types import (
     per_atom_flag,
 )
 
-_BUILTIN_KEYS = ("energy", "forces", "charges", "velocities", "cell", "stress", "pbc", "name")
-
 
 class Writer:
     """Append molecules to an `.atp` file; nothing is visible to readers before :meth:`flush`.

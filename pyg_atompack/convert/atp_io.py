@@ -53,8 +53,9 @@ class AtpReader(StructureReader):
     def _iter_raw(self) -> Iterator[Structure]:
         for index in range(len(self._reader)):
             try:
-                molecule = self._reader[index]
-                structure = molecule_to_structure(molecule)
+                # a Molecule is a Structure, and each read gives a fresh one (with dicts
+                # of its own) that the key mapping and the units may edit
+                structure = self._reader[index]
             except atp.AtpError as exc:
                 raise ConvertError(self.path, str(exc), index) from exc
             if self._pinned or self._renames:
@@ -81,24 +82,6 @@ class AtpReader(StructureReader):
             self._renames.get(k, k): v for k, v in atom_properties.items()
         }
         return structure
-
-
-def molecule_to_structure(molecule: Any) -> Structure:
-    """Copy a molecule record of :mod:`pyg_atompack.atp` into a :class:`Structure`."""
-    return Structure(
-        positions=molecule.positions,
-        atomic_numbers=molecule.atomic_numbers,
-        energy=molecule.energy,
-        forces=molecule.forces,
-        charges=molecule.charges,
-        velocities=molecule.velocities,
-        cell=molecule.cell,
-        stress=molecule.stress,
-        pbc=None if molecule.pbc is None else np.asarray(molecule.pbc, dtype=bool),
-        name=molecule.name,
-        properties=dict(molecule.properties or {}),
-        atom_properties=dict(molecule.atom_properties or {}),
-    )
 
 
 def _atomic_numbers(structure: Structure) -> np.ndarray:

@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pyg_atompack.atp.types import BUILTINS
+
 from .errors import ConvertError
 from .options import ReadOptions
 from .structure import Structure
@@ -39,8 +41,8 @@ from .structure import Structure
 _SCOPES = ("properties", "atom_properties")
 # builtin arrays whose dtype may change between structures (float32 forces, then
 # float64 ones): promoted like custom keys, since `.atp` locks their dtype too
-_BUILTIN_ARRAYS = {"positions": True, "forces": True, "charges": True, "velocities": True,
-                   "cell": False, "stress": False}
+_BUILTIN_ARRAYS = {name: field.per_atom for name, field in BUILTINS.items()
+                   if len(field.dtypes) > 1 and (field.per_atom or field.shape)}
 _BUILTIN_ITEMS = tuple(_BUILTIN_ARRAYS.items())
 _SCOPE_ITEMS = (("properties", False), ("atom_properties", True))
 _MISSING = object()

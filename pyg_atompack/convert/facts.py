@@ -15,18 +15,11 @@ from typing import Any
 
 import numpy as np
 
-#: Units of the builtin fields, the project's convention (README, ``Data`` attributes).
-UNITS = {
-    "positions": "Å",
-    "cell": "Å",
-    "energy": "eV",
-    "forces": "eV/Å",
-    "stress": "eV/Å³",
-    "charges": "e",
-    "velocities": "Å·(eV/u)^½ (ASE units)",
-}
+from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS, BUILTINS
 
-_PER_ATOM_BUILTINS = ("positions", "atomic_numbers", "forces", "charges", "velocities")
+#: Units of the builtin fields, the project's convention (README, ``Data`` attributes).
+UNITS = {name: field.unit for name, field in BUILTINS.items() if field.unit is not None}
+
 _PYTHON_DTYPES = {"float": "float64", "int": "int64", "bool": "bool", "str": "str"}
 _DESCRIPTION = re.compile(r"^(?P<dtype>[A-Za-z0-9_]+)(?:\[(?P<shape>[^\]]*)\])?")
 
@@ -104,7 +97,7 @@ def describe_shards(paths: Sequence[Path], shard_format: str, chunk: int = 4096)
             structures += summary["structures"]
             atoms += summary["atoms"]
             for name, (kinds, _count) in summary["fields"].items():
-                per_atom = name in _PER_ATOM_BUILTINS or name.startswith("atom_properties/")
+                per_atom = name in ATOM_AXIS_BUILTINS or name.startswith("atom_properties/")
                 fields.setdefault(name, field_entry(kinds, per_atom))
     elements = [chemical_symbols[z] if z < len(chemical_symbols) else f"Z{z}"
                 for z in np.flatnonzero(counts)]

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pyg_atompack.atp.types import BUILTINS
+
 from .units import UnitConversion
 
 #: dtypes a custom key can be cast to (``--cast KEY=DTYPE``).
 CAST_DTYPES = ("float64", "float32", "int64", "int32")
 
-# Builtin fields a source key can be mapped onto.
-MAPPABLE_BUILTINS = ("energy", "forces", "stress", "charges", "velocities", "name")
+# Builtin fields a source key can be mapped onto: the labels, not the geometry.
+MAPPABLE_BUILTINS = tuple(name for name, field in BUILTINS.items() if not field.geometry)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS
+
 from .errors import ConvertError
 from .registry import detect_source_format, open_reader
 from .shards import check_manifest, read_manifest
@@ -82,7 +84,7 @@ def scan(path: str | os.PathLike, progress: Callable[[int | None], Any] | None =
                     continue
                 shown = describe_value(value)
                 if isinstance(value, np.ndarray) and (
-                    name in ("positions", "atomic_numbers", "forces", "charges", "velocities")
+                    name in ATOM_AXIS_BUILTINS
                     or name.startswith("atom_properties/")
                 ):
                     shown = f"{value.dtype}[n{','.join([''] + [str(d) for d in value.shape[1:]])}]"
