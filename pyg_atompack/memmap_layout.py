@@ -53,8 +53,8 @@ class MemmapLayoutError(ValueError):
     """A memmap directory whose files disagree with each other.
 
     Args:
-        path: The file or directory at fault.
-        problem: What is wrong.
+        path (str or os.PathLike): The file or directory at fault.
+        problem (str): What is wrong.
     """
 
     def __init__(self, path: str | os.PathLike, problem: str) -> None:
@@ -68,10 +68,10 @@ class MemmapKey:
     """Where one attribute lives in a memmap directory.
 
     Args:
-        attribute: The ``Data`` attribute / structure field it fills.
-        stem: The file stem (``<stem>.bin``).
-        per_atom: Whether rows are atoms (else structures).
-        shape: Shape of one atom's or one structure's value.
+        attribute (str): The ``Data`` attribute / structure field it fills.
+        stem (str): The file stem (``<stem>.bin``).
+        per_atom (bool): Whether rows are atoms (else structures).
+        shape (tuple[int, ...]): Shape of one atom's or one structure's value.
     """
 
     attribute: str
@@ -93,14 +93,13 @@ class MemmapLayout:
     DataLoader worker maps the files itself).
 
     Args:
-        path: The directory.
-        keys: Which targets to read: ``None`` takes the keys of
-            ``pyg_atompack_memmap.json`` when present, else metatrain's writer
-            names (``energy.bin``, ``energy_forces.bin``, ``energy_stress.bin``)
-            that exist. A mapping is ``attribute -> stem`` and a sequence lists
-            stems used as attribute names; a stem may end in ``@atom`` or
-            ``@structure`` to settle whether its rows are atoms or structures.
-            Named files must exist.
+        path (str or os.PathLike): The directory.
+        keys (Mapping[str, str] or Sequence[str], optional): Which targets to read: ``None`` takes
+            the keys of ``pyg_atompack_memmap.json`` when present, else metatrain's writer names
+            (``energy.bin``, ``energy_forces.bin``, ``energy_stress.bin``) that exist. A mapping is
+            ``attribute -> stem`` and a sequence lists stems used as attribute names; a stem may
+            end in ``@atom`` or ``@structure`` to settle whether its rows are atoms or structures.
+            Named files must exist. (default: :obj:`None`)
     """
 
     def __init__(
@@ -261,7 +260,7 @@ class MemmapLayout:
         """Owned arrays of one structure.
 
         Args:
-            index: Structure index, ``0 <= index < ns`` (negative counts back).
+            index (int): Structure index, ``0 <= index < ns`` (negative counts back).
 
         Returns:
             ``positions`` (float32), ``atomic_numbers``, ``cell``/``pbc`` (when

@@ -48,12 +48,12 @@ class Section:
     """One section of one molecule (or of every molecule of a batch).
 
     Args:
-        kind: 0 builtin, 1 per-atom custom, 2 per-molecule custom.
-        key: section key.
-        tag: type tag.
-        payload: bytes for one molecule, a ``(B, L)`` uint8 matrix for a batch
-            column, or a list of B bytes objects when lengths vary.
-        slot_bytes: the schema's slot_bytes for this section.
+        kind (int): 0 builtin, 1 per-atom custom, 2 per-molecule custom.
+        key (str): Section key.
+        tag (int): Type tag.
+        payload (Any): Bytes for one molecule, a ``(B, L)`` uint8 matrix for a batch column, or a
+            list of B bytes objects when lengths vary.
+        slot_bytes (int): The schema's slot_bytes for this section.
     """
 
     kind: int
@@ -198,10 +198,10 @@ def molecule_value(key: str, value: Any, n: int, atom_scope: bool) -> Section:
     """The section ``Molecule.set_property(key, value, scope)`` would produce.
 
     Args:
-        key: property key.
-        value: None, bool, int, float, str or a float32/float64/int32/int64 array.
-        n: atom count of the molecule.
-        atom_scope: per-atom (kind 1) instead of per-molecule (kind 2).
+        key (str): Property key.
+        value (Any): None, bool, int, float, str or a float32/float64/int32/int64 array.
+        n (int): Atom count of the molecule.
+        atom_scope (bool): Per-atom (kind 1) instead of per-molecule (kind 2).
 
     Returns:
         The section.

@@ -32,15 +32,15 @@ class FieldInfo:
     """What one field of a file holds.
 
     Args:
-        name: public name: a builtin key (``"energy"``), ``"properties/<key>"`` or
+        name (str): Public name: a builtin key (``"energy"``), ``"properties/<key>"`` or
             ``"atom_properties/<key>"``.
-        kind: ``"builtin"``, ``"atom"`` or ``"molecule"``.
-        key: the section key.
-        tag: type tag (spec §5.3).
-        dtype: numpy dtype of the values (None for strings and None values).
-        per_atom: whether the value has one row per atom.
-        shape: shape of one molecule's value without the atom axis (``()`` for
-            scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
+        kind (str): ``"builtin"``, ``"atom"`` or ``"molecule"``.
+        key (str): The section key.
+        tag (int): Type tag (spec §5.3).
+        dtype (np.dtype, optional): Numpy dtype of the values (None for strings and None values).
+        per_atom (bool): Whether the value has one row per atom.
+        shape (tuple[int, ...], optional): Shape of one molecule's value without the atom axis
+            (``()`` for scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
             per-molecule array); None when it varies (strings, tensors).
     """
 
@@ -58,7 +58,7 @@ class FieldInfo:
         Used to fill the rows of molecules that do not carry this field.
 
         Args:
-            rows: Number of molecules (per-molecule fields) or atoms (per-atom fields).
+            rows (int): Number of molecules (per-molecule fields) or atoms (per-atom fields).
 
         Returns:
             An array of shape ``(rows, *shape)`` in the field's dtype, or :obj:`None` when
@@ -141,8 +141,8 @@ def fields_from_schema(schema: Schema, pos_dtype: np.dtype) -> dict[str, FieldIn
     """All fields of a file: positions and atomic numbers first, then the schema entries.
 
     Args:
-        schema: the (possibly rebuilt) schema lock.
-        pos_dtype: the positions element dtype.
+        schema (Schema): The (possibly rebuilt) schema lock.
+        pos_dtype (np.dtype): The positions element dtype.
 
     Returns:
         ``name -> FieldInfo`` in schema order.

@@ -30,8 +30,8 @@ def reorder_flat(flat: dict, order: np.ndarray) -> dict:
     (strings, ragged values) hold one entry per molecule whatever the field.
 
     Args:
-        flat: A ``read_batch`` result over ``B`` molecules.
-        order: Integer array of length ``B`` (repeats allowed).
+        flat (dict): A ``read_batch`` result over ``B`` molecules.
+        order (np.ndarray): Integer array of length ``B`` (repeats allowed).
 
     Returns:
         The reordered dict (new arrays).

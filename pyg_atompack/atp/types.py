@@ -170,11 +170,11 @@ def slot_bytes(kind: int, key: str, tag: int, payload_len: int, n_atoms: int) ->
     """The schema's slot_bytes of a section (spec §4).
 
     Args:
-        kind: section kind.
-        key: section key.
-        tag: type tag.
-        payload_len: payload length of the section in bytes.
-        n_atoms: atom count of the molecule holding it.
+        kind (int): Section kind.
+        key (str): Section key.
+        tag (int): Type tag.
+        payload_len (int): Payload length of the section in bytes.
+        n_atoms (int): Atom count of the molecule holding it.
 
     Returns:
         The slot size the schema lock records for this section.

@@ -20,6 +20,8 @@ part of a source into a shard directory and :func:`merge_parts` combines the par
 (:mod:`.parallel`, :mod:`.merge`).
 """
 
+from pyg_atompack._moved import moved_names
+
 from .base import StructureReader, StructureWriter
 from .errors import ConversionNote, ConvertError
 from .merge import merge_parts
@@ -28,7 +30,6 @@ from .parallel import Part
 from .pipeline import convert, shard
 from .registry import (
     ENTRY_POINT_GROUP,
-    FORMATS,
     Format,
     detect_destination_format,
     detect_source_format,
@@ -37,19 +38,15 @@ from .registry import (
     open_writer,
     register,
 )
-from .shards import MANIFEST_FORMAT, check_manifest, read_manifest
+from .shards import check_manifest, read_manifest
 from .structure import Structure, as_stress_matrix, voigt_to_matrix
-from .units import ENERGY_UNITS_EV, LENGTH_UNITS_ANGSTROM, UnitConversion
+from .units import UnitConversion
 
 __all__ = [
     "ConversionNote",
     "ConvertError",
-    "ENERGY_UNITS_EV",
     "ENTRY_POINT_GROUP",
-    "FORMATS",
     "Format",
-    "LENGTH_UNITS_ANGSTROM",
-    "MANIFEST_FORMAT",
     "Part",
     "ReadOptions",
     "Structure",
@@ -73,3 +70,12 @@ __all__ = [
     "shard",
     "voigt_to_matrix",
 ]
+
+# names that left the public API (kept for one release, with a DeprecationWarning);
+# FORMATS holds no plugin formats until they are loaded: formats() does load them
+__getattr__ = moved_names(__name__, {
+    "FORMATS": "pyg_atompack.convert.registry:FORMATS",
+    "MANIFEST_FORMAT": "pyg_atompack.convert.shards:MANIFEST_FORMAT",
+    "ENERGY_UNITS_EV": "pyg_atompack.convert.units:ENERGY_UNITS_EV",
+    "LENGTH_UNITS_ANGSTROM": "pyg_atompack.convert.units:LENGTH_UNITS_ANGSTROM",
+})

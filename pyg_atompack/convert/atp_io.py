@@ -26,8 +26,8 @@ class AtpReader(StructureReader):
     ``energy_key="REF_energy"``) or to rename (``key_map``).
 
     Args:
-        path: The file or directory.
-        options: Key mapping and units.
+        path (str or os.PathLike): The file or directory.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "atp"
@@ -132,8 +132,8 @@ class AtpWriter(StructureWriter):
     """Writes one `.atp` file.
 
     Args:
-        path: The destination file.
-        options: ``compression`` and ``level``.
+        path (str or os.PathLike): The destination file.
+        options (WriteOptions, optional): ``compression`` and ``level``. (default: :obj:`None`)
     """
 
     format_name = "atp"
@@ -162,8 +162,9 @@ class AtpShardWriter(ShardedWriter):
     """Writes a directory of `.atp` shards plus ``manifest.json``.
 
     Args:
-        path: The destination directory.
-        options: ``shard_size`` records per shard, ``compression``, ``level``.
+        path (str or os.PathLike): The destination directory.
+        options (WriteOptions, optional): ``shard_size`` records per shard, ``compression``,
+            ``level``. (default: :obj:`None`)
     """
 
     format_name = "atp-shards"

@@ -52,10 +52,11 @@ class Kind(NamedTuple):
     """The type of one custom value (a tuple: compared and built at C speed).
 
     Args:
-        form: ``"none"``, ``"str"``, ``"int"``, ``"float"`` (Python scalars) or
-            ``"array"``.
-        dtype: numpy dtype of an array (``None`` otherwise).
-        shape: Shape of an array; per-atom values leave out the atom axis.
+        form (str): ``"none"``, ``"str"``, ``"int"``, ``"float"`` (Python scalars) or ``"array"``.
+        dtype (np.dtype, optional): numpy dtype of an array (``None`` otherwise).
+            (default: :obj:`None`)
+        shape (tuple[int, ...], optional): Shape of an array; per-atom values leave out the atom
+            axis. (default: :obj:`None`)
     """
 
     form: str
@@ -106,8 +107,8 @@ def promote(old: Kind, new: Kind) -> Kind | None:
     """The narrowest kind holding both, or ``None`` when they conflict.
 
     Args:
-        old: The key's kind so far.
-        new: The kind of the value just read.
+        old (Kind): The key's kind so far.
+        new (Kind): The kind of the value just read.
 
     Returns:
         The promoted kind (``old`` itself when ``new`` fits it).
@@ -208,12 +209,12 @@ class Coercer:
     """Gives every custom key one type across a conversion (see the module docstring).
 
     Args:
-        options: ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
-        source: The source path, for messages.
-        destination: The user's destination path, named by errors and notes.
-        kinds: Kinds to start from (values narrower than these are converted up
-            to them): how :func:`~.merge.merge_parts` re-encodes a part with the
-            types the other parts settled on. (default: :obj:`None`)
+        options (ReadOptions): ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
+        source (str or os.PathLike): The source path, for messages.
+        destination (str or os.PathLike): The user's destination path, named by errors and notes.
+        kinds (dict[tuple[str, str], Kind], optional): Kinds to start from (values narrower than these are converted
+            up to them): how :func:`~.merge.merge_parts` re-encodes a part with the types the
+            other parts settled on. (default: :obj:`None`)
     """
 
     def __init__(self, options: ReadOptions, source: str | os.PathLike,

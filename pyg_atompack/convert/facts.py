@@ -28,9 +28,9 @@ def field_entry(description: str, per_atom: bool) -> dict[str, Any]:
     """A manifest field entry out of an ``info`` description such as ``float32[n,3]``.
 
     Args:
-        description: ``dtype[shape]`` text; ``n`` is the atom axis, ``?`` a
-            dimension that varies between structures.
-        per_atom: Whether the field has one value per atom.
+        description (str): ``dtype[shape]`` text; ``n`` is the atom axis, ``?`` a dimension that
+            varies between structures.
+        per_atom (bool): Whether the field has one value per atom.
 
     Returns:
         ``{"dtype", "shape", "per_atom", "description"}``; ``shape`` lists ints,
@@ -56,9 +56,10 @@ def describe_shards(paths: Sequence[Path], shard_format: str, chunk: int = 4096)
     """Counts, elements and fields of the shards of one dataset.
 
     Args:
-        paths: The shard files, in the dataset's order.
-        shard_format: ``"atp"`` or ``"pt"``.
-        chunk: Records read per ``read_batch`` call for `.atp` shards.
+        paths (Sequence[Path]): The shard files, in the dataset's order.
+        shard_format (str): ``"atp"`` or ``"pt"``.
+        chunk (int, optional): Records read per ``read_batch`` call for `.atp` shards.
+            (default: :obj:`4096`)
 
     Returns:
         ``structures``, ``atoms``, ``elements`` (chemical symbols, by atomic

@@ -52,8 +52,8 @@ class MemmapReader(StructureReader):
     dropped silently.
 
     Args:
-        path: The memmap directory.
-        options: Key mapping and units.
+        path (str or os.PathLike): The memmap directory.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "memmap"
@@ -149,8 +149,8 @@ class MemmapWriter(StructureWriter):
     zeros, because the layout derives periodicity from non-zero rows.
 
     Args:
-        path: The destination directory.
-        options: Only ``overwrite`` applies.
+        path (str or os.PathLike): The destination directory.
+        options (WriteOptions, optional): Only ``overwrite`` applies. (default: :obj:`None`)
     """
 
     format_name = "memmap"

@@ -32,7 +32,7 @@ def voigt_to_matrix(voigt: np.ndarray) -> np.ndarray:
     The order is ASE's: ``xx, yy, zz, yz, xz, xy``.
 
     Args:
-        voigt: Array of shape ``(6,)``.
+        voigt (np.ndarray): Array of shape ``(6,)``.
 
     Returns:
         The symmetric ``(3, 3)`` tensor, same dtype.
@@ -45,7 +45,7 @@ def as_stress_matrix(value: Any) -> np.ndarray:
     """Turn a stress given as Voigt-6 or 3×3 into a 3×3 tensor.
 
     Args:
-        value: A 6-vector (Voigt, ASE order) or anything with 9 elements.
+        value (Any): A 6-vector (Voigt, ASE order) or anything with 9 elements.
 
     Returns:
         The ``(3, 3)`` stress tensor.
@@ -68,7 +68,7 @@ def normalise_property(value: Any) -> PropertyValue:
     lists and tuples of numbers become arrays.
 
     Args:
-        value: The raw value from a source file.
+        value (Any): The raw value from a source file.
 
     Returns:
         A ``float``, ``int``, ``str``, ``None`` or numeric ``np.ndarray``.

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from pyg_atompack._moved import moved_names
 
-
-def __getattr__(name: str) -> Any:
-    from pyg_atompack import memmap_layout
-
-    value = getattr(memmap_layout, name)  # AttributeError for names it never had
-    warnings.warn(f"pyg_atompack.data.memmap_layout.{name} moved to "
-                  f"pyg_atompack.memmap_layout.{name}; the old path goes in the next release",
-                  DeprecationWarning, stacklevel=2)
-    return value
+__getattr__ = moved_names(__name__, {
+    name: f"pyg_atompack.memmap_layout:{name}"
+    for name in ("BUILTIN_SHAPES", "DEFAULT_KEYS", "SIDECAR_FORMAT", "SIDECAR_NAME",
+                 "MemmapKey", "MemmapLayout", "MemmapLayoutError", "expand_voigt",
+                 "is_memmap_dir")
+})
