@@ -212,9 +212,9 @@ class Coercer:
         options (ReadOptions): ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
         source (str or os.PathLike): The source path, for messages.
         destination (str or os.PathLike): The user's destination path, named by errors and notes.
-        kinds (dict[tuple[str, str], Kind], optional): Kinds to start from (values narrower than these are converted
-            up to them): how :func:`~.merge.merge_parts` re-encodes a part with the types the
-            other parts settled on. (default: :obj:`None`)
+        kinds (dict[tuple[str, str], Kind], optional): Kinds to start from (values narrower
+            than these are converted up to them): how :func:`~.merge.merge_parts` re-encodes a
+            part with the types the other parts settled on. (default: :obj:`None`)
     """
 
     def __init__(self, options: ReadOptions, source: str | os.PathLike,
