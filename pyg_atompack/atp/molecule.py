@@ -73,17 +73,28 @@ class Molecule:
         atom_properties: dict[str, np.ndarray] | None = None,
     ) -> None:
         # the decoders fill __dict__ directly (Molecule.__new__): this is for records
-        # built in memory, by converters and users
-        self.positions = positions
-        self.atomic_numbers = atomic_numbers
-        values = {"energy": energy, "forces": forces, "charges": charges,
-                  "velocities": velocities, "cell": cell, "stress": stress, "pbc": pbc,
-                  "name": name}
-        for key, value in values.items():
-            if value is not None:
-                setattr(self, key, value)
-        self.properties = {} if properties is None else properties
-        self.atom_properties = {} if atom_properties is None else atom_properties
+        # built in memory, by converters and users; unset builtins stay class defaults
+        d = self.__dict__
+        d["positions"] = positions
+        d["atomic_numbers"] = atomic_numbers
+        if energy is not None:
+            d["energy"] = energy
+        if forces is not None:
+            d["forces"] = forces
+        if charges is not None:
+            d["charges"] = charges
+        if velocities is not None:
+            d["velocities"] = velocities
+        if cell is not None:
+            d["cell"] = cell
+        if stress is not None:
+            d["stress"] = stress
+        if pbc is not None:
+            d["pbc"] = as_pbc(pbc)
+        if name is not None:
+            d["name"] = name
+        d["properties"] = {} if properties is None else properties
+        d["atom_properties"] = {} if atom_properties is None else atom_properties
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "pbc" and value is not None:
