@@ -14,7 +14,8 @@ __all__ = ["BUILTIN_FIELDS", "attribute_name", "resolve_fields"]
 # (derived from the one table, pyg_atompack.atp.types.BUILTINS).
 BUILTIN_FIELDS: dict[str, str] = {name: field.attribute for name, field in BUILTINS.items()}
 _ALWAYS_READ = ("atomic_numbers", "positions")
-_NODE_BUILTINS = ATOM_AXIS_BUILTINS
+# node-level builtins (atomic numbers become ``z`` apart, as int64)
+_NODE_BUILTINS = ATOM_AXIS_BUILTINS - {"atomic_numbers"}
 # per-molecule arrays, stored (3, 3) / (3,): graph attributes of shape [1, ...]
 _GRAPH_ARRAY_BUILTINS = frozenset(name for name, field in BUILTINS.items()
                                   if not field.per_atom and field.shape)
