@@ -75,13 +75,13 @@ def test_structure_is_the_record_type(tmp_path):
 
     # a decoded record is a Structure: writers of other formats take it as it is
     mols = _reference_file(tmp_path / "ref.atp")
-    with atp.open(tmp_path / "ref.atp") as f:
+    with atp.open(tmp_path / "ref.atp") as f:  # mmap views: used while the file is open
         records = list(f)
-    assert [r.pbc for r in records] == [m["pbc"] for m in mols]
-    assert records[0].present_fields() == list(SECTION_BUILTINS)
-    with convert.open_writer(tmp_path / "out.xyz") as writer:
-        for record in records:
-            writer.add(record)
+        assert [r.pbc for r in records] == [m["pbc"] for m in mols]
+        assert records[0].present_fields() == list(SECTION_BUILTINS)
+        with convert.open_writer(tmp_path / "out.xyz") as writer:
+            for record in records:
+                writer.add(record)
     back = list(convert.open_reader(tmp_path / "out.xyz"))
     np.testing.assert_allclose(back[1].forces, mols[1]["forces"], rtol=1e-6)
     assert back[0].pbc == (True, True, False)
