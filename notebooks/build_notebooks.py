@@ -378,7 +378,7 @@ def pyg_atompack_cli(*args) -> None:
 
 
 print("formats known to the converter:")
-for name, fmt in convert.FORMATS.items():
+for name, fmt in convert.formats().items():
     print(f"  {name:<12} {fmt.description}")
 
 # %% [markdown]

@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="source file or directory")
     convert.add_argument("dst", help="destination file or directory (must not exist)")
     convert.add_argument("--to", metavar="FORMAT",
-                         help="output format: atp, atp-shards, pt-shards, memmap, extxyz")
+                         help="output format: atp, atp-shards, pt-shards, memmap, extxyz, or "
+                              "one an installed plugin adds (see convert.formats())")
     convert.add_argument("--shard-size", type=int, metavar="N",
                          help="records per shard: write a shard directory + manifest.json")
     convert.add_argument("--compression", choices=("none", "lz4", "zstd"), default="none",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -165,3 +168,25 @@ def test_writer_refuses_inconsistent_fields_and_leaves_nothing(tmp_path):
     with pytest.raises(ConvertError, match=r"structure 2\).*lacks energy"):
         write_memmap(tmp_path / "mm", structures)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_memmap_to_atp_imports_neither_torch_nor_pyg(tmp_path):
+    """The numpy-only path: the command line converts a metatrain directory without
+    loading torch or torch_geometric (metatrain's readers break after the latter)."""
+    hand_built(tmp_path / "mm", ns=3)
+    code = textwrap.dedent("""
+        import sys
+        from pyg_atompack.cli import main
+        code = main(["convert", "mm", "mm.atp", "-q", "--energy-key", "e", "--forces-key", "f",
+                     "--stress-key", "s", "--key-map", "q=charges"])
+        loaded = sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("torch", "torch_geometric")
+                        or m.startswith("pyg_atompack.data."))
+        print(code, loaded)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "0 []", result.stdout
+    with atp.open(tmp_path / "mm.atp") as f:
+        assert len(f) == 3 and f[0].charges is not None and f[2].stress.shape == (3, 3)

@@ -15,6 +15,8 @@ import pytest
 from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub, write_reference_shard
 
 from pyg_atompack import hub
+from pyg_atompack.hub import remote as hub_remote
+from pyg_atompack.hub import transfer as hub_transfer
 from pyg_atompack.transport import RetryPolicy
 
 REPO = "org/mols"
@@ -101,7 +103,7 @@ def test_resolve_branch_and_sha(fake_hub, files):
     assert first != second
     assert hub.resolve_revision(REPO, "main", endpoint=fake_hub.endpoint) == second
     assert hub.resolve_revision(REPO, first, endpoint=fake_hub.endpoint) == first
-    assert hub.is_commit_sha(first) and not hub.is_commit_sha("main")
+    assert hub_remote.is_commit_sha(first) and not hub_remote.is_commit_sha("main")
 
 
 def test_resolve_errors_name_repo_and_revision(server):
@@ -192,9 +194,9 @@ def test_fetch_range_reads_only_the_range(server, files):
                                    endpoint=server.endpoint)[0]
     data = files[target.path]
     server.clear_requests()
-    assert hub.fetch_range(target, 100, 50) == data[100:150]
-    assert hub.fetch_range(target, len(data) - 7, 7) == data[-7:]
-    assert hub.fetch_range(target, 5, 0) == b""
+    assert hub_transfer.fetch_range(target, 100, 50) == data[100:150]
+    assert hub_transfer.fetch_range(target, len(data) - 7, 7) == data[-7:]
+    assert hub_transfer.fetch_range(target, 5, 0) == b""
     ranges = ["bytes=100-149", f"bytes={len(data) - 7}-{len(data) - 1}"]
     # the Hub redirects (302, the Range kept) to the CDN, which sends exactly those bytes
     seen = server.requests_to("/resolve/")
@@ -210,9 +212,9 @@ def test_fetch_range_bounds(server):
     target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
                                    endpoint=server.endpoint)[0]
     with pytest.raises(ValueError, match="exceeds the file size"):
-        hub.fetch_range(target, target.size - 1, 2)
+        hub_transfer.fetch_range(target, target.size - 1, 2)
     with pytest.raises(ValueError, match="negative"):
-        hub.fetch_range(target, -1, 2)
+        hub_transfer.fetch_range(target, -1, 2)
 
 
 def test_private_repo_needs_token(fake_hub, files):
@@ -223,8 +225,8 @@ def test_private_repo_needs_token(fake_hub, files):
                                    endpoint=fake_hub.endpoint)
     target = listed[-1]
     with pytest.raises(hub.HubRepositoryNotFoundError, match="org/private"):
-        hub.fetch_range(target, 0, 4, token=False)
-    assert hub.fetch_range(target, 0, 4, token="s3cret") == b"ATPK"
+        hub_transfer.fetch_range(target, 0, 4, token=False)
+    assert hub_transfer.fetch_range(target, 0, 4, token="s3cret") == b"ATPK"
     resolve, cdn = fake_hub.requests[-2:]
     assert (resolve.origin, resolve.status) == ("hub", 302)
     assert resolve.headers["authorization"] == "Bearer s3cret"
@@ -239,7 +241,7 @@ def test_download_verifies_and_reuses_cache(server, files, tmp_path):
     for f in listed:
         local = hub.download(f, tmp_path)
         assert local.read_bytes() == files[f.path]
-        assert local == hub.cached_path(f, tmp_path)
+        assert local == hub_transfer.cached_path(f, tmp_path)
     assert len(server.requests_to("/resolve/", "GET")) == len(listed)
     again = [hub.download(f, tmp_path) for f in listed]
     assert len(server.requests_to("/resolve/", "GET")) == len(listed)  # nothing refetched
@@ -254,7 +256,7 @@ def test_download_detects_wrong_bytes(server, files, tmp_path):
     server.serve_wrong_bytes(REPO, path, bytes(len(true)))  # same size, other content
     with pytest.raises(hub.HubIntegrityError, match=r"org/mols.*train/part_1\.atp.*sha256"):
         hub.download(target, tmp_path)
-    assert not hub.cached_path(target, tmp_path).exists()
+    assert not hub_transfer.cached_path(target, tmp_path).exists()
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
     # verify=False only checks the size: the wrong bytes land in the unverified area
     unverified = hub.download(target, tmp_path, verify=False)
@@ -276,21 +278,21 @@ def test_download_plain_file_checks_git_blob_id(server, files, tmp_path):
 def test_fetch_bytes_in_memory(server, files, tmp_path):
     target = hub.list_remote_files(REPO, "train/b/part_0.atp",
                                    revision="main", endpoint=server.endpoint)[0]
-    assert hub.fetch_bytes(target) == files[target.path]
+    assert hub_transfer.fetch_bytes(target) == files[target.path]
     wrong = bytearray(files[target.path])
     wrong[-1] ^= 0xFF
     server.serve_wrong_bytes(REPO, target.path, bytes(wrong))
     with pytest.raises(hub.HubIntegrityError, match=r"train/b/part_0\.atp.*sha256"):
-        hub.fetch_bytes(target)
-    assert hub.fetch_bytes(target, verify=False) == bytes(wrong)
+        hub_transfer.fetch_bytes(target)
+    assert hub_transfer.fetch_bytes(target, verify=False) == bytes(wrong)
     with pytest.raises(hub.HubIntegrityError, match="received size 3 bytes"):
-        hub.check_bytes(target, b"abc", verify=False)
+        hub_transfer.check_bytes(target, b"abc", verify=False)
 
 
 def test_download_follows_cdn_redirect(server, files, tmp_path):
     target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
                                    endpoint=server.endpoint)[0]
-    assert hub.fetch_range(target, 0, 4) == b"ATPK"
+    assert hub_transfer.fetch_range(target, 0, 4) == b"ATPK"
     assert hub.download(target, tmp_path).read_bytes() == files[target.path]
     assert [r.status for r in server.requests_to("/cdn/")] == [206, 200]
     from huggingface_hub import hf_hub_download  # the real client copes with the redirect too

@@ -25,6 +25,8 @@ from test_loader import assert_data_equal
 
 from pyg_atompack import AtompackDataset, cli, convert, hub
 from pyg_atompack.hub import card
+from pyg_atompack.hub import remote as hub_remote
+from pyg_atompack.hub import transfer as hub_transfer
 
 REPO = "org/water"
 N_STRUCTURES = 25
@@ -84,7 +86,7 @@ def _files(server: FakeHub, commit: str, repo: str = REPO) -> dict[str, bytes]:
     sha = hub.resolve_revision(repo, commit, token=WRITE_TOKEN, endpoint=server.endpoint)
     listed = hub.list_remote_files(repo, revision=sha, token=WRITE_TOKEN,
                                    endpoint=server.endpoint)
-    return {f.path: hub.fetch_bytes(f, token=WRITE_TOKEN) for f in listed}
+    return {f.path: hub_transfer.fetch_bytes(f, token=WRITE_TOKEN) for f in listed}
 
 
 def _writes(server: FakeHub) -> list[str]:
@@ -105,7 +107,7 @@ def test_push_converted_dataset_and_read_it_back(fake_hub, xyz, local_shards, tm
 
     result = _push(fake_hub, xyz, path_in_repo="train", create=True, shard_size=10)
     head = hub.resolve_revision(REPO, "main", token=WRITE_TOKEN, endpoint=fake_hub.endpoint)
-    assert result.commit == head and hub.is_commit_sha(result.commit)
+    assert result.commit == head and hub_remote.is_commit_sha(result.commit)
     assert result.uri == f"hf://datasets/{REPO}@{head}/train"
     assert result.card == "written" and result.deleted == ()
     files = _files(fake_hub, head)

@@ -14,6 +14,7 @@ import pytest
 from servers.fake_hub import FakeHub, serve_fake_hub, write_reference_shard
 
 from pyg_atompack import AtompackDataset, hub
+from pyg_atompack.hub import transfer as hub_transfer
 from pyg_atompack.transport import (
     RemoteAuthError,
     RemoteNotFoundError,
@@ -62,7 +63,7 @@ def test_token_goes_to_the_hub_and_never_to_the_cdn(server, shard_root, tmp_path
         [float(local[i].energy) for i in range(7)]
     readme = hub.list_remote_files(REPO, "README.md", revision="main",
                                    endpoint=server.endpoint, policy=FAST)[0]
-    assert hub.fetch_bytes(readme, policy=FAST) == (shard_root / "README.md").read_bytes()
+    assert hub_transfer.fetch_bytes(readme, policy=FAST) == (shard_root / "README.md").read_bytes()
     hub_side = [r for r in server.requests if r.origin == "hub"]
     cdn_side = [r for r in server.requests if r.origin == "cdn"]
     assert hub_side and cdn_side

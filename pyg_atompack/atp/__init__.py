@@ -25,8 +25,9 @@ from .errors import (
     SchemaError,
     TruncatedFileError,
 )
-from .fields import FieldInfo
+from .fields import FieldInfo, schema_block_fields
 from .header import Header, select_header
+from .index import index_n_atoms
 from .molecule import Molecule
 from .reader import Reader
 from .sharded import ShardedReader, find_shards
@@ -78,7 +79,9 @@ __all__ = [
     "Writer",
     "describe",
     "find_shards",
+    "index_n_atoms",
     "open",
+    "schema_block_fields",
     "select_header",
     "verify",
 ]

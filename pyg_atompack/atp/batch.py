@@ -26,25 +26,16 @@ from .errors import (
     AtpValueError,
     RecordDecodeError,
 )
-from .fields import FieldInfo
+from .fields import FieldInfo, builtin_info
 from .gather import plan_of, read_mapped, read_single
 from .preads import read_ranges
 from .records import Layout, decode_slot
 from .structure import read_structured
-from .types import BUILTIN_CANONICAL_TAG, PER_ATOM_BUILTINS, TAG_DTYPE
+from .types import SECTION_BUILTINS
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
 _GROUP_MIN = 32  # records per layout group, on average, for a grouped gather
-_BUILTIN_SHAPES = {"energy": (), "forces": (3,), "velocities": (3,), "charges": (),
-                   "cell": (3, 3), "stress": (3, 3), "pbc": (3,), "name": None}
-
-
-def _builtin_info(key: str) -> FieldInfo:
-    tag = BUILTIN_CANONICAL_TAG[key]
-    dtype = np.dtype(bool) if key == "pbc" else TAG_DTYPE.get(tag)
-    return FieldInfo(key, "builtin", key, tag, dtype, key in PER_ATOM_BUILTINS,
-                     _BUILTIN_SHAPES[key])
 
 
 def resolve_fields(all_fields: dict[str, FieldInfo], fields: Sequence[str] | None,
@@ -72,8 +63,8 @@ def resolve_fields(all_fields: dict[str, FieldInfo], fields: Sequence[str] | Non
             continue
         if field in all_fields:
             out[field] = all_fields[field]
-        elif field in _BUILTIN_SHAPES:
-            out[field] = _builtin_info(field)  # a builtin this file never stored: all missing
+        elif field in SECTION_BUILTINS:
+            out[field] = builtin_info(field)  # a builtin this file never stored: all missing
         else:
             hits = [k for k in (f"properties/{field}", f"atom_properties/{field}")
                     if k in all_fields]

@@ -18,6 +18,7 @@ from .errors import AtpValueError
 from .types import (
     BUILTIN_ORDER,
     BUILTIN_TAG_BY_DTYPE,
+    BUILTINS,
     KIND_ATOM,
     KIND_BUILTIN,
     KIND_MOLECULE,
@@ -40,8 +41,6 @@ _ARRAY_TAG = {np.dtype("<f4"): TAG_F32_ARRAY, np.dtype("<f8"): TAG_F64_ARRAY,
               np.dtype("<i4"): TAG_I32_ARRAY, np.dtype("<i8"): TAG_I64_ARRAY}
 _VEC3_TAG = {np.dtype("<f4"): TAG_VEC3_F32, np.dtype("<f8"): TAG_VEC3_F64}
 _STORABLE = tuple(_ARRAY_TAG)
-_SHAPES = {"forces": "atoms3", "velocities": "atoms3", "charges": "atoms", "cell": "3x3",
-           "stress": "3x3"}
 
 
 @dataclass
@@ -49,12 +48,12 @@ class Section:
     """One section of one molecule (or of every molecule of a batch).
 
     Args:
-        kind: 0 builtin, 1 per-atom custom, 2 per-molecule custom.
-        key: section key.
-        tag: type tag.
-        payload: bytes for one molecule, a ``(B, L)`` uint8 matrix for a batch
-            column, or a list of B bytes objects when lengths vary.
-        slot_bytes: the schema's slot_bytes for this section.
+        kind (int): 0 builtin, 1 per-atom custom, 2 per-molecule custom.
+        key (str): Section key.
+        tag (int): Type tag.
+        payload (Any): Bytes for one molecule, a ``(B, L)`` uint8 matrix for a batch column, or a
+            list of B bytes objects when lengths vary.
+        slot_bytes (int): The schema's slot_bytes for this section.
     """
 
     kind: int
@@ -124,7 +123,8 @@ def check_positions(positions: Any, atomic_numbers: Any, batch: bool) -> tuple:
 def _builtin_array(key: str, value: Any, n: int, batch: int | None) -> Section:
     arr = _float_array(value, key)
     lead = () if batch is None else (batch,)
-    expected = {"atoms3": (n, 3), "atoms": (n,), "3x3": (3, 3)}[_SHAPES[key]]
+    field = BUILTINS[key]
+    expected = (n, *field.shape) if field.per_atom else field.shape
     if arr.shape != lead + expected:
         raise AtpValueError(f"field {key!r}: expected shape {lead + expected}, got {arr.shape}")
     tag = BUILTIN_TAG_BY_DTYPE[key][arr.dtype]
@@ -198,10 +198,10 @@ def molecule_value(key: str, value: Any, n: int, atom_scope: bool) -> Section:
     """The section ``Molecule.set_property(key, value, scope)`` would produce.
 
     Args:
-        key: property key.
-        value: None, bool, int, float, str or a float32/float64/int32/int64 array.
-        n: atom count of the molecule.
-        atom_scope: per-atom (kind 1) instead of per-molecule (kind 2).
+        key (str): Property key.
+        value (Any): None, bool, int, float, str or a float32/float64/int32/int64 array.
+        n (int): Atom count of the molecule.
+        atom_scope (bool): Per-atom (kind 1) instead of per-molecule (kind 2).
 
     Returns:
         The section.

@@ -7,15 +7,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from .records import Layout, field_name
-from .schema import Schema, SchemaEntry
+from .schema import Schema, SchemaEntry, decode_schema
 from .types import (
+    BUILTINS,
     ELEM_BYTES,
     FLAT_ARRAY_TAGS,
     KIND_NAMES,
     MAT3_TAGS,
+    POSITIONS_DTYPE_BY_TAG,
+    POSITIONS_UNKNOWN,
     SCALAR_TAGS,
     TAG_BOOL3,
     TAG_DTYPE,
+    TAG_VEC3_F32,
+    TAG_VEC3_F64,
     VEC3_TAGS,
     per_atom_flag,
     slot_bytes,
@@ -27,15 +32,15 @@ class FieldInfo:
     """What one field of a file holds.
 
     Args:
-        name: public name: a builtin key (``"energy"``), ``"properties/<key>"`` or
+        name (str): Public name: a builtin key (``"energy"``), ``"properties/<key>"`` or
             ``"atom_properties/<key>"``.
-        kind: ``"builtin"``, ``"atom"`` or ``"molecule"``.
-        key: the section key.
-        tag: type tag (spec §5.3).
-        dtype: numpy dtype of the values (None for strings and None values).
-        per_atom: whether the value has one row per atom.
-        shape: shape of one molecule's value without the atom axis (``()`` for
-            scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
+        kind (str): ``"builtin"``, ``"atom"`` or ``"molecule"``.
+        key (str): The section key.
+        tag (int): Type tag (spec §5.3).
+        dtype (np.dtype, optional): Numpy dtype of the values (None for strings and None values).
+        per_atom (bool): Whether the value has one row per atom.
+        shape (tuple[int, ...], optional): Shape of one molecule's value without the atom axis
+            (``()`` for scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
             per-molecule array); None when it varies (strings, tensors).
     """
 
@@ -53,7 +58,7 @@ class FieldInfo:
         Used to fill the rows of molecules that do not carry this field.
 
         Args:
-            rows: Number of molecules (per-molecule fields) or atoms (per-atom fields).
+            rows (int): Number of molecules (per-molecule fields) or atoms (per-atom fields).
 
         Returns:
             An array of shape ``(rows, *shape)`` in the field's dtype, or :obj:`None` when
@@ -90,22 +95,66 @@ def info_for(entry: SchemaEntry) -> FieldInfo:
                      entry.key, entry.tag, dtype, bool(entry.per_atom), _shape_for(entry))
 
 
+def builtin_info(name: str) -> FieldInfo:
+    """Returns the :class:`FieldInfo` of a builtin section a file may not store.
+
+    Args:
+        name (str): A builtin section name (``"energy"``, ``"forces"``, ...).
+
+    Returns:
+        FieldInfo: The field with its canonical tag, as :data:`~.types.BUILTINS` describes it.
+    """
+    field = BUILTINS[name]
+    return FieldInfo(name, "builtin", name, field.tag, TAG_DTYPE.get(field.tag),
+                     field.per_atom, field.shape)
+
+
+def schema_block_fields(buf, record_format: int, name: str) -> dict[str, FieldInfo] | None:
+    """Returns the fields a schema block announces, for a file held in pieces.
+
+    For readers of remote files, whose schema block is one range read.
+
+    Args:
+        buf (bytes-like): The schema block's bytes.
+        record_format (int): The header's record format (2 or 3).
+        name (str): How messages name the file.
+
+    Returns:
+        dict[str, FieldInfo] or None: ``name -> FieldInfo``, or :obj:`None` when the
+        positions dtype is unknown (the format layer raises its own error when the file
+        is opened).
+
+    Raises:
+        SchemaError: If the block is malformed.
+    """
+    schema = decode_schema(buf, name)
+    if record_format == 2:
+        pos_dtype = np.dtype("<f4")  # spec §5.1: record format 2 positions are always f32
+    elif schema.positions_tag in POSITIONS_DTYPE_BY_TAG:
+        pos_dtype = POSITIONS_DTYPE_BY_TAG[schema.positions_tag]
+    else:
+        return None
+    return fields_from_schema(schema, pos_dtype)
+
+
 def fields_from_schema(schema: Schema, pos_dtype: np.dtype) -> dict[str, FieldInfo]:
     """All fields of a file: positions and atomic numbers first, then the schema entries.
 
     Args:
-        schema: the (possibly rebuilt) schema lock.
-        pos_dtype: the positions element dtype.
+        schema (Schema): The (possibly rebuilt) schema lock.
+        pos_dtype (np.dtype): The positions element dtype.
 
     Returns:
         ``name -> FieldInfo`` in schema order.
     """
-    pos_tag = 7 if pos_dtype.itemsize == 8 else 4
+    positions, numbers = BUILTINS["positions"], BUILTINS["atomic_numbers"]
     out = {
-        "positions": FieldInfo("positions", "builtin", "positions", pos_tag, pos_dtype, True,
-                               (3,)),
-        "atomic_numbers": FieldInfo("atomic_numbers", "builtin", "atomic_numbers", 255,
-                                    np.dtype("u1"), True, ()),
+        "positions": FieldInfo("positions", "builtin", "positions",
+                               TAG_VEC3_F64 if pos_dtype.itemsize == 8 else TAG_VEC3_F32,
+                               pos_dtype, positions.per_atom, positions.shape),
+        "atomic_numbers": FieldInfo("atomic_numbers", "builtin", "atomic_numbers",
+                                    POSITIONS_UNKNOWN, numbers.dtypes[0], numbers.per_atom,
+                                    numbers.shape),
     }
     for entry in schema.sorted_entries():
         if entry.kind in KIND_NAMES:

@@ -18,9 +18,9 @@ def decode_index(buf, num_molecules: int, name: str) -> np.ndarray:
     """View the entries of an index block without copying.
 
     Args:
-        buf: the index block's bytes (any buffer; e.g. a memoryview of an mmap).
-        num_molecules: the molecule count the header promises.
-        name: file name for error messages.
+        buf (bytes-like): The index block's bytes (any buffer; e.g. a memoryview of an mmap).
+        num_molecules (int): The molecule count the header promises.
+        name (str): File name for error messages.
 
     Returns:
         A structured array with fields ``offset``, ``stored``, ``raw``, ``n_atoms``.
@@ -36,6 +36,26 @@ def decode_index(buf, num_molecules: int, name: str) -> np.ndarray:
         raise IndexBlockError(
             f"{name}: index block counts {count} molecules but the header says {num_molecules}")
     return np.frombuffer(buf, dtype=INDEX_DTYPE, count=num_molecules, offset=8)
+
+
+def index_n_atoms(buf, num_molecules: int, name: str) -> np.ndarray:
+    """Returns the atom count of every molecule from an index block fetched on its own.
+
+    For readers of files they hold in pieces (remote files: the index block is one
+    range read).
+
+    Args:
+        buf (bytes-like): The index block's bytes.
+        num_molecules (int): The molecule count the header promises.
+        name (str): How messages name the file.
+
+    Returns:
+        np.ndarray: int64 ``(num_molecules,)``.
+
+    Raises:
+        IndexBlockError: If the block is short or its count disagrees with the header.
+    """
+    return decode_index(buf, num_molecules, name)["n_atoms"].astype(np.int64)
 
 
 def encode_index(entries: np.ndarray) -> bytes:
@@ -57,9 +77,9 @@ def molecule_index(i: Any, count: int, name: str) -> int:
     ``read_batch``, which refuses boolean index arrays.
 
     Args:
-        i: the index.
-        count: number of molecules.
-        name: file or dataset name for error messages.
+        i (Any): The index.
+        count (int): Number of molecules.
+        name (str): File or dataset name for error messages.
 
     Returns:
         The index in ``range(count)``.

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 # builtin arrays whose leading axis runs over atoms (N); other arrays run over molecules (B)
-_ATOM_KEYS = frozenset({"positions", "atomic_numbers", "forces", "velocities", "charges"})
+from .types import ATOM_AXIS_BUILTINS as _ATOM_KEYS
 
 
 def _take(value: Any, index: np.ndarray) -> Any:
@@ -30,8 +30,8 @@ def reorder_flat(flat: dict, order: np.ndarray) -> dict:
     (strings, ragged values) hold one entry per molecule whatever the field.
 
     Args:
-        flat: A ``read_batch`` result over ``B`` molecules.
-        order: Integer array of length ``B`` (repeats allowed).
+        flat (dict): A ``read_batch`` result over ``B`` molecules.
+        order (np.ndarray): Integer array of length ``B`` (repeats allowed).
 
     Returns:
         The reordered dict (new arrays).

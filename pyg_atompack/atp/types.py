@@ -1,10 +1,15 @@
-"""Type tags, dtypes and the builtin-section table of the `.atp` format (spec §4, §5).
+"""Type tags, dtypes and the one table of builtin fields of the `.atp` format (spec §4, §5).
 
-Everything here is a constant or a tiny pure function; the record codec and the
-schema lock both build on these rules so that they cannot drift apart.
+Everything here is a constant or a tiny pure function (numpy only). :data:`BUILTINS`
+is the single source of the builtin fields' facts (name, per-atom, shape, tags,
+``Data`` attribute, unit): the record codec, the schema lock, ``read_batch``, the
+PyG conversion and the converters all derive their tables from it, so that they
+cannot drift apart.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,36 +78,76 @@ ATOM_SCOPE_TAGS = ARRAY_TAGS | TENSOR_TAGS
 POSITIONS_TAG_BY_DTYPE = {np.dtype("<f4"): TAG_VEC3_F32, np.dtype("<f8"): TAG_VEC3_F64}
 POSITIONS_DTYPE_BY_TAG = {TAG_VEC3_F32: np.dtype("<f4"), TAG_VEC3_F64: np.dtype("<f8")}
 
-# builtin sections in the fixed on-disk order (spec §5.6)
+@dataclass(frozen=True)
+class BuiltinField:
+    """The facts of one builtin field: every other table of builtins derives from these.
+
+    Args:
+        name (str): The field's name: the record attribute (``mol.forces``), the
+            section key on disk and the ``read_batch`` key.
+        attribute (str): The ``torch_geometric.data.Data`` attribute it becomes.
+        per_atom (bool): Whether the value has one row per atom.
+        shape (tuple[int, ...], optional): Shape of one value (of one atom's, for a
+            per-atom field); :obj:`None` for a string.
+        tag (int, optional): The canonical type tag of its section; :obj:`None` for
+            positions and atomic numbers, which are part of every record's head.
+        alternate_tag (int, optional): The second tag record format 3 allows
+            (the other float width). (default: :obj:`None`)
+        geometry (bool, optional): Whether it describes the structure itself rather
+            than a label a source key can be mapped onto. (default: :obj:`False`)
+        unit (str, optional): The unit the project stores it in. (default: :obj:`None`)
+    """
+
+    name: str
+    attribute: str
+    per_atom: bool
+    shape: tuple[int, ...] | None
+    tag: int | None
+    alternate_tag: int | None = None
+    geometry: bool = False
+    unit: str | None = None
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, ...]:
+        """The numpy dtypes a value may have on disk (the canonical one first)."""
+        if self.name == "positions":
+            return tuple(POSITIONS_TAG_BY_DTYPE)
+        if self.name == "atomic_numbers":
+            return (np.dtype("u1"),)
+        tags = (self.tag, self.alternate_tag)
+        return tuple(TAG_DTYPE[tag] for tag in tags if tag is not None and tag in TAG_DTYPE)
+
+
+# every builtin, in record order (the order of Molecule attributes and Data attributes)
+BUILTINS: dict[str, BuiltinField] = {field.name: field for field in (
+    BuiltinField("atomic_numbers", "z", True, (), None, geometry=True),
+    BuiltinField("positions", "pos", True, (3,), None, geometry=True, unit="Å"),
+    BuiltinField("energy", "energy", False, (), TAG_F64, TAG_F32, unit="eV"),
+    BuiltinField("forces", "forces", True, (3,), TAG_VEC3_F32, TAG_VEC3_F64, unit="eV/Å"),
+    BuiltinField("charges", "charges", True, (), TAG_F64_ARRAY, TAG_F32_ARRAY, unit="e"),
+    BuiltinField("velocities", "velocities", True, (3,), TAG_VEC3_F32, TAG_VEC3_F64,
+                 unit="Å·(eV/u)^½ (ASE units)"),
+    BuiltinField("cell", "cell", False, (3, 3), TAG_MAT3_F64, TAG_MAT3_F32, geometry=True,
+                 unit="Å"),
+    BuiltinField("stress", "stress", False, (3, 3), TAG_MAT3_F64, TAG_MAT3_F32, unit="eV/Å³"),
+    BuiltinField("pbc", "pbc", False, (3,), TAG_BOOL3, geometry=True),
+    BuiltinField("name", "name", False, None, TAG_STR),
+)}
+# the builtins stored as sections (all but positions and atomic numbers), in record order
+SECTION_BUILTINS = tuple(name for name, field in BUILTINS.items() if field.tag is not None)
+# builtins whose leading axis runs over atoms
+ATOM_AXIS_BUILTINS = frozenset(name for name, field in BUILTINS.items() if field.per_atom)
+PER_ATOM_BUILTINS = ATOM_AXIS_BUILTINS & frozenset(SECTION_BUILTINS)
+# the fixed on-disk order of builtin sections (spec §5.6): atompack-db's, not record order
 BUILTIN_ORDER = ("charges", "cell", "energy", "forces", "name", "pbc", "stress", "velocities")
-PER_ATOM_BUILTINS = frozenset({"forces", "charges", "velocities"})
 # record format 2 allows only the canonical tag; format 3 adds the alternate (spec §5.1)
-BUILTIN_CANONICAL_TAG = {
-    "charges": TAG_F64_ARRAY,
-    "cell": TAG_MAT3_F64,
-    "energy": TAG_F64,
-    "forces": TAG_VEC3_F32,
-    "name": TAG_STR,
-    "pbc": TAG_BOOL3,
-    "stress": TAG_MAT3_F64,
-    "velocities": TAG_VEC3_F32,
-}
-BUILTIN_ALTERNATE_TAG = {
-    "charges": TAG_F32_ARRAY,
-    "cell": TAG_MAT3_F32,
-    "energy": TAG_F32,
-    "forces": TAG_VEC3_F64,
-    "stress": TAG_MAT3_F32,
-    "velocities": TAG_VEC3_F64,
-}
-# builtin name -> tag for each numpy dtype a writer accepts
+BUILTIN_CANONICAL_TAG = {name: BUILTINS[name].tag for name in BUILTIN_ORDER}
+BUILTIN_ALTERNATE_TAG = {name: BUILTINS[name].alternate_tag for name in BUILTIN_ORDER
+                         if BUILTINS[name].alternate_tag is not None}
+# builtin name -> tag for each numpy dtype a writer accepts (the float fields of two widths)
 BUILTIN_TAG_BY_DTYPE = {
-    "charges": {np.dtype("<f8"): TAG_F64_ARRAY, np.dtype("<f4"): TAG_F32_ARRAY},
-    "cell": {np.dtype("<f8"): TAG_MAT3_F64, np.dtype("<f4"): TAG_MAT3_F32},
-    "stress": {np.dtype("<f8"): TAG_MAT3_F64, np.dtype("<f4"): TAG_MAT3_F32},
-    "energy": {np.dtype("<f8"): TAG_F64, np.dtype("<f4"): TAG_F32},
-    "forces": {np.dtype("<f4"): TAG_VEC3_F32, np.dtype("<f8"): TAG_VEC3_F64},
-    "velocities": {np.dtype("<f4"): TAG_VEC3_F32, np.dtype("<f8"): TAG_VEC3_F64},
+    name: {TAG_DTYPE[tag]: tag for tag in (BUILTINS[name].tag, alternate)}
+    for name, alternate in BUILTIN_ALTERNATE_TAG.items()
 }
 RECORD_FORMATS = (2, 3)
 
@@ -125,11 +170,11 @@ def slot_bytes(kind: int, key: str, tag: int, payload_len: int, n_atoms: int) ->
     """The schema's slot_bytes of a section (spec §4).
 
     Args:
-        kind: section kind.
-        key: section key.
-        tag: type tag.
-        payload_len: payload length of the section in bytes.
-        n_atoms: atom count of the molecule holding it.
+        kind (int): Section kind.
+        key (str): Section key.
+        tag (int): Type tag.
+        payload_len (int): Payload length of the section in bytes.
+        n_atoms (int): Atom count of the molecule holding it.
 
     Returns:
         The slot size the schema lock records for this section.

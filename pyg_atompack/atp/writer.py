@@ -29,17 +29,16 @@ from .types import (
     per_atom_flag,
 )
 
-_BUILTIN_KEYS = ("energy", "forces", "charges", "velocities", "cell", "stress", "pbc", "name")
-
 
 class Writer:
     """Append molecules to an `.atp` file; nothing is visible to readers before :meth:`flush`.
 
     Args:
-        path: file to create.
-        compression: ``"none"``, ``"lz4"`` or ``"zstd"``. (default: ``"none"``)
-        level: zstd level (ignored otherwise). (default: ``3``)
-        overwrite: replace an existing file instead of raising ``FileExistsError``.
+        path (str or os.PathLike): File to create.
+        compression (str, optional): ``"none"``, ``"lz4"`` or ``"zstd"``. (default: ``"none"``)
+        level (int, optional): Zstd level (ignored otherwise). (default: ``3``)
+        overwrite (bool, optional): Replace an existing file instead of raising
+            ``FileExistsError``. (default: :obj:`False`)
 
     Example:
         >>> with Writer("out.atp", compression="zstd") as w:      # doctest: +SKIP
@@ -66,7 +65,7 @@ class Writer:
         first append or flush.
 
         Args:
-            path: an existing `.atp` file with a valid header.
+            path (str or os.PathLike): An existing `.atp` file with a valid header.
 
         Returns:
             A writer positioned after the committed data.
@@ -138,18 +137,21 @@ class Writer:
         """Append one molecule, encoded exactly like ``atompack.Database.add_molecule``.
 
         Args:
-            positions: ``(n, 3)`` float32 or float64.
-            atomic_numbers: ``(n,)`` integers in 0..255.
-            energy: float (stored as float64).
-            forces: ``(n, 3)`` float32/float64.
-            charges: ``(n,)`` float64/float32.
-            velocities: ``(n, 3)`` float32/float64.
-            cell: ``(3, 3)`` float64/float32, rows are lattice vectors.
-            stress: ``(3, 3)`` float64/float32.
-            pbc: three booleans.
-            name: a string.
-            properties: per-molecule custom values (None, bool, int, float, str, arrays).
-            atom_properties: per-atom custom arrays with first dimension n.
+            positions (np.ndarray): ``(n, 3)`` float32 or float64.
+            atomic_numbers (np.ndarray): ``(n,)`` integers in 0..255.
+            energy (float, optional): Float (stored as float64). (default: :obj:`None`)
+            forces (np.ndarray, optional): ``(n, 3)`` float32/float64. (default: :obj:`None`)
+            charges (np.ndarray, optional): ``(n,)`` float64/float32. (default: :obj:`None`)
+            velocities (np.ndarray, optional): ``(n, 3)`` float32/float64. (default: :obj:`None`)
+            cell (np.ndarray, optional): ``(3, 3)`` float64/float32, rows are lattice vectors.
+                (default: :obj:`None`)
+            stress (np.ndarray, optional): ``(3, 3)`` float64/float32. (default: :obj:`None`)
+            pbc (tuple[bool, bool, bool], optional): Three booleans. (default: :obj:`None`)
+            name (str, optional): A string. (default: :obj:`None`)
+            properties (dict[str, Any], optional): Per-molecule custom values (None, bool, int,
+                float, str, arrays). (default: :obj:`None`)
+            atom_properties (dict[str, Any], optional): Per-atom custom arrays with first dimension
+                n. (default: :obj:`None`)
 
         Raises:
             AtpValueError: a value the format cannot hold (the message names the file,
@@ -178,18 +180,20 @@ class Writer:
         """Append B molecules of equal size, like ``atompack.Database.add_arrays_batch``.
 
         Args:
-            positions: ``(B, n, 3)`` float32 or float64.
-            atomic_numbers: ``(B, n)`` integers in 0..255.
-            energy: ``(B,)`` float64 or float32.
-            forces: ``(B, n, 3)``.
-            charges: ``(B, n)``.
-            velocities: ``(B, n, 3)``.
-            cell: ``(B, 3, 3)``.
-            stress: ``(B, 3, 3)``.
-            pbc: ``(B, 3)`` booleans.
-            name: list of B strings.
-            properties: per-molecule columns with leading axis B (a list of str for strings).
-            atom_properties: per-atom columns of shape ``(B, n, ...)``.
+            positions (np.ndarray): ``(B, n, 3)`` float32 or float64.
+            atomic_numbers (np.ndarray): ``(B, n)`` integers in 0..255.
+            energy (np.ndarray, optional): ``(B,)`` float64 or float32. (default: :obj:`None`)
+            forces (np.ndarray, optional): ``(B, n, 3)``. (default: :obj:`None`)
+            charges (np.ndarray, optional): ``(B, n)``. (default: :obj:`None`)
+            velocities (np.ndarray, optional): ``(B, n, 3)``. (default: :obj:`None`)
+            cell (np.ndarray, optional): ``(B, 3, 3)``. (default: :obj:`None`)
+            stress (np.ndarray, optional): ``(B, 3, 3)``. (default: :obj:`None`)
+            pbc (np.ndarray, optional): ``(B, 3)`` booleans. (default: :obj:`None`)
+            name (list[str], optional): List of B strings. (default: :obj:`None`)
+            properties (dict[str, Any], optional): Per-molecule columns with leading axis B (a list
+                of str for strings). (default: :obj:`None`)
+            atom_properties (dict[str, Any], optional): Per-atom columns of shape ``(B, n, ...)``.
+                (default: :obj:`None`)
 
         Raises:
             AtpValueError: a value the format cannot hold (the message names the file,

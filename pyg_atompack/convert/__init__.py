@@ -10,13 +10,17 @@ writer that consumes them, registered by name in :mod:`.registry`::
         ...
 
 Formats: ``atp``, ``atp-shards``, ``pt``, ``pt-shards``, ``memmap``,
-``diskdataset`` (read only), ``ase``/``extxyz``.
+``diskdataset`` (read only), ``ase``/``extxyz``, and those other packages add
+through the ``pyg_atompack.formats`` entry-point group (:func:`formats` lists
+them all).
 
 ``convert(..., workers=N)`` reads and parses the source in ``N`` processes and
 writes in order (the same output); ``convert(..., part=Part(I, N))`` converts one
 part of a source into a shard directory and :func:`merge_parts` combines the parts
 (:mod:`.parallel`, :mod:`.merge`).
 """
+
+from pyg_atompack._moved import moved_names
 
 from .base import StructureReader, StructureWriter
 from .errors import ConversionNote, ConvertError
@@ -25,26 +29,24 @@ from .options import ReadOptions, WriteOptions, parse_casts, parse_key_map
 from .parallel import Part
 from .pipeline import convert, shard
 from .registry import (
-    FORMATS,
+    ENTRY_POINT_GROUP,
     Format,
     detect_destination_format,
     detect_source_format,
+    formats,
     open_reader,
     open_writer,
     register,
 )
-from .shards import MANIFEST_FORMAT, check_manifest, read_manifest
+from .shards import check_manifest, read_manifest
 from .structure import Structure, as_stress_matrix, voigt_to_matrix
-from .units import ENERGY_UNITS_EV, LENGTH_UNITS_ANGSTROM, UnitConversion
+from .units import UnitConversion
 
 __all__ = [
     "ConversionNote",
     "ConvertError",
-    "ENERGY_UNITS_EV",
-    "FORMATS",
+    "ENTRY_POINT_GROUP",
     "Format",
-    "LENGTH_UNITS_ANGSTROM",
-    "MANIFEST_FORMAT",
     "Part",
     "ReadOptions",
     "Structure",
@@ -57,6 +59,7 @@ __all__ = [
     "convert",
     "detect_destination_format",
     "detect_source_format",
+    "formats",
     "merge_parts",
     "open_reader",
     "open_writer",
@@ -67,3 +70,12 @@ __all__ = [
     "shard",
     "voigt_to_matrix",
 ]
+
+# names that left the public API (kept for one release, with a DeprecationWarning);
+# FORMATS holds no plugin formats until they are loaded: formats() does load them
+__getattr__ = moved_names(__name__, {
+    "FORMATS": "pyg_atompack.convert.registry:FORMATS",
+    "MANIFEST_FORMAT": "pyg_atompack.convert.shards:MANIFEST_FORMAT",
+    "ENERGY_UNITS_EV": "pyg_atompack.convert.units:ENERGY_UNITS_EV",
+    "LENGTH_UNITS_ANGSTROM": "pyg_atompack.convert.units:LENGTH_UNITS_ANGSTROM",
+})

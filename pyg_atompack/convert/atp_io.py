@@ -26,8 +26,8 @@ class AtpReader(StructureReader):
     ``energy_key="REF_energy"``) or to rename (``key_map``).
 
     Args:
-        path: The file or directory.
-        options: Key mapping and units.
+        path (str or os.PathLike): The file or directory.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "atp"
@@ -53,8 +53,9 @@ class AtpReader(StructureReader):
     def _iter_raw(self) -> Iterator[Structure]:
         for index in range(len(self._reader)):
             try:
-                molecule = self._reader[index]
-                structure = molecule_to_structure(molecule)
+                # a Molecule is a Structure, and each read gives a fresh one (with dicts
+                # of its own) that the key mapping and the units may edit
+                structure = self._reader[index]
             except atp.AtpError as exc:
                 raise ConvertError(self.path, str(exc), index) from exc
             if self._pinned or self._renames:
@@ -81,24 +82,6 @@ class AtpReader(StructureReader):
             self._renames.get(k, k): v for k, v in atom_properties.items()
         }
         return structure
-
-
-def molecule_to_structure(molecule: Any) -> Structure:
-    """Copy a molecule record of :mod:`pyg_atompack.atp` into a :class:`Structure`."""
-    return Structure(
-        positions=molecule.positions,
-        atomic_numbers=molecule.atomic_numbers,
-        energy=molecule.energy,
-        forces=molecule.forces,
-        charges=molecule.charges,
-        velocities=molecule.velocities,
-        cell=molecule.cell,
-        stress=molecule.stress,
-        pbc=None if molecule.pbc is None else np.asarray(molecule.pbc, dtype=bool),
-        name=molecule.name,
-        properties=dict(molecule.properties or {}),
-        atom_properties=dict(molecule.atom_properties or {}),
-    )
 
 
 def _atomic_numbers(structure: Structure) -> np.ndarray:
@@ -149,8 +132,8 @@ class AtpWriter(StructureWriter):
     """Writes one `.atp` file.
 
     Args:
-        path: The destination file.
-        options: ``compression`` and ``level``.
+        path (str or os.PathLike): The destination file.
+        options (WriteOptions, optional): ``compression`` and ``level``. (default: :obj:`None`)
     """
 
     format_name = "atp"
@@ -179,8 +162,9 @@ class AtpShardWriter(ShardedWriter):
     """Writes a directory of `.atp` shards plus ``manifest.json``.
 
     Args:
-        path: The destination directory.
-        options: ``shard_size`` records per shard, ``compression``, ``level``.
+        path (str or os.PathLike): The destination directory.
+        options (WriteOptions, optional): ``shard_size`` records per shard, ``compression``,
+            ``level``. (default: :obj:`None`)
     """
 
     format_name = "atp-shards"

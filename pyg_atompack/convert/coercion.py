@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pyg_atompack.atp.types import BUILTINS
+
 from .errors import ConvertError
 from .options import ReadOptions
 from .structure import Structure
@@ -39,8 +41,8 @@ from .structure import Structure
 _SCOPES = ("properties", "atom_properties")
 # builtin arrays whose dtype may change between structures (float32 forces, then
 # float64 ones): promoted like custom keys, since `.atp` locks their dtype too
-_BUILTIN_ARRAYS = {"positions": True, "forces": True, "charges": True, "velocities": True,
-                   "cell": False, "stress": False}
+_BUILTIN_ARRAYS = {name: field.per_atom for name, field in BUILTINS.items()
+                   if len(field.dtypes) > 1 and (field.per_atom or field.shape)}
 _BUILTIN_ITEMS = tuple(_BUILTIN_ARRAYS.items())
 _SCOPE_ITEMS = (("properties", False), ("atom_properties", True))
 _MISSING = object()
@@ -50,10 +52,11 @@ class Kind(NamedTuple):
     """The type of one custom value (a tuple: compared and built at C speed).
 
     Args:
-        form: ``"none"``, ``"str"``, ``"int"``, ``"float"`` (Python scalars) or
-            ``"array"``.
-        dtype: numpy dtype of an array (``None`` otherwise).
-        shape: Shape of an array; per-atom values leave out the atom axis.
+        form (str): ``"none"``, ``"str"``, ``"int"``, ``"float"`` (Python scalars) or ``"array"``.
+        dtype (np.dtype, optional): numpy dtype of an array (``None`` otherwise).
+            (default: :obj:`None`)
+        shape (tuple[int, ...], optional): Shape of an array; per-atom values leave out the atom
+            axis. (default: :obj:`None`)
     """
 
     form: str
@@ -104,8 +107,8 @@ def promote(old: Kind, new: Kind) -> Kind | None:
     """The narrowest kind holding both, or ``None`` when they conflict.
 
     Args:
-        old: The key's kind so far.
-        new: The kind of the value just read.
+        old (Kind): The key's kind so far.
+        new (Kind): The kind of the value just read.
 
     Returns:
         The promoted kind (``old`` itself when ``new`` fits it).
@@ -206,12 +209,12 @@ class Coercer:
     """Gives every custom key one type across a conversion (see the module docstring).
 
     Args:
-        options: ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
-        source: The source path, for messages.
-        destination: The user's destination path, named by errors and notes.
-        kinds: Kinds to start from (values narrower than these are converted up
-            to them): how :func:`~.merge.merge_parts` re-encodes a part with the
-            types the other parts settled on. (default: :obj:`None`)
+        options (ReadOptions): ``drop_keys``, ``skip_targets`` and ``casts`` of the conversion.
+        source (str or os.PathLike): The source path, for messages.
+        destination (str or os.PathLike): The user's destination path, named by errors and notes.
+        kinds (dict[tuple[str, str], Kind], optional): Kinds to start from (values narrower
+            than these are converted up to them): how :func:`~.merge.merge_parts` re-encodes a
+            part with the types the other parts settled on. (default: :obj:`None`)
     """
 
     def __init__(self, options: ReadOptions, source: str | os.PathLike,

@@ -15,18 +15,11 @@ from typing import Any
 
 import numpy as np
 
-#: Units of the builtin fields, the project's convention (README, ``Data`` attributes).
-UNITS = {
-    "positions": "Å",
-    "cell": "Å",
-    "energy": "eV",
-    "forces": "eV/Å",
-    "stress": "eV/Å³",
-    "charges": "e",
-    "velocities": "Å·(eV/u)^½ (ASE units)",
-}
+from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS, BUILTINS
 
-_PER_ATOM_BUILTINS = ("positions", "atomic_numbers", "forces", "charges", "velocities")
+#: Units of the builtin fields, the project's convention (README, ``Data`` attributes).
+UNITS = {name: field.unit for name, field in BUILTINS.items() if field.unit is not None}
+
 _PYTHON_DTYPES = {"float": "float64", "int": "int64", "bool": "bool", "str": "str"}
 _DESCRIPTION = re.compile(r"^(?P<dtype>[A-Za-z0-9_]+)(?:\[(?P<shape>[^\]]*)\])?")
 
@@ -35,9 +28,9 @@ def field_entry(description: str, per_atom: bool) -> dict[str, Any]:
     """A manifest field entry out of an ``info`` description such as ``float32[n,3]``.
 
     Args:
-        description: ``dtype[shape]`` text; ``n`` is the atom axis, ``?`` a
-            dimension that varies between structures.
-        per_atom: Whether the field has one value per atom.
+        description (str): ``dtype[shape]`` text; ``n`` is the atom axis, ``?`` a dimension that
+            varies between structures.
+        per_atom (bool): Whether the field has one value per atom.
 
     Returns:
         ``{"dtype", "shape", "per_atom", "description"}``; ``shape`` lists ints,
@@ -63,9 +56,10 @@ def describe_shards(paths: Sequence[Path], shard_format: str, chunk: int = 4096)
     """Counts, elements and fields of the shards of one dataset.
 
     Args:
-        paths: The shard files, in the dataset's order.
-        shard_format: ``"atp"`` or ``"pt"``.
-        chunk: Records read per ``read_batch`` call for `.atp` shards.
+        paths (Sequence[Path]): The shard files, in the dataset's order.
+        shard_format (str): ``"atp"`` or ``"pt"``.
+        chunk (int, optional): Records read per ``read_batch`` call for `.atp` shards.
+            (default: :obj:`4096`)
 
     Returns:
         ``structures``, ``atoms``, ``elements`` (chemical symbols, by atomic
@@ -104,7 +98,7 @@ def describe_shards(paths: Sequence[Path], shard_format: str, chunk: int = 4096)
             structures += summary["structures"]
             atoms += summary["atoms"]
             for name, (kinds, _count) in summary["fields"].items():
-                per_atom = name in _PER_ATOM_BUILTINS or name.startswith("atom_properties/")
+                per_atom = name in ATOM_AXIS_BUILTINS or name.startswith("atom_properties/")
                 fields.setdefault(name, field_entry(kinds, per_atom))
     elements = [chemical_symbols[z] if z < len(chemical_symbols) else f"Z{z}"
                 for z in np.flatnonzero(counts)]

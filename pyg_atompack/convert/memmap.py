@@ -1,6 +1,6 @@
 """metatrain ``MemmapDataset`` directories in and out.
 
-The layout itself (and its checks) lives in :mod:`pyg_atompack.data.memmap_layout`,
+The layout itself (and its checks) lives in :mod:`pyg_atompack.memmap_layout`,
 shared with :class:`~pyg_atompack.MemmapDataset`. Everything in the layout is
 float32 (atomic types int32), so float64 values are rounded when written.
 """
@@ -15,7 +15,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pyg_atompack.data.memmap_layout import (
+from pyg_atompack.atp.types import PER_ATOM_BUILTINS, SECTION_BUILTINS
+from pyg_atompack.memmap_layout import (
     DEFAULT_KEYS,
     SIDECAR_FORMAT,
     SIDECAR_NAME,
@@ -26,12 +27,14 @@ from pyg_atompack.data.memmap_layout import (
 
 from .base import StructureReader, StructureWriter
 from .errors import ConvertError, note
-from .options import ReadOptions, WriteOptions
+from .options import MAPPABLE_BUILTINS, ReadOptions, WriteOptions
 from .structure import Structure
 
 # builtin -> file stem written by MemmapWriter (metatrain's writer names for energy)
 WRITER_STEMS = {**DEFAULT_KEYS, "charges": "charges", "velocities": "velocities"}
 _RESERVED_STEMS = {"x", "a", "c", "ns", "na"}
+# per-atom labels, in record order (one file each)
+_PER_ATOM_LABELS = tuple(name for name in SECTION_BUILTINS if name in PER_ATOM_BUILTINS)
 
 
 class MemmapReader(StructureReader):
@@ -49,8 +52,8 @@ class MemmapReader(StructureReader):
     dropped silently.
 
     Args:
-        path: The memmap directory.
-        options: Key mapping and units.
+        path (str or os.PathLike): The memmap directory.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "memmap"
@@ -113,7 +116,6 @@ class MemmapReader(StructureReader):
         return len(self.layout)
 
     def _iter_raw(self) -> Iterator[Structure]:
-        builtin_names = ("energy", "forces", "charges", "velocities", "stress", "name")
         for index in range(len(self.layout)):
             values = self.layout.structure(index)
             structure = Structure(
@@ -128,7 +130,7 @@ class MemmapReader(StructureReader):
                     structure.energy = float(value.reshape(()))
                 elif key.attribute == "stress":
                     structure.stress = expand_voigt(value) if value.shape == (6,) else value
-                elif key.attribute in builtin_names:
+                elif key.attribute in MAPPABLE_BUILTINS:
                     setattr(structure, key.attribute, value)
                 elif key.per_atom:
                     structure.atom_properties[key.attribute] = value
@@ -147,8 +149,8 @@ class MemmapWriter(StructureWriter):
     zeros, because the layout derives periodicity from non-zero rows.
 
     Args:
-        path: The destination directory.
-        options: Only ``overwrite`` applies.
+        path (str or os.PathLike): The destination directory.
+        options (WriteOptions, optional): Only ``overwrite`` applies. (default: :obj:`None`)
     """
 
     format_name = "memmap"
@@ -174,7 +176,7 @@ class MemmapWriter(StructureWriter):
         fields: dict[str, tuple[bool, Any]] = {}
         if structure.energy is not None:
             fields["energy"] = (False, structure.energy)
-        for name in ("forces", "charges", "velocities"):
+        for name in _PER_ATOM_LABELS:
             if getattr(structure, name) is not None:
                 fields[name] = (True, getattr(structure, name))
         if structure.stress is not None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pyg_atompack.atp.types import BUILTINS
+
 from .units import UnitConversion
 
 #: dtypes a custom key can be cast to (``--cast KEY=DTYPE``).
 CAST_DTYPES = ("float64", "float32", "int64", "int32")
 
-# Builtin fields a source key can be mapped onto.
-MAPPABLE_BUILTINS = ("energy", "forces", "stress", "charges", "velocities", "name")
+# Builtin fields a source key can be mapped onto: the labels, not the geometry.
+MAPPABLE_BUILTINS = tuple(name for name, field in BUILTINS.items() if not field.geometry)
 
 
 @dataclass(frozen=True)
@@ -19,26 +21,28 @@ class ReadOptions:
     """How to interpret the values of a source.
 
     Args:
-        energy_key: Source key holding the energy; ``None`` takes the format's
-            default (an ASE calculator's energy, ``energy.bin``, ``energy.mts``).
-            A key given explicitly must exist in every structure.
-        forces_key: Source key holding the forces (same rules).
-        stress_key: Source key holding the stress, Voigt-6 or 3×3 (same rules).
-        key_map: Further ``source key -> destination name`` renames. A
-            destination that is a builtin name (``charges``, ``velocities``,
-            ...) fills that builtin; anything else renames a custom property.
-        units: Units of the source (default: eV and Å, nothing converted).
-        virial_key: Source key holding the virial (Voigt-6 or 3×3, energy
-            units); it becomes ``stress = -virial / volume`` (ASE's sign).
-            Periodic structures only. (default: :obj:`None`)
-        drop_keys: Custom keys left out of the output on purpose, after reading
-            (default: ``()``).
-        casts: ``key -> dtype`` (``float64``, ``float32``, ``int64``,
-            ``int32``) applied to custom keys before type promotion
-            (default: ``{}``).
-        skip_targets: Targets of a DiskDataset zip, or file stems of a memmap
-            directory, that are not read at all (e.g. a multi-block spherical
-            target); elsewhere the same as ``drop_keys`` (default: ``()``).
+        energy_key (str, optional): Source key holding the energy; ``None`` takes the format's
+            default (an ASE calculator's energy, ``energy.bin``, ``energy.mts``). A key given
+            explicitly must exist in every structure. (default: :obj:`None`)
+        forces_key (str, optional): Source key holding the forces (same rules).
+            (default: :obj:`None`)
+        stress_key (str, optional): Source key holding the stress, Voigt-6 or 3×3 (same rules).
+            (default: :obj:`None`)
+        key_map (Mapping[str, str], optional): Further ``source key -> destination name`` renames.
+            A destination that is a builtin name (``charges``, ``velocities``, ...) fills that
+            builtin; anything else renames a custom property.
+        units (UnitConversion, optional): Units of the source
+            (default: eV and Å, nothing converted).
+        virial_key (str, optional): Source key holding the virial (Voigt-6 or 3×3, energy units);
+            it becomes ``stress = -virial / volume`` (ASE's sign). Periodic structures only.
+            (default: :obj:`None`)
+        drop_keys (tuple[str, ...], optional): Custom keys left out of the output on purpose, after
+            reading (default: ``()``).
+        casts (Mapping[str, str], optional): ``key -> dtype`` (``float64``, ``float32``, ``int64``,
+            ``int32``) applied to custom keys before type promotion (default: ``{}``).
+        skip_targets (tuple[str, ...], optional): Targets of a DiskDataset zip, or file stems of a
+            memmap directory, that are not read at all (e.g. a multi-block spherical target);
+            elsewhere the same as ``drop_keys`` (default: ``()``).
     """
 
     energy_key: str | None = None
@@ -92,17 +96,17 @@ class WriteOptions:
     """How to write a destination.
 
     Args:
-        compression: `.atp` codec, ``"none"``, ``"lz4"`` or ``"zstd"``
+        compression (str, optional): `.atp` codec, ``"none"``, ``"lz4"`` or ``"zstd"``
             (default: ``"none"``).
-        level: zstd level (default: ``3``).
-        shard_size: Records per shard for sharded outputs; ``None`` writes a
-            single `.atp` file (default: ``None``).
-        overwrite: Replace an existing destination (default: ``False``).
-        first_shard: Number of the first shard a sharded writer writes
-            (``shard_{first_shard:05d}...``), so that the parts of a partitioned
-            conversion never share a shard name (default: ``0``).
-        part: Written into a sharded output's manifest as ``"part"``: which part of
-            a partitioned conversion it holds (see :mod:`.parallel`)
+        level (int, optional): zstd level (default: ``3``).
+        shard_size (int, optional): Records per shard for sharded outputs; ``None`` writes a single
+            `.atp` file (default: ``None``).
+        overwrite (bool, optional): Replace an existing destination (default: ``False``).
+        first_shard (int, optional): Number of the first shard a sharded writer writes
+            (``shard_{first_shard:05d}...``), so that the parts of a partitioned conversion never
+            share a shard name (default: ``0``).
+        part (Mapping[str, int], optional): Written into a sharded output's manifest as ``"part"``:
+            which part of a partitioned conversion it holds (see :mod:`.parallel`)
             (default: ``None``).
     """
 
@@ -126,7 +130,8 @@ def parse_key_map(pairs: list[str] | str | None) -> dict[str, str]:
     """Parse ``SRC=DST`` pairs (comma-separated or repeated) into a dict.
 
     Args:
-        pairs: Strings such as ``"REF_energy=energy,REF_force=forces"``.
+        pairs (list[str] or str, optional): Strings such as
+            ``"REF_energy=energy,REF_force=forces"``.
 
     Returns:
         The ``source -> destination`` mapping.
@@ -154,7 +159,7 @@ def parse_casts(pairs: list[str] | str | None) -> dict[str, str]:
     """Parse ``KEY=DTYPE`` pairs (comma-separated or repeated) of ``--cast``.
 
     Args:
-        pairs: Strings such as ``"mu=float64,alpha=float32"``.
+        pairs (list[str] or str, optional): Strings such as ``"mu=float64,alpha=float32"``.
 
     Returns:
         The ``key -> dtype`` mapping.

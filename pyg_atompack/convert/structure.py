@@ -1,76 +1,29 @@
-"""A plain in-memory structure record shared by every reader and writer.
+"""The record every reader yields and every writer consumes, and value helpers.
 
-Readers yield :class:`Structure` objects, writers consume them; nothing else
-crosses the boundary between two formats. Values use the `.atp` conventions
-(docs/architecture.md): positions in Å with rows per atom, cell rows are
-lattice vectors, stress is the full 3×3 tensor in eV/Å³ with ASE's sign.
+:class:`Structure` is :class:`pyg_atompack.atp.Molecule`: one record type for
+the `.atp` layer and the converters, so nothing is copied field by field
+between them. Nothing else crosses the boundary between two formats. Values use
+the `.atp` conventions (docs/architecture.md): positions in Å with rows per
+atom, cell rows are lattice vectors, stress is the full 3×3 tensor in eV/Å³
+with ASE's sign, ``pbc`` a tuple of three bools.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-BUILTIN_NAMES = (
-    "energy",
-    "forces",
-    "charges",
-    "velocities",
-    "cell",
-    "stress",
-    "pbc",
-    "name",
-)
+from pyg_atompack.atp.molecule import Molecule, PropertyValue
+from pyg_atompack.atp.types import SECTION_BUILTINS
 
-PropertyValue = float | int | str | None | np.ndarray
+#: The record type of the converters (the same class as ``atp.Molecule``).
+Structure = Molecule
+# the optional builtin fields, in record order
+BUILTIN_NAMES = SECTION_BUILTINS
 
-
-@dataclass
-class Structure:
-    """One atomic structure with its labels.
-
-    Args:
-        positions: Cartesian positions, shape ``(n, 3)``, float32 or float64.
-        atomic_numbers: Atomic numbers, shape ``(n,)``.
-        energy: Total energy (eV), or ``None``.
-        forces: Forces ``(n, 3)`` (eV/Å), or ``None``.
-        charges: Per-atom charges ``(n,)``, or ``None``.
-        velocities: Velocities ``(n, 3)``, or ``None``.
-        cell: Cell ``(3, 3)``, rows are lattice vectors (Å), or ``None``.
-        stress: Full stress tensor ``(3, 3)`` (eV/Å³), or ``None``.
-        pbc: Periodic axes ``(3,)`` bool, or ``None``.
-        name: A free-form name, or ``None``.
-        properties: Per-structure custom values.
-        atom_properties: Per-atom custom arrays, first dimension ``n``.
-    """
-
-    positions: np.ndarray
-    atomic_numbers: np.ndarray
-    energy: float | None = None
-    forces: np.ndarray | None = None
-    charges: np.ndarray | None = None
-    velocities: np.ndarray | None = None
-    cell: np.ndarray | None = None
-    stress: np.ndarray | None = None
-    pbc: np.ndarray | None = None
-    name: str | None = None
-    properties: dict[str, PropertyValue] = field(default_factory=dict)
-    atom_properties: dict[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def n_atoms(self) -> int:
-        """Number of atoms."""
-        return int(len(self.atomic_numbers))
-
-    def copy_with(self, **changes: Any) -> Structure:
-        """Return a shallow copy with some fields replaced."""
-        return replace(self, **changes)
-
-    def present_fields(self) -> list[str]:
-        """Names of the builtin fields that are set, in a fixed order."""
-        return [name for name in BUILTIN_NAMES if getattr(self, name) is not None]
+__all__ = ["BUILTIN_NAMES", "PropertyValue", "Structure", "as_stress_matrix",
+           "normalise_property", "voigt_to_matrix"]
 
 
 def voigt_to_matrix(voigt: np.ndarray) -> np.ndarray:
@@ -79,7 +32,7 @@ def voigt_to_matrix(voigt: np.ndarray) -> np.ndarray:
     The order is ASE's: ``xx, yy, zz, yz, xz, xy``.
 
     Args:
-        voigt: Array of shape ``(6,)``.
+        voigt (np.ndarray): Array of shape ``(6,)``.
 
     Returns:
         The symmetric ``(3, 3)`` tensor, same dtype.
@@ -92,7 +45,7 @@ def as_stress_matrix(value: Any) -> np.ndarray:
     """Turn a stress given as Voigt-6 or 3×3 into a 3×3 tensor.
 
     Args:
-        value: A 6-vector (Voigt, ASE order) or anything with 9 elements.
+        value (Any): A 6-vector (Voigt, ASE order) or anything with 9 elements.
 
     Returns:
         The ``(3, 3)`` stress tensor.
@@ -115,7 +68,7 @@ def normalise_property(value: Any) -> PropertyValue:
     lists and tuples of numbers become arrays.
 
     Args:
-        value: The raw value from a source file.
+        value (Any): The raw value from a source file.
 
     Returns:
         A ``float``, ``int``, ``str``, ``None`` or numeric ``np.ndarray``.

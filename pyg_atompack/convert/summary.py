@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS
+
 from .errors import ConvertError
 from .registry import detect_source_format, open_reader
 from .shards import check_manifest, read_manifest
@@ -56,9 +58,10 @@ def scan(path: str | os.PathLike, progress: Callable[[int | None], Any] | None =
     """Read every structure of a source and summarise its fields.
 
     Args:
-        path: Any readable source.
-        progress: Optional progress bar factory.
-        **reader_kwargs: ``format`` and ``options`` for :func:`open_reader`.
+        path (str or os.PathLike): Any readable source.
+        progress (Callable[[int | None], Any], optional): Optional progress bar factory.
+            (default: :obj:`None`)
+        **reader_kwargs (optional): ``format`` and ``options`` for :func:`open_reader`.
 
     Returns:
         ``format``, ``structures``, ``atoms``, ``fields`` (``name -> "dtype[shape]"``
@@ -82,7 +85,7 @@ def scan(path: str | os.PathLike, progress: Callable[[int | None], Any] | None =
                     continue
                 shown = describe_value(value)
                 if isinstance(value, np.ndarray) and (
-                    name in ("positions", "atomic_numbers", "forces", "charges", "velocities")
+                    name in ATOM_AXIS_BUILTINS
                     or name.startswith("atom_properties/")
                 ):
                     shown = f"{value.dtype}[n{','.join([''] + [str(d) for d in value.shape[1:]])}]"
@@ -139,8 +142,9 @@ def describe_atp_fields(files: Sequence[Path], chunk: int = 4096) -> dict[str, s
     dimensions and marked ``ragged``.
 
     Args:
-        files: `.atp` files (e.g. the shards of one dataset), read in this order.
-        chunk: Records decoded per ``read_batch`` call when scanning tensor fields.
+        files (Sequence[Path]): `.atp` files (e.g. the shards of one dataset), read in this order.
+        chunk (int, optional): Records decoded per ``read_batch`` call when scanning tensor fields.
+            (default: :obj:`4096`)
 
     Returns:
         ``{field name: description}`` in schema order, each description ending with
@@ -202,10 +206,11 @@ def verify_source(path: str | os.PathLike,
     slots, the schema and the index; then every structure is decoded.
 
     Args:
-        path: Any readable source.
-        progress: Optional progress bar factory.
-        src_format: The format when the name does not tell (e.g. ``"atp"`` for a cached
-            download named by its checksum). (default: detected from the path)
+        path (str or os.PathLike): Any readable source.
+        progress (Callable[[int | None], Any], optional): Optional progress bar factory.
+            (default: :obj:`None`)
+        src_format (str, optional): The format when the name does not tell (e.g. ``"atp"`` for a
+            cached download named by its checksum). (default: detected from the path)
 
     Returns:
         ``(structures decoded, problems)``; no problems means the source is sound.

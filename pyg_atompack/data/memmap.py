@@ -1,6 +1,6 @@
 """A PyG ``Dataset`` over metatrain ``MemmapDataset`` directories.
 
-The layout and its checks are in :mod:`pyg_atompack.data.memmap_layout`
+The layout and its checks are in :mod:`pyg_atompack.memmap_layout`
 (numpy only, shared with the converters).
 """
 
@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
 
 from torch_geometric.data import Data, Dataset
 
-from pyg_atompack.data.memmap_layout import (
+from pyg_atompack.atp.molecule import Molecule
+from pyg_atompack.atp.types import BUILTINS, SECTION_BUILTINS
+from pyg_atompack.memmap_layout import (
     BUILTIN_SHAPES,
     DEFAULT_KEYS,
     SIDECAR_FORMAT,
@@ -37,6 +38,9 @@ __all__ = [
     "expand_voigt",
     "is_memmap_dir",
 ]
+
+# the builtin sections a layout can fill (all but the name)
+_ARRAY_BUILTINS = tuple(name for name in SECTION_BUILTINS if BUILTINS[name].shape is not None)
 
 
 class MemmapDataset(Dataset):
@@ -81,14 +85,12 @@ class MemmapDataset(Dataset):
         stress = values.get("stress")
         if stress is not None and stress.shape == (6,):
             values["stress"] = expand_voigt(stress)
-        builtins = {name: values.pop(name, None) for name in
-                    ("energy", "forces", "charges", "velocities", "cell", "stress", "pbc")}
+        builtins = {name: values.pop(name, None) for name in _ARRAY_BUILTINS}
         if builtins["energy"] is not None:
             builtins["energy"] = builtins["energy"].reshape(())
-        record = SimpleNamespace(
+        record = Molecule(
             positions=values.pop("positions"),
             atomic_numbers=values.pop("atomic_numbers"),
-            name=None,
             **builtins,
             atom_properties={k.attribute: values[k.attribute] for k in self.layout.keys
                              if k.per_atom and k.attribute in values},

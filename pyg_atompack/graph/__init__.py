@@ -11,7 +11,8 @@ neighbour), ``edge_index[1]`` the target ``i`` (the centre), as PyG's
 ``pos[j] + shift @ cell - pos[i]``.
 """
 
-from ._blocks import SearchBlock, plan_blocks
+from pyg_atompack._moved import moved_names
+
 from .interaction import InteractionGraph, SchNetWithGraph
 from .radius import DEFAULT_MAX_PAIRS, NeighbourGraph, radius_graph, torch_cluster_available
 
@@ -20,8 +21,12 @@ __all__ = [
     "InteractionGraph",
     "NeighbourGraph",
     "SchNetWithGraph",
-    "SearchBlock",
-    "plan_blocks",
     "radius_graph",
     "torch_cluster_available",
 ]
+
+# the search's block planning left the public API (kept for one release, with a warning)
+__getattr__ = moved_names(__name__, {
+    "SearchBlock": "pyg_atompack.graph._blocks:SearchBlock",
+    "plan_blocks": "pyg_atompack.graph._blocks:plan_blocks",
+})

@@ -16,9 +16,7 @@ Public API::
     # [RemoteFile(path, size, sha256, url, revision, repo_id, repo_type, blob_id), ...]
     # sorted by POSIX path; ONE listing request (recursive tree), no per-file requests
 
-    head = hub.fetch_range(files[0], 0, 8192)                    # HTTP Range read -> bytes
     local = hub.download(files[0], cache_dir)                    # verified (size + sha256)
-    data = hub.fetch_bytes(files[0])                             # verified, in memory only
 
     with hub.open_hub_atp("org/data", "omat/train", revision="main") as f:
         len(f); f[-1]; f.read_batch([0, 5, 9], fields=["energy"]); f.n_atoms; f.fields
@@ -27,8 +25,7 @@ Public API::
 
 What crosses the network, per call: ``resolve_revision`` one API request;
 ``list_remote_files`` one tree listing (more pages only past 1000 entries);
-``fetch_range`` exactly the requested bytes; ``download``/``fetch_bytes`` one
-GET of the file, nothing when a verified copy is cached; ``open_hub_atp`` one
+``download`` one GET of the file, nothing when a verified copy is cached; ``open_hub_atp`` one
 resolve (none for a commit sha), one listing and one 8192-byte range read per
 shard, or nothing at all when that commit's listing is in the cache, so a
 pinned, already-downloaded dataset opens offline. ``n_atoms``/``fields`` of a
@@ -57,7 +54,7 @@ imported, into ``huggingface_hub.constants.ENDPOINT``. Setting the environment
 variable later has no effect in a running process. So every function that talks
 to the API takes ``endpoint=`` (``None`` = the client's configured endpoint) and
 passes it to ``HfApi(endpoint=...)`` and ``hf_hub_url(endpoint=...)``. A
-:class:`RemoteFile` carries its full URL, so :func:`fetch_range`,
+:class:`RemoteFile` carries its full URL, so range reads,
 :func:`download` and pickled readers in DataLoader workers keep using the
 endpoint they were listed from. For a separate process (a script, ``torchrun``)
 set ``HF_ENDPOINT`` in its environment before it starts. Tests do exactly this
@@ -71,6 +68,7 @@ readers to untrusted places.
 
 from __future__ import annotations
 
+from pyg_atompack._moved import moved_names
 from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp
 from pyg_atompack.hub.errors import (
     HubAuthError,
@@ -87,22 +85,10 @@ from pyg_atompack.hub.errors import (
 )
 from pyg_atompack.hub.publish import HubPublishError, PushResult, push
 from pyg_atompack.hub.pull import PullResult, pull
-from pyg_atompack.hub.remote import (
-    RemoteFile,
-    is_commit_sha,
-    list_remote_files,
-    resolve_revision,
-)
-from pyg_atompack.hub.transfer import (
-    cached_path,
-    check_bytes,
-    default_cache_dir,
-    download,
-    fetch_bytes,
-    fetch_range,
-)
+from pyg_atompack.hub.remote import RemoteFile, list_remote_files, resolve_revision
+from pyg_atompack.hub.transfer import download
 from pyg_atompack.hub.uri import HubLocation, parse_hf_uri
-from pyg_atompack.hub.url_files import list_url_files, open_remote_atp, open_url_atp
+from pyg_atompack.hub.url_files import open_remote_atp, open_url_atp
 
 __all__ = [
     "HubAtpReader",
@@ -122,15 +108,8 @@ __all__ = [
     "PullResult",
     "PushResult",
     "RemoteFile",
-    "cached_path",
-    "check_bytes",
-    "default_cache_dir",
     "download",
-    "fetch_bytes",
-    "fetch_range",
-    "is_commit_sha",
     "list_remote_files",
-    "list_url_files",
     "open_hub_atp",
     "open_remote_atp",
     "open_url_atp",
@@ -139,3 +118,14 @@ __all__ = [
     "push",
     "resolve_revision",
 ]
+
+# plumbing that left the public API (kept for one release, with a DeprecationWarning)
+__getattr__ = moved_names(__name__, {
+    "cached_path": "pyg_atompack.hub.transfer:cached_path",
+    "check_bytes": "pyg_atompack.hub.transfer:check_bytes",
+    "default_cache_dir": "pyg_atompack.hub.transfer:default_cache_dir",
+    "fetch_bytes": "pyg_atompack.hub.transfer:fetch_bytes",
+    "fetch_range": "pyg_atompack.hub.transfer:fetch_range",
+    "is_commit_sha": "pyg_atompack.hub.remote:is_commit_sha",
+    "list_url_files": "pyg_atompack.hub.url_files:list_url_files",
+})

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pyg_atompack import atp
 from pyg_atompack.hub.remote import RemoteFile
 from pyg_atompack.hub.transfer import fetch_range
 
@@ -37,10 +38,12 @@ def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
     """Header facts of a remote shard from one range read of its first 8192 bytes.
 
     Args:
-        shard: The remote ``.atp`` file.
-        token: Hub token.
-        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
-        store: The object-store handle that listed ``shard`` (object-store URLs only).
+        shard (RemoteFile): The remote ``.atp`` file.
+        token (str or bool, optional): Hub token. (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts; :obj:`None` takes the Hub
+            default. (default: :obj:`None`)
+        store (ObjectStore, optional): The object-store handle that listed ``shard``
+            (object-store URLs only). (default: :obj:`None`)
 
     Returns:
         ``num_molecules``, ``index_offset``, ``index_len``, ``schema_offset``,
@@ -49,11 +52,9 @@ def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
     Raises:
         pyg_atompack.atp.AtpError: The bytes are not a valid ``.atp`` header.
     """
-    from pyg_atompack.atp.header import select_header
-
     head = fetch_range(shard, 0, min(HEADER_BYTES, shard.size), token=token, policy=policy,
                        store=store)
-    return _header_info(select_header(head, shard.size, shard_uri(shard)))
+    return _header_info(atp.select_header(head, shard.size, shard_uri(shard)))
 
 
 def remote_n_atoms(
@@ -63,23 +64,19 @@ def remote_n_atoms(
     """Atoms per molecule of a remote shard, from one range read of its index block.
 
     Args:
-        shard: The remote ``.atp`` file.
-        header: Its facts from :func:`read_shard_header`.
-        token: Hub token.
-        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
-        store: The object-store handle that listed ``shard`` (object-store URLs only).
+        shard (RemoteFile): The remote ``.atp`` file.
+        header (dict[str, int]): Its facts from :func:`read_shard_header`.
+        token, policy, store: As for :func:`read_shard_header`.
 
     Returns:
         int64 array ``(num_molecules,)``.
     """
-    from pyg_atompack.atp.index import decode_index
-
     count = header["num_molecules"]
     if count == 0:
         return np.zeros(0, dtype=np.int64)
     raw = fetch_range(shard, header["index_offset"], header["index_len"], token=token,
                       policy=policy, store=store)
-    return decode_index(raw, count, shard_uri(shard))["n_atoms"].astype(np.int64)
+    return atp.index_n_atoms(raw, count, shard_uri(shard))
 
 
 def remote_fields(
@@ -89,30 +86,17 @@ def remote_fields(
     """A remote shard's fields from one range read of its schema block.
 
     Args:
-        shard: The remote ``.atp`` file.
-        header: Its facts from :func:`read_shard_header`.
-        token: Hub token.
-        policy: Retries and timeouts (a ``RetryPolicy``; ``None``: the Hub default).
-        store: The object-store handle that listed ``shard`` (object-store URLs only).
+        shard (RemoteFile): The remote ``.atp`` file.
+        header (dict[str, int]): Its facts from :func:`read_shard_header`.
+        token, policy, store: As for :func:`read_shard_header`.
 
     Returns:
         ``name -> atp.FieldInfo``, or ``None`` when the file has no schema block
         (atompack 0.2.x files: only a scan of the records can tell).
     """
-    from pyg_atompack.atp.fields import fields_from_schema
-    from pyg_atompack.atp.schema import decode_schema
-    from pyg_atompack.atp.types import POSITIONS_DTYPE_BY_TAG
-
     head = header
     if not head.get("schema_len") or head.get("record_format") not in (2, 3):
         return None  # 0.2.x file: only a scan of the records can tell (format layer does it)
     raw = fetch_range(shard, head["schema_offset"], head["schema_len"], token=token,
                       policy=policy, store=store)
-    schema = decode_schema(raw, shard_uri(shard))
-    if head.get("record_format") == 2:
-        pos_dtype = np.dtype("<f4")  # spec §5.1: record format 2 positions are always f32
-    elif schema.positions_tag in POSITIONS_DTYPE_BY_TAG:
-        pos_dtype = POSITIONS_DTYPE_BY_TAG[schema.positions_tag]
-    else:
-        return None  # let the format layer raise its own error when the shard is opened
-    return fields_from_schema(schema, pos_dtype)
+    return atp.schema_block_fields(raw, head["record_format"], shard_uri(shard))

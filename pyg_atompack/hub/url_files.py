@@ -119,7 +119,8 @@ def open_url_atp(url: str, *, cache_dir=None, verify: bool = True, access: str =
 
     Args:
         url: See :func:`list_url_files`.
-        cache_dir: Download cache root (default: :func:`~pyg_atompack.hub.default_cache_dir`).
+        cache_dir: Download cache root
+            (default: :func:`~pyg_atompack.hub.transfer.default_cache_dir`).
         verify: Verify each download against the manifest's sha256. (default: ``True``)
         access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
         policy: Retries and timeouts. (default: the Hub default)

@@ -4,26 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS, BUILTINS
+
 from .errors import FieldSelectionError
 
 __all__ = ["BUILTIN_FIELDS", "attribute_name", "resolve_fields"]
 
-# `.atp` builtin field -> Data attribute, in the order attributes are set on a Data.
-BUILTIN_FIELDS: dict[str, str] = {
-    "atomic_numbers": "z",
-    "positions": "pos",
-    "energy": "energy",
-    "forces": "forces",
-    "charges": "charges",
-    "velocities": "velocities",
-    "cell": "cell",
-    "stress": "stress",
-    "pbc": "pbc",
-    "name": "name",
-}
+# `.atp` builtin field -> Data attribute, in the order attributes are set on a Data
+# (derived from the one table, pyg_atompack.atp.types.BUILTINS).
+BUILTIN_FIELDS: dict[str, str] = {name: field.attribute for name, field in BUILTINS.items()}
 _ALWAYS_READ = ("atomic_numbers", "positions")
-_NODE_BUILTINS = frozenset({"positions", "forces", "charges", "velocities"})
-_GRAPH_ARRAY_BUILTINS = frozenset({"cell", "stress", "pbc"})  # stored (3,3)/(3,) -> [1, ...]
+# node-level builtins (atomic numbers become ``z`` apart, as int64)
+_NODE_BUILTINS = ATOM_AXIS_BUILTINS - {"atomic_numbers"}
+# per-molecule arrays, stored (3, 3) / (3,): graph attributes of shape [1, ...]
+_GRAPH_ARRAY_BUILTINS = frozenset(name for name, field in BUILTINS.items()
+                                  if not field.per_atom and field.shape)
 _RESERVED_ATTRIBUTES = frozenset(BUILTIN_FIELDS.values()) | {"natoms"}
 _PROPERTIES = "properties/"
 _ATOM_PROPERTIES = "atom_properties/"

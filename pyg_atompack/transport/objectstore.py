@@ -33,8 +33,8 @@ exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else
 botocore and s3fs make a single attempt each, so retries never multiply.
 
 :func:`object_range_readers` gives the listed objects the
-:class:`~pyg_atompack.transport.RangeReader` interface
-(:class:`~pyg_atompack.transport.ObjectRangeReader`), for record-level reads (record
+:class:`~pyg_atompack.transport.ranges.RangeReader` interface
+(:class:`~pyg_atompack.transport.ranges.ObjectRangeReader`), for record-level reads (record
 blocks, the page cache) exactly as for HTTP(S) files.
 
 This module is torch-free.
@@ -872,7 +872,7 @@ def object_range_readers(url: str, *, suffixes: Sequence[str] = (".atp",),
             ``retry``, fsspec options).
 
     Returns:
-        One :class:`~pyg_atompack.transport.ObjectRangeReader` per object, in POSIX
+        One :class:`~pyg_atompack.transport.ranges.ObjectRangeReader` per object, in POSIX
         path order, sharing one picklable, fork-safe handle.
 
     Raises:
