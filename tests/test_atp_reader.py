@@ -199,6 +199,33 @@ def test_close_and_reuse(golden_dir):
     assert "closed" in repr(f)
 
 
+@pytest.mark.parametrize("access", ["auto", "mmap"])
+def test_arrays_of_a_mapped_file_outlive_close(tmp_path, access):
+    # Records of an uncompressed file are views of the mapping; closing the reader
+    # must not unmap it under them (that was a segfault: run in a child process).
+    path = tmp_path / "plain.atp"
+    rng = np.random.default_rng(3)
+    with atp.Writer(path) as w:
+        for n in (3, 5, 3, 7):
+            w.add(rng.normal(size=(n, 3)), np.arange(1, n + 1), energy=float(n),
+                  forces=rng.normal(size=(n, 3)))
+    script = f"""
+import gc, numpy as np
+from pyg_atompack import atp
+f = atp.open({str(path)!r}, access={access!r})
+one, batch = f[1], f.read_batch([0, 2, 3])
+expected = one.positions.copy(), batch["forces"].copy()
+f.close(); del f; gc.collect()
+assert np.array_equal(one.positions, expected[0])
+assert np.array_equal(batch["forces"], expected[1])
+print("intact")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.strip() == "intact"
+
+
 def _slot(header_fields: dict) -> bytes:
     h = atp.Header(**header_fields)
     from pyg_atompack.atp.header import encode_slot

@@ -216,9 +216,11 @@ class FileState:
             self.mv.release()
             self.mv = None
         if self.mm is not None:
-            # arrays handed out may still view the mapping; it then closes when they die
-            with contextlib.suppress(BufferError):
-                self.mm.close()
+            # Arrays handed out may still view the mapping, and the whole-file views
+            # are made over the mmap object itself (numpy then holds a reference to it
+            # but no buffer export, so mm.close() would succeed and leave them
+            # dangling: a segfault on the next access). Dropping our reference instead
+            # unmaps it when the last array viewing it dies, right away if none does.
             self.mm = None
         self.buf = None
         if self.fd >= 0:
