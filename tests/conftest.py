@@ -17,8 +17,9 @@ def golden_dir() -> Path:
     return GOLDEN_DIR
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def golden_expected() -> dict:
-    """The parsed `expected.json` describing every golden file."""
+    """The parsed `expected.json` describing every golden file (a fresh copy per test,
+    so that no test can change what the next one expects)."""
     with open(GOLDEN_DIR / "expected.json", encoding="utf-8") as handle:
         return json.load(handle)

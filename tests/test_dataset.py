@@ -120,8 +120,8 @@ def test_list_of_files_keeps_the_given_order(golden_dir, golden_expected):
     files = [golden_dir / "sharded" / "shard_00001.atp", golden_dir / "builtins_zstd.atp"]
     dataset = AtompackDataset(files)
     assert len(dataset) == 2 + 5
-    wanted = golden_expected["files"]["sharded/shard_00001.atp"]["molecules"]
-    wanted += golden_expected["files"]["builtins_zstd.atp"]["molecules"]
+    wanted = [*golden_expected["files"]["sharded/shard_00001.atp"]["molecules"],
+              *golden_expected["files"]["builtins_zstd.atp"]["molecules"]]
     for index, molecule in enumerate(wanted):
         assert_matches(dataset[index], expected_data(molecule), f"list[{index}]")
     batch = dataset.reader.read_batch([6, 0, 3])

@@ -216,11 +216,10 @@ class FileState:
             self.mv.release()
             self.mv = None
         if self.mm is not None:
-            # Arrays handed out may still view the mapping, and the whole-file views
-            # are made over the mmap object itself (numpy then holds a reference to it
-            # but no buffer export, so mm.close() would succeed and leave them
-            # dangling: a segfault on the next access). Dropping our reference instead
-            # unmaps it when the last array viewing it dies, right away if none does.
+            # arrays handed out may still view the mapping (they hold a buffer export
+            # of it): close() then refuses, and it closes when the last of them dies
+            with contextlib.suppress(BufferError):
+                self.mm.close()
             self.mm = None
         self.buf = None
         if self.fd >= 0:

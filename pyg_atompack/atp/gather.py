@@ -21,7 +21,6 @@ import numpy as np
 
 from .assemble import assemble, store
 from .fields import FieldInfo
-from .mapped import exporter
 from .records import Layout, Slot, decode_slot
 from .structure import Structure, build_structure
 
@@ -50,7 +49,7 @@ class Window:
                  value_shape: tuple[int, ...], to_bool: bool = False) -> None:
         nbytes = elem.itemsize * int(np.prod(value_shape, dtype=np.int64))
         rows = max(len(file_u8) - offset - nbytes + 1, 0)
-        buffer = exporter(file_u8)
+        buffer = file_u8  # its memoryview base keeps the mapping's buffer export
         inner = []
         stride = elem.itemsize
         for dim in reversed(value_shape):

@@ -38,17 +38,6 @@ _SCALAR_CODES = {OP_F64: ("d", 8), OP_I64: ("q", 8), OP_F32: ("f", 4), OP_PBC: (
 _new_molecule = Molecule.__new__
 
 
-def exporter(file_u8: np.ndarray):
-    """The object whose buffer ``file_u8`` views (the mmap, bytes or bytearray).
-
-    New arrays are made over it rather than over ``file_u8``: numpy takes ~20-40 µs
-    to make a strided array over a uint8 array of a 1 GB mapping, under 1 µs over
-    the mapping itself, and a file of many atom counts makes views for each.
-    """
-    base = file_u8.base
-    return base if base is not None and not isinstance(base, np.ndarray) else file_u8
-
-
 class WholeFileViews:
     """Whole-file views of one mapping, one per value dtype and shape, made on first use.
 
@@ -60,7 +49,12 @@ class WholeFileViews:
 
     def __init__(self, file_u8: np.ndarray) -> None:
         self.file_u8 = file_u8
-        self._buffer = exporter(file_u8)
+        # Views are made over file_u8 (np.frombuffer's array, whose memoryview holds a
+        # buffer export of the mmap) and not over the mmap object itself: an array
+        # over the mmap keeps no export, so closing the reader would unmap the file
+        # under the records handed out. With the export, mmap.close() refuses while
+        # any record array lives, and the mapping goes with the last of them.
+        self._buffer = file_u8
         self._views: dict[tuple[np.dtype, tuple[int, ...]], np.ndarray] = {}
 
     def get(self, elem: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
