@@ -188,7 +188,7 @@ class HubAtpReader(ShardedReader):
         return self._remote[0].revision
 
     @property
-    def by_records(self) -> bool:
+    def reads_by_record(self) -> bool:
         """Whether records are read through the page cache (see :meth:`by_record`)."""
         return self._pages is not None
 
@@ -198,7 +198,8 @@ class HubAtpReader(ShardedReader):
         return np.diff(self._starts).astype(np.int64)
 
     def __repr__(self) -> str:
-        mode = "by record" if self.by_records else f"downloaded={len(self.downloaded_shards())}"
+        mode = ("by record" if self.reads_by_record
+                else f"downloaded={len(self.downloaded_shards())}")
         return (
             f"{type(self).__name__}(repo={self.repo_id!r}, revision={self.revision[:12]!r}, "
             f"path={self.path_in_repo!r}, shards={len(self._remote)}, molecules={len(self)}, "
