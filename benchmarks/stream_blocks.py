@@ -233,15 +233,22 @@ def child_random_big(spec: dict) -> dict:
     about ``fraction`` of the pages, so the hit ratio is that of steady training.
     """
     from pyg_atompack import AtompackDataset, AtompackLoader
+    from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
 
     options = {"cache_dir": spec["cache"], "cache_bytes": spec["cache_bytes"]}
-    warm = AtompackDataset(spec["warm_url"], **options).reader
+    if spec.get("page_bytes"):
+        options["page_bytes"] = spec["page_bytes"]
+
+    def remote(url: str) -> AtompackDataset:  # AtompackDataset(url, cache_...) + page size
+        return AtompackDataset(open_remote_atp(url_range_readers(url), **options))
+
+    warm = remote(spec["warm_url"]).reader
     started = time.perf_counter()
     end = int(spec["fraction"] * warm.range_reader.size)
     for start in range(0, end, 64 * MiB):
         warm.cache.pages(warm.range_reader, [(start, min(start + 64 * MiB, end))])
     warm_s = time.perf_counter() - started
-    dataset = AtompackDataset(spec["url"], **options)
+    dataset = remote(spec["url"])
     reader = dataset.reader
     assert reader.range_reader.identity == warm.range_reader.identity
     order = np.random.default_rng(spec.get("seed", 0)).integers(0, len(dataset),
@@ -497,10 +504,10 @@ def _local_arm(limit: int, sleep: float) -> dict:
 def random_big(free_url: str, slow_url: str, sizes: dict, *, samples: int) -> list[dict]:
     """(d) on the 4.69 GB file: page cache of 5 / 25 / 100% of it, warmed, then random."""
     out = []
-    for fraction in (0.05, 0.25, 1.0):
+    for fraction, page in ((0.05, None), (0.05, 64 << 10), (0.25, None), (1.0, None)):
         cache = Path(tempfile.mkdtemp(prefix="stream-blocks-D-", dir=WORK))
         try:
-            got = run_child("random_big", {
+            got = run_child("random_big", {"page_bytes": page,
                 "warm_url": f"{free_url}/big/manifest.json",
                 "url": f"{slow_url}/big/manifest.json", "cache": str(cache),
                 "local_path": str(WORK / "big4g.atp"),
@@ -510,7 +517,7 @@ def random_big(free_url: str, slow_url: str, sizes: dict, *, samples: int) -> li
             import shutil
 
             shutil.rmtree(cache, ignore_errors=True)
-        out.append({"fraction": fraction, **got,
+        out.append({"fraction": fraction, "page_kib": (page or 256 << 10) >> 10, **got,
                     "uptime": os.popen("uptime").read().strip()})
         print("D", out[-1], flush=True)
     return out
@@ -625,19 +632,20 @@ def write_outputs(results: dict, quality: dict) -> None:
     if rand:
         lines += ["", "## (d) Random access through the page cache, the 4.69 GB file", "",
                   f"Server throttled to {results['random_big_bandwidth'] / 1e6:.0f} MB/s per "
-                  "connection (8 range requests in flight); the cache (256 KiB pages) is "
+                  "connection (8 range requests in flight); the cache is "
                   "first warmed with the first 5 / 25 / 100% of the file's bytes through an "
                   "unthrottled server (same content identity), then "
                   f"{rand[0]['count']} uniformly random records are read in shuffled "
                   "batches of 64 (`AtompackLoader`); records "
                   f"{rand[0]['record_bytes'] / 1e3:.1f} kB.", "",
-                  "| cache | samples/s | local mmap samples/s (same records) | ratio | "
+                  "| cache | page | samples/s | local mmap samples/s (same records) | ratio | "
                   "downloaded bytes/sample | requests/sample | page hit ratio | "
                   "cache on disk | warm-up s | load |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rand:
             lines.append(
-                f"| {r['fraction']:.0%} | {r['rate']:.0f} | {r['local_rate']:.0f} | "
+                f"| {r['fraction']:.0%} | {r['page_kib']} KiB | {r['rate']:.0f} | "
+                f"{r['local_rate']:.0f} | "
                 f"{r['rate'] / r['local_rate']:.2f} | "
                 f"{r['bytes_per_sample'] / 1e3:.1f} kB | {r['requests_per_sample']:.2f} | "
                 f"{r['hit_ratio']:.2f} | {r['disk_bytes'] / 1e9:.2f} GB | "
@@ -686,9 +694,9 @@ def write_outputs(results: dict, quality: dict) -> None:
     right.legend(fontsize=7)
     if rand:
         third = axes[2]
-        labels = [f"{r['fraction']:.0%}" for r in rand]
+        labels = [f"{r['fraction']:.0%}, {r['page_kib']} KiB" for r in rand]
         third.bar(labels, [r["rate"] for r in rand], color="tab:blue", width=0.5)
-        third.set_xlabel("page cache size (share of the 4.69 GB file)")
+        third.set_xlabel("page cache size (share of the 4.69 GB file), page size")
         third.set_ylabel("random samples/s", color="tab:blue")
         twin = third.twinx()
         twin.plot(labels, [r["bytes_per_sample"] / 1e3 for r in rand], "o-", color="tab:red")
