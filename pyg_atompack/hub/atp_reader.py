@@ -415,18 +415,16 @@ def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
 
     Returns:
         Range reads of that file, named as messages name it.
-
-    Raises:
-        ValueError: Object-store files, which are only read in whole shards for now.
     """
-    from pyg_atompack.transport.ranges import HubRangeReader, URLRangeReader
+    from pyg_atompack.transport.ranges import HubRangeReader, ObjectRangeReader, URLRangeReader
 
     if remote.repo_type == "url":
         return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,
                               retry=policy, name=remote.describe())
     if remote.repo_type == "object":
-        raise ValueError(f"{remote.describe()}: object-store shards are read in whole "
-                         f"shards (prefetch_shards=True) for now")
+        from pyg_atompack.hub.transfer import object_info
+
+        return ObjectRangeReader(store, object_info(remote))
     return HubRangeReader(remote, token=token, policy=policy)
 
 
