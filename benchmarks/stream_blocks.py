@@ -12,17 +12,21 @@ that its peak RSS is its own).
     whole-shard streaming of the 1 GB file for comparison;
 (b) time to first sample on the throttled server, including the (cold) metadata fetch,
     blocks vs whole-shard (``split_first`` over 4 connections);
-(c) steady-state samples/s on the four 128 MB shards at D/C = 1 (one shard's download
-    over one connection takes as long as the consumer's compute for it, a sleep per
-    sample): blocks vs whole shards vs local mmap reads of the same files;
-(d) random access through the page cache (AtompackLoader, shuffled batches of 64, two
-    epochs) over one 128 MB shard at cache sizes of 5/25/100% of the file: samples/s of
-    the second epoch and bytes downloaded per sample;
+(c) steady-state samples/s at D/C = 1 (one record's download over one connection takes
+    as long as the consumer's compute for it, a sleep per sample) on the 4.69 GB file
+    (part ``C``: the first ``--samples-c`` samples; blocks vs the whole shard vs local
+    mmap reads of the same file) and, from an earlier run, on the four 143 MB shards
+    (part ``c``);
+(d) random access through the page cache at cache sizes of 5/25/100% of the file: on
+    the 4.69 GB file over the throttled server (part ``D``: the cache warmed to that
+    share, then ``--samples-d`` uniformly random records in batches of 64) and, from
+    an earlier run, two epochs over one 143 MB shard (part ``d``): samples/s and bytes
+    downloaded per sample;
 (e) shuffle quality: the distances in stored order between consecutive samples of one
     epoch of the 4 GB file (the real planning and ordering functions, without decoding),
     against a global permutation.
 
-Run: ``.venv/bin/python benchmarks/stream_blocks.py [--quick]``; writes
+Run: ``.venv/bin/python benchmarks/stream_blocks.py [--parts abCD]``; writes
 ``benchmarks/results/stream_blocks.md`` (+ ``.json``) and
 ``benchmarks/figures/stream_blocks.png``.
 """
@@ -71,14 +75,28 @@ def build_files() -> dict[str, int]:
             temp.rename(path)
         else:
             counts[name] = records
-    write_manifest(WORK, list(plan), [counts[n] for n in plan])
-    for k in range(4):  # a manifest of the four small shards alone
-        (WORK / "parts").mkdir(exist_ok=True)
-        link = WORK / "parts" / f"part{k}.atp"
-        if not link.exists():
-            os.link(WORK / f"part{k}.atp", link)
-    write_manifest(WORK / "parts", [f"part{k}.atp" for k in range(4)], [64 * 120] * 4)
+    if not _manifest_is_current(WORK, list(plan)):  # hashing 6 GB takes a while: once
+        write_manifest(WORK, list(plan), [counts[n] for n in plan])
+    # manifests of the four small shards alone and of the 4 GB file alone (hard links,
+    # entries copied from the main manifest: nothing is hashed again)
+    entries = {e["name"]: e for e in json.loads((WORK / "manifest.json").read_text())["shards"]}
+    for folder, names in (("parts", [f"part{k}.atp" for k in range(4)]), ("big", ["big4g.atp"])):
+        (WORK / folder).mkdir(exist_ok=True)
+        for name in names:
+            if not (WORK / folder / name).exists():
+                os.link(WORK / name, WORK / folder / name)
+        (WORK / folder / "manifest.json").write_text(
+            json.dumps({"shards": [entries[n] for n in names]}))
     return counts
+
+
+def _manifest_is_current(root: Path, names: list[str]) -> bool:
+    path = root / "manifest.json"
+    if not path.exists():
+        return False
+    listed = {e["name"]: e for e in json.loads(path.read_text())["shards"]}
+    return all(n in listed and listed[n]["bytes"] == (root / n).stat().st_size
+               and path.stat().st_mtime >= (root / n).stat().st_mtime for n in names)
 
 
 def _serve(root: str, bandwidth: float | None, queue) -> None:
@@ -167,13 +185,17 @@ def child_local(spec: dict) -> dict:
     from pyg_atompack.pyg import record_to_data
 
     started = time.perf_counter()
-    count = 0
+    count, limit = 0, spec.get("limit")
     for path in spec["paths"]:
         with atp.open(path) as reader:
             for i in range(len(reader)):
                 record_to_data(reader[i])
                 count += 1
                 time.sleep(spec["sleep"])
+                if count == limit:
+                    break
+        if count == limit:
+            break
     return {"count": count, "rate": count / (time.perf_counter() - started)}
 
 
@@ -197,6 +219,58 @@ def child_random(spec: dict) -> dict:
     return {"rate_epoch2": rates[1], "rate_epoch1": rates[0],
             "bytes_per_sample": stats["fetched_bytes"] / (2 * len(dataset)),
             "requests": stats["requests"], "disk_bytes": reader.cache.disk_bytes(),
+            "record_bytes": float(reader.index["stored"].mean())}
+
+
+def child_random_big(spec: dict) -> dict:
+    """Random batches through a page cache warmed to ``fraction`` of the file.
+
+    The cache is warmed through the unthrottled server (the first ``fraction`` of the
+    file's bytes, in 64 MiB reads, without decoding); the measurement then reads
+    ``samples`` uniformly random records, in batches of 64 through ``AtompackLoader``,
+    from the throttled server. Both URLs name the same content (the manifest's
+    sha256), so they share the cache. Once warm, LRU over uniform random reads keeps
+    about ``fraction`` of the pages, so the hit ratio is that of steady training.
+    """
+    from pyg_atompack import AtompackDataset, AtompackLoader
+    from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+
+    options = {"cache_dir": spec["cache"], "cache_bytes": spec["cache_bytes"]}
+    if spec.get("page_bytes"):
+        options["page_bytes"] = spec["page_bytes"]
+
+    def remote(url: str) -> AtompackDataset:  # AtompackDataset(url, cache_...) + page size
+        return AtompackDataset(open_remote_atp(url_range_readers(url), **options))
+
+    warm = remote(spec["warm_url"]).reader
+    started = time.perf_counter()
+    end = int(spec["fraction"] * warm.range_reader.size)
+    for start in range(0, end, 64 * MiB):
+        warm.cache.pages(warm.range_reader, [(start, min(start + 64 * MiB, end))])
+    warm_s = time.perf_counter() - started
+    dataset = remote(spec["url"])
+    reader = dataset.reader
+    assert reader.range_reader.identity == warm.range_reader.identity
+    order = np.random.default_rng(spec.get("seed", 0)).integers(0, len(dataset),
+                                                                spec["samples"])
+    before = dict(reader.cache.stats)
+    started = time.perf_counter()
+    count = sum(batch.num_graphs for batch in AtompackLoader(dataset, batch_size=64,
+                                                             sampler=order.tolist()))
+    elapsed = time.perf_counter() - started
+    delta = {k: reader.cache.stats[k] - before[k] for k in before}
+    # the reference: the same records, same batches, from the local file (memory map)
+    local = AtompackDataset(spec["local_path"])
+    started = time.perf_counter()
+    local_count = sum(batch.num_graphs for batch in AtompackLoader(local, batch_size=64,
+                                                                   sampler=order.tolist()))
+    local_rate = local_count / (time.perf_counter() - started)
+    return {"rate": count / elapsed, "local_rate": local_rate, "count": count,
+            "warm_s": warm_s,
+            "warm_bytes": end, "bytes_per_sample": delta["fetched_bytes"] / count,
+            "requests_per_sample": delta["requests"] / count,
+            "hit_ratio": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
+            "evicted": delta["evicted"], "disk_bytes": reader.cache.disk_bytes(),
             "record_bytes": float(reader.index["stored"].mean())}
 
 
@@ -240,9 +314,16 @@ def shuffle_distances(path: Path, block: int, interleave: int, buffer: int) -> n
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", default="abcd",
-                        help="measurements to (re)run; the others are taken from the last "
-                             "run's benchmarks/_work/stream_blocks/partial.json")
+    parser.add_argument("--parts", default="abCD",
+                        help="measurements to (re)run (c, d: on the four 143 MB shards; "
+                             "C, D: on the 4.69 GB file); the others are taken from the "
+                             "last run's benchmarks/_work/stream_blocks/partial.json")
+    parser.add_argument("--reps", type=int, default=2,
+                        help="interleaved repetitions of (C)")
+    parser.add_argument("--samples-c", type=int, default=30_000,
+                        help="samples streamed per arm in (C)")
+    parser.add_argument("--samples-d", type=int, default=3_200,
+                        help="random samples read per cache size in (D)")
     parser.add_argument("--steady-only", type=int, default=0, metavar="REPS",
                         help="rerun only (c), with REPS interleaved repetitions, into "
                              "results/stream_blocks_steady.json")
@@ -263,11 +344,23 @@ def main() -> None:
     partial_path = WORK / "partial.json"
     partial = json.loads(partial_path.read_text()) if partial_path.exists() else {}
     results.update({k: v for k, v in partial.items() if k in (
-        "rss", "rss_whole_1g_mib", "ttfs", "steady", "dc_bandwidth", "random")})
+        "rss", "rss_whole_1g_mib", "ttfs", "steady", "dc_bandwidth", "random",
+        "steady_big", "random_big")})
     free = ServerProcess(WORK, None)
     slow = ServerProcess(WORK, bandwidth)
     dc = ServerProcess(WORK / "parts", dc_bandwidth)
+    dc_big = ServerProcess(WORK / "big", dc_bandwidth) if "C" in args.parts else None
     try:
+        if "C" in args.parts:  # (c) on the 4 GB file
+            results["steady_big"] = steady_big(dc_big.base_url, counts["big4g.atp"], sleep,
+                                               dc_bandwidth, reps=args.reps,
+                                               limit=args.samples_c)
+            _save(partial_path, results)
+        if "D" in args.parts:  # (d) on the 4 GB file
+            results["random_big"] = random_big(free.base_url, slow.base_url, sizes,
+                                               samples=args.samples_d)
+            results["random_big_bandwidth"] = bandwidth
+            _save(partial_path, results)
         cache = tempfile.mkdtemp(prefix="stream-blocks-")
         # (a) RSS growth
         rss = []
@@ -345,6 +438,8 @@ def main() -> None:
         free.stop()
         slow.stop()
         dc.stop()
+        if dc_big is not None:
+            dc_big.stop()
     # (e) shuffle quality
     quality = {}
     n = counts["big4g.atp"]
@@ -359,6 +454,73 @@ def main() -> None:
                                       (d < 64 * MiB / record_bytes).mean())}
                           for label, d in quality.items()}
     write_outputs(results, quality)
+
+
+def steady_big(base_url: str, records: int, sleep: float, bandwidth: float, *, reps: int,
+               limit: int) -> dict:
+    """(c) on the 4.69 GB file at D/C = 1: the first ``limit`` samples of one epoch.
+
+    Arms, interleaved and rotated per repetition: blocks (64 MiB, k = 1 and k = 2,
+    one connection), the whole shard (k = 1, one connection: its first sample waits
+    for all 4.69 GB) and local mmap reads of the same file. Steady state = samples/s
+    after the first sample; the time to ``limit`` samples includes the wait.
+    """
+    cache = tempfile.mkdtemp(prefix="stream-blocks-C-")
+    base = {"url": f"{base_url}/manifest.json", "cache": cache, "limit": limit,
+            "sleep": sleep}
+    arms = {
+        "blocks k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": True}),
+        "blocks k=2": lambda: run_child("stream", {**base, "k": 2, "blocks": True}),
+        "whole shard k=1": lambda: run_child("stream", {**base, "k": 1, "blocks": False}),
+        "local mmap": lambda: _local_arm(limit, sleep),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    names = list(arms)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            runs[name].append(arms[name]())
+            print("C", rep, name, runs[name][-1], flush=True)
+    whole = [r["rate"] for r in runs["whole shard k=1"]]
+    out = {"records": records, "limit": limit, "bandwidth": bandwidth, "sleep": sleep,
+           "uptime": os.popen("uptime").read().strip(), "arms": {}}
+    for name, got in runs.items():
+        rates = [r["rate"] for r in got]
+        out["arms"][name] = {
+            "rate_runs": rates, "first_s_runs": [r.get("first_s") for r in got],
+            "total_s_runs": [r["total_s"] for r in got],
+            "rss_mib_runs": [r.get("rss_growth", 0) / MiB for r in got],
+            "ratio_to_whole": float(np.median(np.asarray(rates) / np.asarray(whole))),
+        }
+    return out
+
+
+def _local_arm(limit: int, sleep: float) -> dict:
+    started = time.perf_counter()
+    got = run_child("local", {"paths": [str(WORK / "big4g.atp")], "sleep": sleep,
+                              "limit": limit})
+    return {"rate": got["rate"], "first_s": 0.0, "total_s": time.perf_counter() - started}
+
+
+def random_big(free_url: str, slow_url: str, sizes: dict, *, samples: int) -> list[dict]:
+    """(d) on the 4.69 GB file: page cache of 5 / 25 / 100% of it, warmed, then random."""
+    out = []
+    for fraction, page in ((0.05, None), (0.05, 64 << 10), (0.25, None), (1.0, None)):
+        cache = Path(tempfile.mkdtemp(prefix="stream-blocks-D-", dir=WORK))
+        try:
+            got = run_child("random_big", {"page_bytes": page,
+                "warm_url": f"{free_url}/big/manifest.json",
+                "url": f"{slow_url}/big/manifest.json", "cache": str(cache),
+                "local_path": str(WORK / "big4g.atp"),
+                "cache_bytes": int(fraction * sizes["big4g.atp"]) + MiB,
+                "fraction": fraction, "samples": samples})
+        finally:
+            import shutil
+
+            shutil.rmtree(cache, ignore_errors=True)
+        out.append({"fraction": fraction, "page_kib": (page or 256 << 10) >> 10, **got,
+                    "uptime": os.popen("uptime").read().strip()})
+        print("D", out[-1], flush=True)
+    return out
 
 
 def _save(path: Path, results: dict) -> None:
@@ -430,8 +592,29 @@ def write_outputs(results: dict, quality: dict) -> None:
             f"≈{t['whole_shard_estimate_s']:.0f} (size / 4 connections, not run)"
         lines.append(f"| {name} | {t['blocks_s']:.2f} | {t['metadata_s']:.2f} | "
                      f"{2 * t['one_block_plus_meta_s']:.2f} | {whole} |")
+    big = results.get("steady_big")
+    if big:
+        reps = len(big["arms"]["local mmap"]["rate_runs"])
+        lines += ["", "## (c) Steady state at D/C = 1, the 4.69 GB file", "",
+                  f"One connection at {big['bandwidth'] / 1e6:.1f} MB/s (one record's "
+                  f"download = the consumer's {big['sleep'] * 1e3:.1f} ms sleep per sample), "
+                  f"the first {big['limit']} samples of an epoch, {reps} "
+                  f"interleaved repetitions (order rotated); load `{big['uptime']}`. "
+                  "Steady state = samples/s after the first sample; ratio = median of the "
+                  "per-repetition ratios to the whole-shard arm.", "",
+                  "| arm | samples/s (runs) | ratio to whole shard | first sample s | "
+                  f"time to {big['limit']} samples s | peak RSS growth MiB |",
+                  "|---|---|---:|---|---|---|"]
+        for arm, r in big["arms"].items():
+            lines.append(
+                f"| {arm} | {', '.join(f'{x:.0f}' for x in r['rate_runs'])} | "
+                f"{r['ratio_to_whole']:.2f} | "
+                f"{', '.join(f'{x:.1f}' for x in r['first_s_runs'])} | "
+                f"{', '.join(f'{x:.0f}' for x in r['total_s_runs'])} | "
+                + (", ".join(f"{x:.0f}" for x in r["rss_mib_runs"]) if arm != "local mmap"
+                   else "(file mapping)") + " |")
     steady = results["steady"]
-    lines += ["", "## (c) Steady state at D/C = 1 (four shards)", "",
+    lines += ["", "## (c') Steady state at D/C = 1, four 143 MB shards (earlier run)", "",
               "| arm | samples/s | ratio to whole shards |", "|---|---:|---:|"]
     for arm in ("blocks", "whole", "local"):
         lines.append(f"| {arm} | {steady[arm]['samples_per_s']:.0f} | "
@@ -445,7 +628,30 @@ def write_outputs(results: dict, quality: dict) -> None:
         for arm, runs in rerun["times_s"].items():
             lines.append(f"| {arm} | {', '.join(f'{t:.1f}' for t in runs)} | "
                          f"{rerun['median_ratio_to_whole'][arm]:.2f} |")
-    lines += ["", "## (d) Random access through the page cache (256 KiB pages)", "",
+    rand = results.get("random_big")
+    if rand:
+        lines += ["", "## (d) Random access through the page cache, the 4.69 GB file", "",
+                  f"Server throttled to {results['random_big_bandwidth'] / 1e6:.0f} MB/s per "
+                  "connection (8 range requests in flight); the cache is "
+                  "first warmed with the first 5 / 25 / 100% of the file's bytes through an "
+                  "unthrottled server (same content identity), then "
+                  f"{rand[0]['count']} uniformly random records are read in shuffled "
+                  "batches of 64 (`AtompackLoader`); records "
+                  f"{rand[0]['record_bytes'] / 1e3:.1f} kB.", "",
+                  "| cache | page | samples/s | local mmap samples/s (same records) | ratio | "
+                  "downloaded bytes/sample | requests/sample | page hit ratio | "
+                  "cache on disk | warm-up s | load |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in rand:
+            lines.append(
+                f"| {r['fraction']:.0%} | {r['page_kib']} KiB | {r['rate']:.0f} | "
+                f"{r['local_rate']:.0f} | "
+                f"{r['rate'] / r['local_rate']:.2f} | "
+                f"{r['bytes_per_sample'] / 1e3:.1f} kB | {r['requests_per_sample']:.2f} | "
+                f"{r['hit_ratio']:.2f} | {r['disk_bytes'] / 1e9:.2f} GB | "
+                f"{r['warm_s']:.0f} | {r['uptime'].split('load average:')[-1].strip()} |")
+    lines += ["", "## (d') Random access through the page cache, one 143 MB shard "
+              "(earlier run, two epochs)", "",
               "| cache | samples/s epoch 1 | samples/s epoch 2 | downloaded bytes/sample "
               "| requests |", "|---:|---:|---:|---:|---:|"]
     for r in results["random"]:
@@ -466,7 +672,9 @@ def write_outputs(results: dict, quality: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    rand = results.get("random_big")
+    fig, axes = plt.subplots(1, 3 if rand else 2, figsize=(16.5 if rand else 11, 4))
+    left, right = axes[0], axes[1]
     for label, distances in quality.items():
         ordered = np.sort(distances) + 1
         left.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
@@ -484,6 +692,16 @@ def write_outputs(results: dict, quality: dict) -> None:
     right.set_ylabel("peak RSS growth (MiB)")
     right.set_title("(a) memory vs block_bytes and k")
     right.legend(fontsize=7)
+    if rand:
+        third = axes[2]
+        labels = [f"{r['fraction']:.0%}, {r['page_kib']} KiB" for r in rand]
+        third.bar(labels, [r["rate"] for r in rand], color="tab:blue", width=0.5)
+        third.set_xlabel("page cache size (share of the 4.69 GB file), page size")
+        third.set_ylabel("random samples/s", color="tab:blue")
+        twin = third.twinx()
+        twin.plot(labels, [r["bytes_per_sample"] / 1e3 for r in rand], "o-", color="tab:red")
+        twin.set_ylabel("downloaded kB per sample", color="tab:red")
+        third.set_title("(d) random access through the page cache")
     fig.tight_layout()
     (HERE / "figures").mkdir(exist_ok=True)
     fig.savefig(HERE / "figures" / "stream_blocks.png", dpi=120)
@@ -491,7 +709,8 @@ def write_outputs(results: dict, quality: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kinds = {"stream": child_stream, "local": child_local, "random": child_random}
+        kinds = {"stream": child_stream, "local": child_local, "random": child_random,
+                 "random_big": child_random_big}
         print(json.dumps(kinds[sys.argv[2]](json.loads(sys.argv[3]))))
     else:
         main()

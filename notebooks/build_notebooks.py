@@ -543,10 +543,12 @@ Hub dataset repository:
    DataLoader worker and every epoch reads the same files even if the branch moves;
 2. the shards under `path` are listed with **one** request, with their sizes and
    sha256 checksums;
-3. the length and field list come from small range reads of each shard's header and
-   index; no shard is downloaded yet;
-4. a shard is downloaded into the Hub cache the first time a record inside it is read,
-   and checked against the listed size and checksum.
+3. the length and field list come from small range reads of each shard's header,
+   schema and index; no shard is downloaded;
+4. a record is read by a range request of the pages holding it, into a disk page
+   cache bounded by `cache_bytes`; with `prefetch_shards=True` a shard is instead
+   downloaded into the Hub cache the first time a record inside it is read, and
+   checked against the listed size and checksum.
 
 To show this without the internet, the test suite's fake Hub (`tests/servers/fake_hub.py`,
 a small HTTP server that answers the Hub's API routes) stands in for huggingface.co. We
@@ -564,12 +566,21 @@ commit = hub_server.commit("demo-org/emt-crystals", {
 print("stand-in Hub at", hub_server.endpoint, "| commit", commit[:12])
 
 remote = AtompackDataset.from_hub("demo-org/emt-crystals", "train", revision="main",
-                                  endpoint=hub_server.endpoint, cache_dir=WORK / "hf-cache")
+                                  endpoint=hub_server.endpoint, cache_dir=WORK / "hf-cache",
+                                  cache_bytes=64 << 20)
 print(remote)
-print("downloaded shards after opening:", remote.reader.downloaded_shards())
 sample = remote[40]
-print("downloaded shards after reading record 40:", remote.reader.downloaded_shards())
 assert torch.equal(sample.forces, single[40].forces)
+pages = list((WORK / "hf-cache" / "pages").rglob("*.page"))
+print("downloaded shards after reading record 40:", remote.reader.downloaded_shards(),
+      f"| cached pages: {len(pages)}")
+
+whole = AtompackDataset.from_hub("demo-org/emt-crystals", "train", revision="main",
+                                 endpoint=hub_server.endpoint, cache_dir=WORK / "hf-cache",
+                                 prefetch_shards=True)
+assert torch.equal(whole[40].forces, single[40].forces)
+print("prefetch_shards=True, downloaded shards after reading record 40:",
+      whole.reader.downloaded_shards())
 
 # %%
 print("requests the client made:")

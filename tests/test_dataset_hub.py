@@ -58,7 +58,7 @@ def _shard_downloads(server: FakeHub) -> list[str]:
 
 
 def test_shards_download_only_when_first_read(served, local_root, tmp_path):
-    dataset = _from_hub(served, tmp_path / "cache")
+    dataset = _from_hub(served, tmp_path / "cache", prefetch_shards=True)
     local = AtompackDataset(local_root / "train")
     assert len(dataset) == len(local) == 12  # from shard headers only
     assert _shard_downloads(served) == []
@@ -73,8 +73,11 @@ def test_shards_download_only_when_first_read(served, local_root, tmp_path):
     assert repr(dataset).startswith("AtompackDataset(12, source='hf://datasets/org/molecules@")
 
 
-def test_loader_over_hub_equals_local_loader_with_workers(served, local_root, tmp_path):
-    dataset = _from_hub(served, tmp_path / "cache", fields=["energy"])
+@pytest.mark.parametrize("prefetch_shards", [None, True])
+def test_loader_over_hub_equals_local_loader_with_workers(served, local_root, tmp_path,
+                                                          prefetch_shards):
+    dataset = _from_hub(served, tmp_path / "cache", fields=["energy"],
+                        prefetch_shards=prefetch_shards)
     local = AtompackDataset(local_root / "train", fields=["energy"])
     sampler_order = [11, 0, 5, 3, 7, 1, 10, 2, 9, 4, 6, 8]
     ours = AtompackLoader(dataset, batch_size=5, sampler=sampler_order, num_workers=2)
@@ -82,7 +85,11 @@ def test_loader_over_hub_equals_local_loader_with_workers(served, local_root, tm
     for mine, theirs in zip(ours, reference, strict=True):
         assert_batches_equal(mine, theirs)
         assert "forces" not in mine
-    assert len(_shard_downloads(served)) >= 3  # the workers downloaded into the cache
+    if prefetch_shards:
+        assert len(_shard_downloads(served)) >= 3  # the workers downloaded into the cache
+    else:  # the default: the workers read records through the shared page cache
+        assert _shard_downloads(served) == []
+        assert list((tmp_path / "cache" / "pages").rglob("*.page"))
 
 
 def test_revision_is_pinned_when_opened(served, local_root, tmp_path):
@@ -101,7 +108,7 @@ def test_corrupted_download_fails_verification(served, local_root, tmp_path):
     served.serve_wrong_bytes(REPO, "train/part_1.atp",
                              true_bytes[:8200] + bytes([true_bytes[8200] ^ 0xFF])
                              + true_bytes[8201:])
-    dataset = _from_hub(served, tmp_path / "cache")
+    dataset = _from_hub(served, tmp_path / "cache", prefetch_shards=True)
     assert float(dataset[0].energy) == 100.0  # other shards are unaffected
     with pytest.raises(hub.HubIntegrityError, match="part_1.atp"):
         dataset[4]
@@ -123,6 +130,7 @@ def test_hf_uri_source_in_a_subprocess(served, local_root, tmp_path):
     )
     env = served.subprocess_env()
     env["PYG_ATOMPACK_HUB_CACHE"] = str(tmp_path / "cache")
+    env["PYG_ATOMPACK_CACHE"] = str(tmp_path / "pages")
     result = subprocess.run(
         [sys.executable, "-c", script, f"hf://datasets/{REPO}@{sha}/train/part_1.atp"],
         env=env, capture_output=True, text=True, timeout=120,
@@ -136,7 +144,9 @@ def test_hf_uri_source_in_a_subprocess(served, local_root, tmp_path):
 
 def test_records_read_through_the_page_cache_without_shard_downloads(served, local_root,
                                                                      tmp_path):
-    dataset = _from_hub(served, tmp_path / "cache", prefetch_shards=False, cache_bytes=1 << 20)
+    # the default for hf://, as for http(s)://: by record, through the bounded page cache
+    dataset = _from_hub(served, tmp_path / "cache", cache_bytes=1 << 20)
+    assert dataset.reader.reads_by_record and dataset.reader.revision in repr(dataset)
     local = AtompackDataset(local_root / "train")
     for index in (8, 0, 11, 3):
         assert_data_equal(dataset[index], local[index], f"hub[{index}]")

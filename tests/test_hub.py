@@ -589,3 +589,68 @@ def test_pinned_and_cached_dataset_opens_without_server(fake_hub, files, tmp_pat
     with pytest.raises(hub.HubTransferError, match="org/mols"):
         hub.open_hub_atp(REPO, "train", revision="main", cache_dir=tmp_path, endpoint=endpoint,
                          policy=FAST)
+
+
+def test_local_and_hub_readers_share_one_index_and_batching(fake_hub, tmp_path):
+    """The same shards read locally, downloaded from the Hub and by record from the Hub go
+    through one ShardedReader: the same global index, the same batches, and the same
+    errors, naming the user's file (never a cache path) and the record as the file numbers it.
+    """
+    import re
+
+    from pyg_atompack import atp
+    from pyg_atompack.atp.sharded import ShardedReader
+
+    local_dir = tmp_path / "local"
+    for name, (count, atoms, seed) in {"a.atp": (3, 2, 1), "b.atp": (4, 3, 2),
+                                       "c.atp": (2, 4, 3)}.items():
+        write_reference_shard(local_dir / "train" / name, count, atoms, seed=seed)
+    damaged = local_dir / "train" / "b.atp"
+    with atp.open(damaged) as shard:  # wreck the zstd frame of record 2 of b.atp
+        offset, stored = int(shard.index["offset"][2]), int(shard.index["stored"][2])
+    data = bytearray(damaged.read_bytes())
+    data[offset:offset + stored] = b"\x00" * stored
+    damaged.write_bytes(bytes(data))
+    fake_hub.commit("org/one", local_dir)
+    downloaded = hub.open_hub_atp("org/one", "train", cache_dir=tmp_path / "dl",
+                                  endpoint=fake_hub.endpoint)
+    by_record = downloaded.by_record(cache_dir=tmp_path / "pages", cache_bytes=1 << 20)
+    local = atp.open(local_dir / "train")
+    readers = {"local": local, "downloaded": downloaded, "by record": by_record}
+    for reader in readers.values():
+        assert isinstance(reader, ShardedReader)
+    for method in ("__len__", "__getitem__", "__iter__", "locate", "read_batch"):
+        assert getattr(hub.HubAtpReader, method) is getattr(ShardedReader, method), method
+
+    good = [i for i in range(9) if i != 5]  # global 5 = record 2 of b.atp
+    for name, reader in readers.items():
+        assert len(reader) == 9 and reader.n_atoms.tolist() == local.n_atoms.tolist()
+        assert [reader.locate(i) for i in range(-9, 9)] == [local.locate(i)
+                                                             for i in range(-9, 9)]
+        for i in good:
+            np.testing.assert_array_equal(reader[i].positions, local[i].positions, name)
+        order = [8, 0, 4, 8, -9, 6, 1]
+        _assert_same(reader.read_batch(order), local.read_batch(order), name)
+        _assert_same(reader.read_batch(order, fields=["energy"]),
+                     local.read_batch(order, fields=["energy"]), name)
+
+    def failure(reader, call):
+        with pytest.raises(atp.AtpError) as caught:
+            call(reader)
+        return caught.value
+
+    hub_name = f"hf://datasets/org/one@{downloaded.revision}/train"
+    for call in (lambda r: r[9], lambda r: r[-10], lambda r: r.read_batch([0, 9]),
+                 lambda r: r["1"], lambda r: r[5], lambda r: r.read_batch([8, 5, 3, 0])):
+        want = failure(local, call)
+        for name, reader in readers.items():
+            got = failure(reader, call)
+            assert type(got) is type(want), (name, got, want)
+            # the same message, naming the Hub dataset or shard where the local one names
+            # the directory or file
+            assert str(got).replace(hub_name, str(local_dir / "train")) == str(want), name
+            if isinstance(want, atp.RecordDecodeError):
+                assert str(got).startswith(f"{reader.path}/b.atp: record 2: "), got
+    assert re.match(rf"{re.escape(str(damaged))}: record 2\b", str(failure(local,
+                                                                            lambda r: r[5])))
+    assert downloaded.downloaded_shards() == [0, 1, 2] and by_record.downloaded_shards() == []

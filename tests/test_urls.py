@@ -185,6 +185,7 @@ def test_every_shard_request_goes_through_the_proxy(www, tmp_path):
                 env.update({"HTTP_PROXY": proxy.url, "HTTPS_PROXY": proxy.url, "NO_PROXY": "",
                             "no_proxy": "", "HF_TOKEN": "hf_proxied_user",
                             "PYG_ATOMPACK_HUB_CACHE": str(tmp_path / "cache"),
+                            "PYG_ATOMPACK_CACHE": str(tmp_path / "pages"),
                             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent),
                                                            os.environ.get("PYTHONPATH", "")])})
                 result = subprocess.run(

@@ -48,16 +48,19 @@ class Reader:
             :data:`ACCESS_MODES` and ``docs/architecture.md``. ``"mmap"`` and ``"auto"``
             return zero-copy read-only arrays for uncompressed records; ``"pread"``
             returns writable arrays owned by the caller.
+        name: how messages name the file, e.g. the URL a cached download came from.
+            (default: the path)
 
     Raises:
         AtpError: the file is not a readable `.atp` file (a subclass says why).
     """
 
-    def __init__(self, path: str | os.PathLike, access: str = "auto") -> None:
+    def __init__(self, path: str | os.PathLike, access: str = "auto", *,
+                 name: str | None = None) -> None:
         if access not in ACCESS_MODES:
             raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
         self._path = os.fspath(path)
-        self._name = self._path
+        self._name = name or self._path
         self._access = access
         self._image: bytes | None = None
         self._st: FileState | None = None

@@ -54,16 +54,6 @@ def _is_url(source: Any) -> bool:
     return isinstance(source, str) and source.startswith(("http://", "https://"))
 
 
-def _by_record(hub_reader: Any, name: str, cache: dict[str, Any]) -> Any:
-    """The shards of a Hub listing read by record through the page cache."""
-    from pyg_atompack.transport.ranges import HubRangeReader
-    from pyg_atompack.transport.remote_atp import open_remote_atp
-
-    cache = {k: v for k, v in cache.items() if v is not None}
-    return open_remote_atp([HubRangeReader(s, token=hub_reader.token) for s in hub_reader.shards],
-                           name=name, **cache)
-
-
 def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None) -> Any:
     """Opens whatever ``source`` names as one reader with the `.atp` reader interface.
 
@@ -81,15 +71,16 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
     if scheme is not None:  # never a local path: the one URL rule
         from pyg_atompack import hub
 
-        prefetch = remote.get("prefetch_shards")
-        if scheme in ("http", "https") and not prefetch:
-            # plain HTTP(S): record by record through the bounded page cache by default
+        # one rule for hf://, http(s):// and object stores: records are read by range
+        # through the bounded page cache unless prefetch_shards=True
+        by_record = not remote.get("prefetch_shards")
+        if by_record and scheme in ("http", "https"):
             from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
 
             target = source + "manifest.json" if source.endswith("/") else source
             return open_remote_atp(url_range_readers(target), name=source, **cache)
-        if scheme in OBJECT_STORES and not prefetch:
-            # object stores likewise: ranged GETs pinned to the listed ETags
+        if by_record and scheme in OBJECT_STORES:
+            # ranged GETs pinned to the listed ETags
             from pyg_atompack.transport.objectstore import object_range_readers
             from pyg_atompack.transport.remote_atp import open_remote_atp
             from pyg_atompack.transport.urls import object_store
@@ -97,12 +88,7 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
             object_store(source)  # the backend is installed (else: what to install)
             return open_remote_atp(object_range_readers(source), name=source, **cache)
         reader = hub.open_remote_atp(source, access=access)
-        if prefetch is False:
-            if scheme != "hf":
-                raise ValueError(f"{source}: prefetch_shards=False (reads by record) is "
-                                 "available for hf:// and http(s):// sources")
-            return _by_record(reader, source, cache)
-        return reader
+        return reader.by_record(**cache) if by_record else reader
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("AtompackDataset needs at least one .atp file, got an empty list")
@@ -154,12 +140,12 @@ class AtompackDataset(Dataset):
             order), a URL: ``"hf://datasets/{repo_id}@{revision}/{path}"`` (see
             :meth:`from_hub`), ``"http(s)://.../manifest.json"`` (or a ``.atp`` file, or a
             directory URL ending in ``/``), an object-store URL (``"s3://..."``) where its
-            backend is installed, or a list of ``http(s)`` `.atp` URLs. ``http(s)`` and
-            object-store sources are read record by record through a bounded disk page
-            cache (``cache_dir``, ``cache_bytes``); ``hf://`` shards are downloaded
-            lazily and verified into the cache (see
-            :func:`pyg_atompack.hub.open_remote_atp`) unless ``prefetch_shards`` says
-            otherwise. Or an already open reader.
+            backend is installed, or a list of ``http(s)`` `.atp` URLs. ``hf://``,
+            ``http(s)`` and object-store sources are read record by record through a
+            bounded disk page cache (``cache_dir``, ``cache_bytes``) unless
+            ``prefetch_shards=True`` (shards downloaded lazily and verified into the
+            cache, see :func:`pyg_atompack.hub.open_remote_atp`). Or an already open
+            reader.
         fields (list[str], optional): The fields to materialise, e.g.
             ``["pos", "z", "energy", "forces"]``. Builtins may be named by field
             (``"positions"``) or attribute (``"pos"``); custom properties by key
@@ -191,20 +177,19 @@ class AtompackDataset(Dataset):
             and a float32 ``energy``, as :class:`torch_geometric.datasets.MD17`
             does, so a script written for it runs unchanged. ``rename`` entries
             apply on top. (default: :obj:`None`)
-        cache_dir (str, optional): For remote sources read by record (``http(s)://``
-            and object-store URLs, and ``hf://`` with ``prefetch_shards=False``): where
+        cache_dir (str, optional): For remote sources read by record (``hf://``,
+            ``http(s)://`` and object-store URLs unless ``prefetch_shards=True``): where
             the metadata (header, schema, index) and the page cache live, shared by
             DataLoader workers, ranks and later runs of one machine. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
         cache_bytes (int, optional): Bound on that page cache; least recently used
             pages are evicted. (default: 8 GiB)
         prefetch_shards (bool, optional): For remote sources: :obj:`True` downloads
-            a whole shard (verified) the first time a record in it is read, as
-            :meth:`from_hub` does; :obj:`False` fetches only the records read, through
-            the page cache (see "Big remote datasets" in the README; ``hf://``,
-            ``http(s)://`` and object stores). :obj:`None` keeps whole-shard downloads
-            for ``hf://`` and reads ``http(s)://`` and object-store sources by record.
-            (default: :obj:`None`)
+            a whole shard (verified against its sha256) the first time a record in it
+            is read, for users with the disk to spare; :obj:`False` fetches only the
+            records read, through the page cache (see "Big remote datasets" in the
+            README). :obj:`None` is :obj:`False`: one rule for ``hf://``, ``http(s)://``
+            and object stores. (default: :obj:`None`)
 
     Raises:
         pyg_atompack.pyg.FieldSelectionError: If a requested field exists in no
@@ -265,16 +250,19 @@ class AtompackDataset(Dataset):
         r"""Opens `.atp` shards in a Hugging Face dataset repository lazily.
 
         The shards under ``path_in_repo`` are listed once (with their sizes and
-        checksums) at a pinned revision; a shard is downloaded into the Hub
-        cache only when an index inside it is first read, and verified against
-        the listing (see :mod:`pyg_atompack.hub`).
+        checksums) at a pinned revision, without downloading any; records are then
+        read by range through the page cache in ``cache_dir`` (bounded by
+        ``cache_bytes``), or, with ``prefetch_shards=True``, a shard is downloaded
+        into the Hub cache when an index inside it is first read and verified
+        against the listing (see :mod:`pyg_atompack.hub`).
 
         Args:
             repo_id (str): The dataset repository, e.g. ``"LeMaterial/Atompack"``.
             path_in_repo (str): A `.atp` file or a directory of shards in it.
             revision (str, optional): Branch, tag or commit; resolved once to a
                 commit so every worker reads the same files. (default: :obj:`None`)
-            cache_dir (str, optional): The Hub cache directory.
+            cache_dir (str, optional): The cache directory of the listing, the
+                pages and (``prefetch_shards=True``) the shard downloads.
                 (default: :obj:`None`)
             token (str or bool, optional): A Hub token; :obj:`None` uses the saved
                 login. (default: :obj:`None`)
@@ -282,9 +270,9 @@ class AtompackDataset(Dataset):
                 huggingface_hub's configured endpoint (``HF_ENDPOINT``).
                 (default: :obj:`None`)
             **kwargs: Forwarded to :class:`AtompackDataset` (``fields``,
-                ``transform``, ``dtype``, ``access``, ...). ``prefetch_shards=False``
-                reads records through the page cache under ``cache_dir`` (bounded by
-                ``cache_bytes``) instead of downloading whole shards.
+                ``transform``, ``dtype``, ``access``, ``cache_bytes``, ...).
+                ``prefetch_shards=True`` downloads whole verified shards instead of
+                reading records through the page cache.
 
         Returns:
             AtompackDataset: The dataset.
@@ -298,9 +286,8 @@ class AtompackDataset(Dataset):
         pinned = getattr(reader, "revision", None) or revision
         prefetch_shards = kwargs.pop("prefetch_shards", None)
         cache_bytes = kwargs.pop("cache_bytes", None)
-        if prefetch_shards is False:  # by record, through the page cache in cache_dir
-            reader = _by_record(reader, f"hf://datasets/{repo_id}@{pinned}/{path_in_repo}",
-                                {"cache_dir": cache_dir, "cache_bytes": cache_bytes})
+        if not prefetch_shards:  # by record, through the page cache in cache_dir
+            reader = reader.by_record(cache_dir=cache_dir, cache_bytes=cache_bytes)
         dataset = cls(reader, **kwargs)
         revision_part = f"@{pinned}" if pinned else ""
         dataset._source_repr = repr(f"hf://datasets/{repo_id}{revision_part}/{path_in_repo}")

@@ -22,6 +22,8 @@ Public API::
         len(f); f[-1]; f.read_batch([0, 5, 9], fields=["energy"]); f.n_atoms; f.fields
         # shards are downloaded (verified) only when a record inside them is first read;
         # f.download_all() fetches them all now; pickle.dumps(f) carries the listing
+    paged = f.by_record(cache_bytes=8 << 30)   # same listing, records read by range
+        # through the bounded page cache; f and paged are atp.ShardedReader subclasses
 
 What crosses the network, per call: ``resolve_revision`` one API request;
 ``list_remote_files`` one tree listing (more pages only past 1000 entries);

@@ -1,4 +1,4 @@
-"""A lazily-downloading reader over the ``.atp`` shards of a Hub directory.
+"""A reader over the listed ``.atp`` shards of a Hub directory (or of a URL listing).
 
 :func:`open_hub_atp` does, in order:
 
@@ -11,23 +11,28 @@
 
 Steps 2-3 are stored in ``{cache_dir}/.../listings/{sha}/`` (a commit is
 immutable, so this never goes stale) and reused by the next open of the same
-commit. The reader returned has the interface of ``atp.open`` readers; a shard
-is downloaded (verified against its sha256) the first time a record inside it
-is read, then opened with the format layer. Pickling keeps the listing and the
-counts, never the open files, so DataLoader workers neither re-list nor
-re-download what the cache already holds.
+commit. The reader returned is a :class:`~pyg_atompack.atp.ShardedReader` (one
+global index and one batching for local, Hub, HTTP and bucket shards) whose shard
+openers fetch on demand: a shard is downloaded (verified against its sha256) the
+first time a record inside it is read, or, after :meth:`HubAtpReader.by_record`,
+only the records read are fetched through the bounded page cache. Pickling keeps
+the listing and the counts, never the open files, so DataLoader workers neither
+re-list nor re-download what the cache already holds.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pyg_atompack.atp.reader import Reader
+from pyg_atompack.atp.sharded import ShardedReader
 from pyg_atompack.hub.errors import (
     HubIntegrityError,
     HubNoShardsError,
@@ -47,17 +52,36 @@ from pyg_atompack.hub.remote import (
     list_remote_files,
     resolve_revision,
 )
-from pyg_atompack.hub.remote_atp import read_shard_header, remote_fields, remote_n_atoms
+from pyg_atompack.hub.remote_atp import (
+    read_shard_header,
+    remote_fields,
+    remote_n_atoms,
+    shard_uri,
+)
 from pyg_atompack.hub.transfer import default_cache_dir, download
 from pyg_atompack.hub.uri import normalize_path_in_repo
 
 
-class HubAtpReader:
-    """Read-only view over remote ``.atp`` shards, downloading each on first use.
+class HubAtpReader(ShardedReader):
+    """Read-only view over listed remote ``.atp`` shards: a :class:`ShardedReader` whose
+    shard openers fetch on demand.
 
-    Use :func:`open_hub_atp` to create one. The interface mirrors ``atp.open``
-    readers: ``len``, ``f[i]`` (negative ``i`` allowed), ``read_batch``,
-    ``n_atoms``, ``fields``, ``close`` and the context manager protocol.
+    Use :func:`open_hub_atp` (or :func:`~pyg_atompack.hub.open_remote_atp`) to create one.
+    The global index, ``f[i]``, ``locate``, iteration and ``read_batch`` are
+    :class:`~pyg_atompack.atp.ShardedReader`'s, the same code as for local shards; this
+    class adds only how a listed shard is opened and the listing's surface
+    (:attr:`repo_id`, :attr:`revision`, :attr:`shards`, :meth:`downloaded_shards`,
+    :meth:`download_all`). Two openers:
+
+    * by default a shard is downloaded, verified against its listed sha256, into the
+      cache the first time a record inside it is read, then opened with the format
+      layer (messages name the remote file, never the cache path);
+    * :meth:`by_record` reads only the records asked for, through the bounded page
+      cache (:class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`).
+
+    Either way a shard's length comes from its listed header, so opening downloads
+    nothing. Pickling keeps the listing, the counts and the settings, never open files,
+    so DataLoader workers neither re-list nor re-download what the cache already holds.
 
     Args:
         shards: The shard files, in global order.
@@ -91,73 +115,116 @@ class HubAtpReader:
     ) -> None:
         if len(shards) != len(headers):
             raise ValueError("one header per shard is required")
-        self.shards = list(shards)
+        if not shards:
+            raise HubNoShardsError(f"{name or path_in_repo or 'listing'}: no .atp shard")
+        self._remote = list(shards)
         self.headers = [dict(h) for h in headers]
         self.path_in_repo = path_in_repo
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.token = token
         self.verify = verify
-        self.access = access
         self.policy = policy
-        self.name = name
         self.store = store
-        counts = np.array([h["num_molecules"] for h in self.headers], dtype=np.int64)
-        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._init_runtime()
+        first = self._remote[0]
+        self.name = name or (f"hf://{first.repo_type}s/{first.repo_id}@{first.revision}/"
+                             f"{path_in_repo}")
+        self._pages: dict[str, Any] | None = None  # set by by_record()
+        self._init_runtime(access)
 
-    def _init_runtime(self) -> None:
-        self._readers: dict[int, Any] = {}
+    def _init_runtime(self, access: str) -> None:
+        self._readers: dict[int, Any] = {}  # downloaded shards opened so far
         self._lock = threading.Lock()  # guards the two dicts
         self._shard_locks: dict[int, threading.Lock] = {}
-        self._n_atoms: np.ndarray | None = None
-        self._fields: dict | None = None
-        self._core: Any = None
+        if self._pages is None:
+            openers: list[Any] = [_DownloadedShard(self, i) for i in range(len(self._remote))]
+        else:
+            openers = [_PagedShard(self, i) for i in range(len(self._remote))]
+        self._open_shards(self.name, openers, access, opened=True)
+
+    def by_record(self, *, cache_dir: str | os.PathLike | None = None,
+                  cache_bytes: int | None = None) -> HubAtpReader:
+        """The same listing, read record by record instead of in whole shards.
+
+        ``f[i]`` and ``read_batch`` then fetch only the records they need (adjacent
+        pages in one range request, several requests at once) through the disk page
+        cache shared by the processes of a machine; nothing is downloaded whole and
+        :meth:`downloaded_shards` stays empty. A shard's sha256 cannot be checked
+        without reading all of it: pages carry their own checksum, the metadata is
+        checked against the header and every record is checked by decoding it.
+
+        Args:
+            cache_dir: Root of the metadata and page cache.
+                (default: ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+            cache_bytes: Bound on the page cache (LRU eviction). (default: 8 GiB)
+
+        Returns:
+            A new :class:`HubAtpReader` over the same shards.
+        """
+        from pyg_atompack.transport.block_cache import DEFAULT_CACHE_BYTES
+
+        state = self.__getstate__()
+        state["_pages"] = {"cache_dir": cache_dir,
+                           "cache_bytes": DEFAULT_CACHE_BYTES if cache_bytes is None
+                           else int(cache_bytes)}
+        reader = type(self).__new__(type(self))
+        reader.__setstate__(state)
+        return reader
 
     # ------------------------------------------------------------------ identity
     @property
+    def shards(self) -> list[RemoteFile]:
+        """The listed remote files in global order (:meth:`shard_reader` opens one)."""
+        return list(self._remote)
+
+    @property
     def repo_id(self) -> str:
         """The repository the shards belong to."""
-        return self.shards[0].repo_id
+        return self._remote[0].repo_id
 
     @property
     def revision(self) -> str:
         """The pinned commit sha."""
-        return self.shards[0].revision
+        return self._remote[0].revision
+
+    @property
+    def reads_by_record(self) -> bool:
+        """Whether records are read through the page cache (see :meth:`by_record`)."""
+        return self._pages is not None
 
     @property
     def shard_lengths(self) -> np.ndarray:
         """Molecules per shard (from the headers), int64 ``(num_shards,)``."""
-        return np.diff(self._offsets)
-
-    def __len__(self) -> int:
-        return int(self._offsets[-1])
+        return np.diff(self._starts).astype(np.int64)
 
     def __repr__(self) -> str:
+        mode = ("by record" if self.reads_by_record
+                else f"downloaded={len(self.downloaded_shards())}")
         return (
             f"{type(self).__name__}(repo={self.repo_id!r}, revision={self.revision[:12]!r}, "
-            f"path={self.path_in_repo!r}, shards={len(self.shards)}, molecules={len(self)}, "
-            f"downloaded={len(self.downloaded_shards())})"
+            f"path={self.path_in_repo!r}, shards={len(self._remote)}, molecules={len(self)}, "
+            f"{mode})"
         )
 
     # ------------------------------------------------------------------ shards
     def downloaded_shards(self) -> list[int]:
-        """Indices of the shards opened by this reader so far."""
+        """Indices of the shards downloaded and opened by this reader so far."""
         return sorted(self._readers)
 
     def shard_reader(self, shard: int) -> Any:
-        """The ``atp`` reader of one shard, downloading and opening it if needed.
+        """The reader of one shard: downloaded (verified) and opened if needed, or, after
+        :meth:`by_record`, its :class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`.
 
         Args:
             shard: Shard number in global order.
 
         Returns:
-            The opened ``atp`` reader.
+            The opened reader.
         """
+        if self._pages is not None:
+            return self._shards[shard].reader()
         reader = self._readers.get(shard)
         if reader is not None:
             return reader
-        from pyg_atompack import atp
-
         with self._lock:
             shard_lock = self._shard_locks.setdefault(shard, threading.Lock())
         # one lock per shard: threads wanting different shards download in parallel,
@@ -166,10 +233,10 @@ class HubAtpReader:
             reader = self._readers.get(shard)
             if reader is not None:
                 return reader
-            remote = self.shards[shard]
+            remote = self._remote[shard]
             path = download(remote, self.cache_dir, token=self.token, verify=self.verify,
                             policy=self.policy, store=self.store)
-            reader = atp.open(path, access=self.access)
+            reader = Reader(path, access=self.access, name=shard_uri(remote))
             expected = self.headers[shard]["num_molecules"]
             if len(reader) != expected:
                 reader.close()
@@ -195,93 +262,7 @@ class HubAtpReader:
                             policy=self.policy, store=self.store)
 
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-            return list(pool.map(fetch, self.shards))
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """Map a global molecule index to the shard holding it, without downloading.
-
-        Args:
-            index: Index over all shards in listing order; negative values count from
-                the end.
-
-        Returns:
-            ``(shard, local)``: the shard's position in :attr:`shards` and the
-            molecule's index inside that shard.
-
-        Raises:
-            AtpIndexError: ``index`` is out of range (the message names the repository).
-        """
-        from pyg_atompack import atp
-
-        n = len(self)
-        i = int(index)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise atp.AtpIndexError(
-                f"index {index} out of range for {n} molecules in "
-                f"{describe_remote(self.repo_id, self.revision, self.path_in_repo)}"
-            )
-        shard = int(np.searchsorted(self._offsets, i, side="right")) - 1
-        return shard, i - int(self._offsets[shard])
-
-    def __getitem__(self, index: int) -> Any:
-        if not isinstance(index, (int, np.integer)):
-            raise TypeError(f"molecule index must be an integer, got {type(index).__name__}")
-        shard, local = self.locate(index)
-        return self.shard_reader(shard)[local]
-
-    def _global_indices(self, indices: Any) -> np.ndarray:
-        from pyg_atompack import atp
-
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        idx = np.where(idx < 0, idx + n, idx)
-        bad = (idx < 0) | (idx >= n)
-        if bad.any():
-            raise atp.AtpIndexError(
-                f"index {np.asarray(indices).reshape(-1)[bad][0]} out of range for {n} molecules "
-                f"in {describe_remote(self.repo_id, self.revision, self.path_in_repo)}"
-            )
-        return idx
-
-    def read_batch(self, indices: Any, fields: Any = None) -> dict:
-        """Decode several molecules into flat arrays, as ``atp`` readers do.
-
-        The global index and the batching are :class:`pyg_atompack.atp.ShardedReader`'s
-        (one multi-shard core for local, Hub and HTTP data): molecules of one shard are
-        decoded by one call into that shard whatever the order of ``indices`` (the
-        shard is downloaded first if needed), fields are resolved against the union of
-        all shards' schemas (a field missing from a shard is zero-filled and masked),
-        and the result is put back in the requested order. It equals ``atp.open`` on a
-        local copy of the same shards.
-
-        Args:
-            indices: Global molecule indices (negative allowed, repeats allowed).
-            fields: Field selection, as for ``atp`` readers. (default: all)
-
-        Returns:
-            The flat dict described in ``docs/architecture.md``.
-        """
-        idx = self._global_indices(indices)
-        return self._sharded().read_batch(idx, fields)
-
-    def _sharded(self) -> Any:
-        """The :class:`~pyg_atompack.atp.ShardedReader` over this reader's lazy shards."""
-        if self._core is None:
-            from pyg_atompack.atp import ShardedReader
-
-            core = ShardedReader.from_readers(
-                [_LazyShard(self, shard) for shard in range(len(self.shards))], name=self._name)
-            core._fields = self.fields  # fetched in parallel, by this reader
-            self._core = core
-        return self._core
-
-    @property
-    def _name(self) -> str:
-        if self.name:
-            return self.name
-        return f"hf://{self.shards[0].repo_type}s/{self.repo_id}@{self.revision}/{self.path_in_repo}"
+            return list(pool.map(fetch, self._remote))
 
     # ------------------------------------------------------------------ metadata
     @property
@@ -292,48 +273,23 @@ class HubAtpReader:
         block is fetched with an HTTP range read (``20`` bytes per molecule),
         not the records.
         """
-        if self._n_atoms is None:
-            pieces = []
-            for shard, remote in enumerate(self.shards):
-                reader = self._readers.get(shard)
-                if reader is not None:
-                    pieces.append(np.asarray(reader.n_atoms, dtype=np.int64))
-                    continue
-                pieces.append(remote_n_atoms(remote, self.headers[shard], token=self.token,
-                                             policy=self.policy, store=self.store))
-            self._n_atoms = (
-                np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-            )
-        return self._n_atoms
+        return super().n_atoms
 
     @property
     def fields(self) -> dict:
         """Field name -> ``atp.FieldInfo``: the union of every shard's schema.
 
         Each shard's schema block is fetched with an HTTP range read (a few
-        hundred bytes); only shards without a schema block (files written by
-        atompack 0.2.x) are downloaded and opened to learn their fields.
+        hundred bytes), for all shards at once; only shards without a schema block
+        (files written by atompack 0.2.x) are downloaded and opened to learn their
+        fields.
         """
-        if self._fields is None:
-            workers = max(1, min(8, len(self.shards)))
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                per_shard = list(pool.map(self._shard_fields, range(len(self.shards))))
-            merged: dict = {}
-            for shard_fields in per_shard:  # first shard defining a name wins, as in atp
-                for name, info in shard_fields.items():
-                    merged.setdefault(name, info)
-            self._fields = merged
-        return self._fields
-
-    def _shard_fields(self, shard: int) -> dict:
-        reader = self._readers.get(shard)
-        if reader is None:
-            parsed = remote_fields(self.shards[shard], self.headers[shard], token=self.token,
-                                   policy=self.policy, store=self.store)
-            if parsed is not None:
-                return parsed
-            reader = self.shard_reader(shard)
-        return dict(reader.fields)
+        if self._fields is None and len(self._shards) > 1:
+            # the union is ShardedReader's; fetching every shard's schema in parallel
+            # (each opener keeps its own) is what a remote listing adds
+            with ThreadPoolExecutor(max_workers=min(8, len(self._shards))) as pool:
+                list(pool.map(lambda shard: shard.fields, self._shards))
+        return super().fields
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -343,49 +299,132 @@ class HubAtpReader:
         for reader in readers.values():
             reader.close()
 
-    def __enter__(self) -> HubAtpReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for name in ("_readers", "_lock", "_shard_locks", "_n_atoms", "_fields", "_core"):
-            state.pop(name, None)
+        state = {k: v for k, v in self.__dict__.items() if k in _PICKLED}
+        state["access"] = self._access
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        access = state.pop("access")
         self.__dict__.update(state)
-        self._init_runtime()
+        self._init_runtime(access)
 
 
-class _LazyShard:
-    """Shard opener for :class:`~pyg_atompack.atp.ShardedReader`: a Hub shard that is
-    downloaded (verified) on its first read; its length comes from the remote header."""
+# what a pickled HubAtpReader carries: the listing and the settings, no open file
+_PICKLED = ("_remote", "headers", "path_in_repo", "cache_dir", "token", "verify", "policy",
+            "store", "name", "_pages")
+
+
+class _DownloadedShard:
+    """Shard opener of :class:`HubAtpReader`: a listed shard downloaded (verified) on its
+    first read. Its length comes from the listed header; its fields and atom counts from
+    range reads of the schema and index blocks while it is not downloaded."""
 
     def __init__(self, owner: HubAtpReader, shard: int) -> None:
         self.owner = owner
         self.shard = shard
-        self.name = owner.shards[shard].describe()
+        self.name = shard_uri(owner._remote[shard])
+        self._fields: dict | None = None
+        self._n_atoms: np.ndarray | None = None
+
+    def reader(self) -> Any:
+        """The downloaded shard's format-layer reader."""
+        return self.owner.shard_reader(self.shard)
 
     def __len__(self) -> int:
         return int(self.owner.headers[self.shard]["num_molecules"])
 
     def __getitem__(self, index: int) -> Any:
-        return self.owner.shard_reader(self.shard)[index]
+        return self.reader()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.reader())
 
     @property
     def fields(self) -> dict:
-        return self.owner._shard_fields(self.shard)
+        if self._fields is None:
+            owner, remote = self.owner, self.owner._remote[self.shard]
+            opened = owner._readers.get(self.shard)
+            parsed = None if opened is not None else remote_fields(
+                remote, owner.headers[self.shard], token=owner.token, policy=owner.policy,
+                store=owner.store)
+            self._fields = parsed if parsed is not None else dict(self.reader().fields)
+        return self._fields
 
     @property
     def n_atoms(self) -> np.ndarray:
-        start, stop = self.owner._offsets[self.shard:self.shard + 2]
-        return self.owner.n_atoms[start:stop]
+        if self._n_atoms is None:
+            owner = self.owner
+            opened = owner._readers.get(self.shard)
+            self._n_atoms = (
+                np.asarray(opened.n_atoms, dtype=np.int64) if opened is not None else
+                remote_n_atoms(owner._remote[self.shard], owner.headers[self.shard],
+                               token=owner.token, policy=owner.policy, store=owner.store))
+        return self._n_atoms
 
     def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
-        return self.owner.shard_reader(self.shard).read_resolved(indices, infos)
+        return self.reader().read_resolved(indices, infos)
+
+    def close(self) -> None:
+        """Nothing of its own: the owner closes the downloaded readers."""
+
+
+class _PagedShard(_DownloadedShard):
+    """Shard opener of :meth:`HubAtpReader.by_record`: only the records read are fetched,
+    through the page cache; nothing is downloaded whole."""
+
+    def __init__(self, owner: HubAtpReader, shard: int) -> None:
+        super().__init__(owner, shard)
+        self._remote_reader: Any = None
+
+    def reader(self) -> Any:
+        """The shard's :class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`."""
+        if self._remote_reader is None:
+            from pyg_atompack.transport.remote_atp import RemoteAtpReader
+
+            owner = self.owner
+            self._remote_reader = RemoteAtpReader(
+                shard_range_reader(owner._remote[self.shard], token=owner.token,
+                                   policy=owner.policy, store=owner.store),
+                **{k: v for k, v in owner._pages.items() if v is not None})
+        return self._remote_reader
+
+    @property
+    def fields(self) -> dict:
+        return self.reader().fields
+
+    @property
+    def n_atoms(self) -> np.ndarray:
+        return self.reader().n_atoms
+
+    def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
+        return self.reader().read_resolved(indices, infos)
+
+
+def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
+                       policy: Any = None, store: Any = None) -> Any:
+    """The :class:`~pyg_atompack.transport.ranges.RangeReader` of a listed file.
+
+    Args:
+        remote: A file of a Hub, URL or object-store listing.
+        token: Hub token (Hub files only).
+        policy: Retries and timeouts (a ``RetryPolicy``). (default: the source's)
+        store: The object-store handle that listed ``remote`` (object stores only).
+
+    Returns:
+        Range reads of that file, named as messages name it.
+    """
+    from pyg_atompack.transport.ranges import HubRangeReader, ObjectRangeReader, URLRangeReader
+
+    if remote.repo_type == "url":
+        return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,
+                              retry=policy, name=remote.describe())
+    if remote.repo_type == "object":
+        from pyg_atompack.hub.transfer import object_info
+
+        return ObjectRangeReader(store, object_info(remote))
+    return HubRangeReader(remote, token=token, policy=policy)
 
 
 def open_hub_atp(

@@ -176,11 +176,14 @@ class HubRangeReader:
     Args:
         remote_file: A :class:`~pyg_atompack.hub.RemoteFile`.
         token: Hub token (``None``: the saved login, ``False``: none).
+        policy: Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
     """
 
-    def __init__(self, remote_file: Any, *, token: str | bool | None = None) -> None:
+    def __init__(self, remote_file: Any, *, token: str | bool | None = None,
+                 policy: Any = None) -> None:
         self.remote_file = remote_file
         self.token = token
+        self.policy = policy
         self.size = int(remote_file.size)
         self.name = (f"hf://{remote_file.repo_type}s/{remote_file.repo_id}@"
                      f"{remote_file.revision}/{remote_file.path}")
@@ -203,7 +206,8 @@ class HubRangeReader:
         from pyg_atompack.hub.transfer import fetch_range
 
         if len(out):
-            out[:] = fetch_range(self.remote_file, start, len(out), token=self.token)
+            out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
+                                 policy=self.policy)
 
     def __repr__(self) -> str:
         return f"HubRangeReader({self.name!r}, size={self.size})"

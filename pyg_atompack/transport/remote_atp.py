@@ -17,8 +17,10 @@ batching for local and remote shards alike (:func:`open_remote_atp`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +135,9 @@ class RemoteAtpReader:
 
     def __getitem__(self, i: int) -> Any:
         i = molecule_index(i, len(self), self.name)
-        return self._image(np.asarray([i], np.int64))[0]
+        records = np.asarray([i], np.int64)
+        with _file_record_numbers(self.name, records):
+            return self._image(records)[0]
 
     def read_batch(self, indices: Sequence[int] | np.ndarray,
                    fields: Sequence[str] | None = None) -> dict[str, Any]:
@@ -160,8 +164,9 @@ class RemoteAtpReader:
         """
         idx = _batch._normalize_indices(indices, len(self), self.name)
         records = np.unique(idx)
-        image = self._image(records)
-        return image.read_resolved(np.searchsorted(records, idx), infos)
+        with _file_record_numbers(self.name, records):
+            image = self._image(records)
+            return image.read_resolved(np.searchsorted(records, idx), infos)
 
     def close(self) -> None:
         """Nothing to release: pages live on disk, metadata until the reader is dropped."""
@@ -174,6 +179,31 @@ class RemoteAtpReader:
 
     def __repr__(self) -> str:
         return f"RemoteAtpReader({self.name!r}, cache_bytes={self.cache_bytes})"
+
+
+@contextlib.contextmanager
+def _file_record_numbers(name: str, records: np.ndarray) -> Iterator[None]:
+    """Name records as the file numbers them in errors of a gathered image.
+
+    The in-memory image holds the records read at positions ``0 .. len(records) - 1``;
+    the format layer names a damaged record by that position, the user knows it as
+    ``records[position]`` of ``name``.
+    """
+    def in_file(number: str) -> str:
+        position = int(number)
+        return str(int(records[position])) if position < len(records) else number
+
+    try:
+        yield
+    except AtpError as error:
+        message = str(error)
+        fixed = re.sub(rf"(?<={re.escape(name)}: record )\d+", lambda m: in_file(m[0]),
+                       message)
+        fixed = re.sub(r"(?<=records \[)[\d, .]+(?=\])", lambda m: re.sub(
+            r"\d+", lambda n: in_file(n[0]), m[0]), fixed)
+        if fixed == message:
+            raise
+        raise type(error)(fixed) from error
 
 
 def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,

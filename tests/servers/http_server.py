@@ -186,11 +186,11 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         pass
 
-    def _pace(self, body: memoryview, entry: LoggedRequest) -> None:
+    def _pace(self, body: _FileSpan, length: int, entry: LoggedRequest) -> None:
         bandwidth = self.server.bandwidth
         started = time.monotonic()
-        for offset in range(0, len(body), _CHUNK):
-            chunk = body[offset:offset + _CHUNK]
+        for offset in range(0, length, _CHUNK):
+            chunk = body.read(offset, min(_CHUNK, length - offset))
             self.wfile.write(chunk)
             entry.body_bytes += len(chunk)
             if bandwidth:
@@ -255,35 +255,59 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         first, last = span if span else (0, size - 1)
-        # only the asked-for bytes are read: files may be several GB
-        with open(target, "rb") as handle:
-            handle.seek(first)
-            body = bytearray(handle.read(last + 1 - first))
-        if fault is not None and fault.kind == "wrong_bytes" and body:
-            body[int(len(body) * fault.at_fraction) % len(body)] ^= 0xFF
+        length = last + 1 - first
         entry.status = 206 if span else 200
         self.send_response(entry.status)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
         if span:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.end_headers()
-        view = memoryview(body)
-        try:
-            if fault is not None and fault.kind in ("reset", "truncate"):
-                self._pace(view[:int(len(body) * fault.at_fraction)], entry)
-                if fault.kind == "reset":
-                    self._reset_connection()
-                else:
-                    self.close_connection = True
-                return
-            if fault is not None and fault.kind == "stall":
-                self.wfile.flush()
-                self.server.stop_event.wait(30)
-                return
-            self._pace(view, entry)
-        except (BrokenPipeError, ConnectionResetError):  # the client went away (cancelled)
-            self.close_connection = True
+        # only the asked-for bytes are read, chunk by chunk as they are sent: files may
+        # be several GB, and the first byte must not wait for the last to be read
+        flip = int(length * fault.at_fraction) % length if (
+            fault is not None and fault.kind == "wrong_bytes" and length) else None
+        with _FileSpan(target, first, flip) as body:
+            try:
+                if fault is not None and fault.kind in ("reset", "truncate"):
+                    self._pace(body, int(length * fault.at_fraction), entry)
+                    if fault.kind == "reset":
+                        self._reset_connection()
+                    else:
+                        self.close_connection = True
+                    return
+                if fault is not None and fault.kind == "stall":
+                    self.wfile.flush()
+                    self.server.stop_event.wait(30)
+                    return
+                self._pace(body, length, entry)
+            except (BrokenPipeError, ConnectionResetError):  # the client went away
+                self.close_connection = True
+
+
+class _FileSpan:
+    """The bytes of a file from ``first`` on, read on demand; the byte at ``flip``
+    (relative to ``first``) is inverted (the ``wrong_bytes`` fault)."""
+
+    def __init__(self, path: Path, first: int, flip: int | None) -> None:
+        self.handle = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        self.first = first
+        self.flip = flip
+
+    def read(self, offset: int, length: int) -> bytes:
+        self.handle.seek(self.first + offset)
+        data = self.handle.read(length)
+        if self.flip is not None and offset <= self.flip < offset + len(data):
+            changed = bytearray(data)
+            changed[self.flip - offset] ^= 0xFF
+            data = bytes(changed)
+        return data
+
+    def __enter__(self) -> _FileSpan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
 
 
 def serve_directory(root: str | Path, **options) -> Iterator[ShardServer]:
