@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shutil
 import struct
+import warnings
 import zlib
 from collections import namedtuple
 from dataclasses import dataclass
@@ -206,7 +207,19 @@ def test_truncation_at_every_boundary(valid_file, tmp_path):
             want = reference[:FIRST_SESSION]
         else:
             want = None
-        expect(path, want, f"truncated at {point}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            expect(path, want, f"truncated at {point}")
+        cut_short = [w for w in caught if issubclass(w.category, atp.TruncatedCommitWarning)]
+        if want is not None and point < layout.newest_end:
+            # the fall-back the format allows is taken, but never silently: records are lost
+            assert cut_short, f"truncated at {point}: no TruncatedCommitWarning"
+            message = str(cut_short[0].message)
+            assert message.startswith(f"{path}: the newest commit (generation ")
+            assert f"{len(reference)} records" in message
+            assert f"{FIRST_SESSION} records) is read" in message
+        elif want is not None:
+            assert not cut_short, f"truncated at {point}: {cut_short[0].message}"
         path.unlink()
 
 

@@ -23,6 +23,7 @@ from .errors import (
     RecordDecodeError,
     SchemaConflictError,
     SchemaError,
+    TruncatedCommitWarning,
     TruncatedFileError,
 )
 from .fields import FieldInfo, schema_block_fields
@@ -75,6 +76,7 @@ __all__ = [
     "SchemaConflictError",
     "SchemaError",
     "ShardedReader",
+    "TruncatedCommitWarning",
     "TruncatedFileError",
     "Writer",
     "describe",

@@ -22,6 +22,16 @@ class TruncatedFileError(AtpError):
     """The file is shorter than a structure it must contain (e.g. the 8192-byte header)."""
 
 
+class TruncatedCommitWarning(UserWarning):
+    """The newest commit of a file ends past the end of the file, so the previous one is read.
+
+    The format's two header slots exist so that a torn commit falls back to the
+    previous one (spec §2.2), which is what the reference does silently. A file cut
+    short after it was written (an interrupted copy or upload) looks the same, and
+    reading its previous commit silently would drop records, so the reader says so.
+    """
+
+
 class HeaderError(AtpError):
     """No header slot is valid, or the chosen slot holds an unsupported value."""
 

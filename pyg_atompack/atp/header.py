@@ -7,10 +7,11 @@ where the index lives, so :func:`select_header` works on a plain ``bytes``.
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 from dataclasses import dataclass, replace
 
-from .errors import HeaderError, NotAtpFileError, TruncatedFileError
+from .errors import HeaderError, NotAtpFileError, TruncatedCommitWarning, TruncatedFileError
 from .types import RECORD_FORMATS
 
 MAGIC = b"ATPK"
@@ -169,6 +170,10 @@ def select_header(buf: bytes, file_size: int, name: str) -> Header:
         NotAtpFileError: no slot carries the ``ATPK`` magic.
         TruncatedFileError: the file is shorter than the 8192-byte header.
         HeaderError: no slot is valid, or the chosen slot has an unknown record format.
+
+    Warns:
+        TruncatedCommitWarning: a newer slot is valid but for pointing past the end
+            of the file, so the file was probably cut short and an older commit is read.
     """
     if bytes(buf[:4]) != MAGIC and bytes(buf[SLOT_SIZE:SLOT_SIZE + 4]) != MAGIC:
         raise NotAtpFileError(f"{name}: not an .atp file (no ATPK magic in either header slot)")
@@ -187,7 +192,28 @@ def select_header(buf: bytes, file_size: int, name: str) -> Header:
         raise HeaderError(
             f"{name}: header slot {chosen.slot} has unsupported record format "
             f"{chosen.record_format}")
+    _warn_if_cut_short(buf, file_size, chosen, name)
     return chosen
+
+
+def _warn_if_cut_short(buf: bytes, file_size: int, chosen: Header, name: str) -> None:
+    # A newer slot that only fails the "inside the file" checks names a commit the
+    # file once held: the tail was lost after the commit, not torn during it.
+    for i, slot in enumerate(SLOT_NAMES):
+        if slot == chosen.slot:
+            continue
+        raw = buf[i * SLOT_SIZE:(i + 1) * SLOT_SIZE]
+        newer = decode_slot(raw, 1 << 62, slot)
+        if newer.valid and newer.header.generation > chosen.generation:
+            h = newer.header
+            end = max(h.committed_end, h.schema_offset + h.schema_len)
+            warnings.warn(
+                f"{name}: the newest commit (generation {h.generation}, "
+                f"{h.num_molecules} records) ends at byte {end} but the file is "
+                f"{file_size} bytes; the file "
+                f"looks cut short, so the previous commit (generation {chosen.generation}, "
+                f"{chosen.num_molecules} records) is read",
+                TruncatedCommitWarning, stacklevel=3)
 
 
 def encode_slot(header: Header) -> bytes:
