@@ -22,17 +22,15 @@ Only numpy, torch and streaming are imported: no project code.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import types
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from harness import PeakSampler  # this file's folder is sys.path[0]
 
 
 def _import_streaming():
@@ -44,45 +42,6 @@ def _import_streaming():
     import streaming
 
     return streaming
-
-
-class Sampler:
-    """Peak RSS growth and peak bytes under a directory, sampled every 10 ms."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.baseline = self._rss()
-        self.peak_rss = self.baseline
-        self.peak_disk = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * PAGE
-
-    def _disk(self) -> int:
-        total = 0
-        for root, _, files in os.walk(self.directory):
-            for name in files:
-                with contextlib.suppress(OSError):  # removed while we looked
-                    total += os.stat(os.path.join(root, name)).st_size
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak_rss = max(self.peak_rss, self._rss())
-            self.peak_disk = max(self.peak_disk, self._disk())
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_disk = max(self.peak_disk, self._disk())
 
 
 def convert(source: str, out: str, size_limit: int) -> dict:
@@ -127,7 +86,7 @@ def read(remote: str, compute: float, batch_size: int, ragged: bool = False) -> 
     clean_stale_shared_memory()
     local = tempfile.mkdtemp(prefix="mosaic-local-")
     try:
-        with Sampler(local) as sampler:
+        with PeakSampler(local) as sampler:
             started = time.perf_counter()
             dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True,
                                                  batch_size=batch_size)

@@ -46,14 +46,12 @@ import contextlib
 import datetime
 import io
 import json
-import multiprocessing
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -66,16 +64,15 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from harness import PeakSampler, ServerProcess, dir_bytes, serve_http, serve_s3_relay  # noqa: E402
 from paired_stats import summarize_pairs  # noqa: E402
-from servers.http_server import ShardServer, write_manifest  # noqa: E402
-from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
+from servers.http_server import write_manifest  # noqa: E402
 from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
 from torch_geometric.data import Batch, Data  # noqa: E402
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
 from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 WORK = HERE / "_work"
 BATCH = 32
 BUCKET = "peers"
@@ -115,10 +112,6 @@ def timed(function, *args) -> float:
     started = time.perf_counter()
     function(*args)
     return time.perf_counter() - started
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def _litdata_item(item):  # module level: litdata.optimize pickles it into workers
@@ -223,42 +216,7 @@ def concat_collate(samples: list[dict]) -> dict:
             "n_atoms": torch.tensor([len(s["z"]) for s in samples])}
 
 
-# ------------------------------------------------------------------ servers
-def _serve_http(root: str, bandwidth: float, port_queue) -> None:
-    server = ShardServer(root, bandwidth=bandwidth)
-    port_queue.put(server.server_address[1])
-    server.serve_forever(poll_interval=0.05)
-
-
-def _serve_s3(bandwidth: float, port_queue) -> None:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    _, port = moto.get_host_and_port()
-    proxy = ThrottlingProxy(port, bandwidth=bandwidth).start()
-    port_queue.put((port, proxy.port))
-    threading.Event().wait()
-
-
-class Child:
-    """A server in a child process, so its pacing never competes for our GIL."""
-
-    def __init__(self, target, *args):
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        self.process = context.Process(target=target, args=(*args, queue), daemon=True)
-        self.process.start()
-        self.ports = queue.get(timeout=60)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.join(5)
-
-
+# ------------------------------------------------------------------ S3 bucket
 def upload(moto_url: str, directory: Path, prefix: str) -> None:
     import boto3
 
@@ -344,46 +302,6 @@ class MosaicArm:
 
 
 # ------------------------------------------------------------------ measurement
-class Sampler:
-    """Peak RSS growth of this process and peak bytes under ``directory`` (10 ms)."""
-
-    def __init__(self, directory: Path | None = None):
-        self.directory = directory
-        self.baseline = self._rss()
-        self.peak_rss = self.baseline
-        self.peak_disk = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * PAGE
-
-    def _disk(self) -> int:
-        if self.directory is None:
-            return 0
-        total = 0
-        for root, _, files in os.walk(self.directory):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.stat(os.path.join(root, name)).st_size
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak_rss = max(self.peak_rss, self._rss())
-            self.peak_disk = max(self.peak_disk, self._disk())
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def consume(make_batches, compute: float, directory: Path | None = None,
             arrivals: bool = False) -> dict:
     """One pass: ``make_batches()`` builds the loader (timed), the consumer sleeps per batch.
@@ -391,7 +309,7 @@ def consume(make_batches, compute: float, directory: Path | None = None,
     With ``arrivals``, the result also lists when each batch reached the consumer.
     """
     times = []
-    with Sampler(directory) as sampler:
+    with PeakSampler(directory) as sampler:
         started = time.perf_counter()
         first, samples = None, 0
         for batch in make_batches():
@@ -523,10 +441,10 @@ def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path
     results = {}
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * compute_shard)
-        http = Child(_serve_http, str(www), bandwidth)
-        s3 = Child(_serve_s3, bandwidth)
-        base = f"http://127.0.0.1:{http.ports}"
-        moto_url, proxy_url = (f"http://127.0.0.1:{p}" for p in s3.ports)
+        http = ServerProcess(serve_http, str(www), bandwidth)
+        s3 = ServerProcess(serve_s3_relay, bandwidth)
+        base = http.base_url
+        moto_url, proxy_url = (f"http://127.0.0.1:{p}" for p in s3.answer)
         mosaic = None
         try:
             upload(moto_url, lit_dir, "litdata")
@@ -674,8 +592,8 @@ def workers_part(args, www: Path, names: dict, shard_bytes: int, compute_batch: 
     results = {}
     for ratio in ratios:
         bandwidth = shard_bytes / (ratio * compute_shard)
-        http = Child(_serve_http, str(www), bandwidth)
-        base = f"http://127.0.0.1:{http.ports}"
+        http = ServerProcess(serve_http, str(www), bandwidth)
+        base = http.base_url
         traces: dict = {}
         try:
             runs = run_pairs(worker_arms(base, names, compute_batch, traces), args.pairs)

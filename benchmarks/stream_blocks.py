@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -50,9 +48,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
+
+from harness import PeakSampler, ServerProcess, serve_http  # noqa: E402
 
 WORK = HERE / "_work" / "stream_blocks"
-PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 1 << 20
 SLEEP_PER_SAMPLE = 0.0005  # the consumer's "training step" in (c)
 
@@ -99,58 +99,7 @@ def _manifest_is_current(root: Path, names: list[str]) -> bool:
                and path.stat().st_mtime >= (root / n).stat().st_mtime for n in names)
 
 
-def _serve(root: str, bandwidth: float | None, queue) -> None:
-    from servers.http_server import ShardServer
-
-    server = ShardServer(root, bandwidth=bandwidth)
-    queue.put(server.server_address[1])
-    server.serve_forever(poll_interval=0.05)
-
-
-class ServerProcess:
-    """The shard server in a child process, so its pacing never competes for our GIL."""
-
-    def __init__(self, root: Path, bandwidth: float | None):
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        self.process = context.Process(target=_serve, args=(str(root), bandwidth, queue),
-                                       daemon=True)
-        self.process.start()
-        self.base_url = f"http://127.0.0.1:{queue.get(timeout=30)}"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.join(5)
-
-
 # ------------------------------------------------------------------ child measurements
-def _rss() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * PAGE
-
-
-class RssSampler:
-    """Peak resident-set growth over a run, sampled every 5 ms."""
-
-    def __init__(self) -> None:
-        self.baseline = _rss()
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def child_stream(spec: dict) -> dict:
     """Stream ``spec["limit"]`` samples; RSS growth, time to first sample, samples/s."""
     from pyg_atompack.stream import HTTPSource, ShardStreamDataset
@@ -164,7 +113,7 @@ def child_stream(spec: dict) -> dict:
                                  cache_dir=spec["cache"])
     opened = time.perf_counter()
     count, first = 0, None
-    with RssSampler() as rss:
+    with PeakSampler(interval=0.005) as rss:
         for _ in dataset:
             if first is None:
                 first = time.perf_counter()
@@ -176,7 +125,7 @@ def child_stream(spec: dict) -> dict:
         ended = time.perf_counter()
     return {"open_s": opened - started, "first_s": first - started, "count": count,
             "rate": (count - 1) / max(ended - first, 1e-9), "total_s": ended - started,
-            "rss_growth": rss.peak - rss.baseline}
+            "rss_growth": rss.growth}
 
 
 def child_local(spec: dict) -> dict:
@@ -346,10 +295,11 @@ def main() -> None:
     results.update({k: v for k, v in partial.items() if k in (
         "rss", "rss_whole_1g_mib", "ttfs", "steady", "dc_bandwidth", "random",
         "steady_big", "random_big")})
-    free = ServerProcess(WORK, None)
-    slow = ServerProcess(WORK, bandwidth)
-    dc = ServerProcess(WORK / "parts", dc_bandwidth)
-    dc_big = ServerProcess(WORK / "big", dc_bandwidth) if "C" in args.parts else None
+    free = ServerProcess(serve_http, str(WORK), None)
+    slow = ServerProcess(serve_http, str(WORK), bandwidth)
+    dc = ServerProcess(serve_http, str(WORK / "parts"), dc_bandwidth)
+    dc_big = (ServerProcess(serve_http, str(WORK / "big"), dc_bandwidth)
+              if "C" in args.parts else None)
     try:
         if "C" in args.parts:  # (c) on the 4 GB file
             results["steady_big"] = steady_big(dc_big.base_url, counts["big4g.atp"], sleep,
@@ -532,7 +482,7 @@ def steady_only(reps: int) -> None:
     shards (k=1) vs local mmap, ``reps`` interleaved repetitions, rotating the order."""
     counts = build_files()
     record_bytes = (WORK / "part0.atp").stat().st_size / counts["part0.atp"]
-    dc = ServerProcess(WORK / "parts", record_bytes / SLEEP_PER_SAMPLE)
+    dc = ServerProcess(serve_http, str(WORK / "parts"), record_bytes / SLEEP_PER_SAMPLE)
     total = 4 * counts["part0.atp"]
     cache = tempfile.mkdtemp(prefix="stream-blocks-")
     base = {"url": f"{dc.base_url}/manifest.json", "cache": cache, "limit": total,

@@ -42,11 +42,9 @@ import argparse
 import functools
 import io
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,51 +55,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from harness import PeakSampler, ServerProcess, serve_http, serve_relay  # noqa: E402
 from paired_stats import summarize_pairs, trace_overlap  # noqa: E402
 from servers.http_server import (  # noqa: E402
-    ShardServer,
     make_samples,
     write_manifest,
     write_pt_shards,
 )
 from servers.moto_s3 import MotoS3Server, s3_environment  # noqa: E402
-from servers.tcp_proxy import ThrottlingProxy  # noqa: E402
 
 from pyg_atompack.stream import HTTPSource, ObjectStoreSource, ShardStreamDataset  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 S3_BUCKET = "stream-bench"
 DEFAULT_OUT = HERE / "results" / "stream.md"
-
-
-# ------------------------------------------------------------------ server process
-def _serve(root: str, bandwidth: float, port_queue) -> None:
-    server = ShardServer(root, bandwidth=bandwidth)
-    port_queue.put(server.server_address[1])
-    server.serve_forever(poll_interval=0.05)
-
-
-def _relay(upstream_port: int, bandwidth: float, port_queue) -> None:
-    proxy = ThrottlingProxy(upstream_port, bandwidth=bandwidth).start()
-    port_queue.put(proxy.port)
-    threading.Event().wait()
-
-
-class ServerProcess:
-    """The shard server in a child process, so its pacing never competes for our GIL."""
-
-    def __init__(self, root: Path | int, bandwidth: float, target=_serve):
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        self.process = context.Process(target=target, args=(root if isinstance(root, int)
-                                                            else str(root), bandwidth, queue),
-                                       daemon=True)
-        self.process.start()
-        self.base_url = f"http://127.0.0.1:{queue.get(timeout=30)}"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.join(5)
 
 
 def write_view_shards(root: Path, sizes: list[int], atoms: int) -> list[str]:
@@ -125,37 +91,6 @@ def write_view_shards(root: Path, sizes: list[int], atoms: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ measurement
-class RssSampler:
-    """Peak resident-set growth over a run, sampled every 5 ms."""
-
-    def __init__(self):
-        self.baseline = self._rss()
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * PAGE
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.baseline
-
-
 def consume(samples, compute_per_sample: float) -> int:
     count = 0
     for _ in samples:
@@ -175,7 +110,7 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                  lazy_decode=lazy_decode, blocks=blocks,
                                  block_bytes=block_bytes, cache_dir=cache_dir)
-    with RssSampler() as rss:
+    with PeakSampler(interval=0.005) as rss:
         started = time.perf_counter()
         consume(dataset, compute)
         elapsed = time.perf_counter() - started
@@ -219,7 +154,7 @@ def run_foldpipe(base_url: str, names: list[str], compute: float):
 
     loader = AsyncFoldPipeLoader(_FoldPipeHTTPSource(base_url, names),
                                  batch_fn=lambda chunk: iter(chunk))
-    with RssSampler() as rss:
+    with PeakSampler(interval=0.005) as rss:
         started = time.perf_counter()
         consume(loader, compute)
         elapsed = time.perf_counter() - started
@@ -304,8 +239,8 @@ def main() -> None:
     rows, loader_rows, s3_rows, view_rows, details, panels = [], [], [], [], {}, []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
-        server = ServerProcess(root, bandwidth)
-        relay = ServerProcess(moto.port, bandwidth, target=_relay)
+        server = ServerProcess(serve_http, str(root), bandwidth)
+        relay = ServerProcess(serve_relay, moto.port, bandwidth)
         times = {variant: [] for variant in arms}
         rss = {variant: [] for variant in times}
         traces = {}

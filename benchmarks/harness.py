@@ -1,0 +1,182 @@
+"""What the streaming benchmarks share around their arms: loopback servers in child
+processes and a sampler of peak memory (and local disk).
+
+A server runs in a forked child so that its pacing threads never compete for the
+benchmark's GIL; the child reports what its clients need (a port, or a pair of ports)
+through a queue. Used by ``stream_overlap.py``, ``stream_blocks.py``, ``peers.py`` and,
+inside the MosaicML venv, ``peer_mosaic.py``: importing this module needs only the
+standard library (the server targets import the test servers when they run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_TESTS = str(Path(__file__).resolve().parent.parent / "tests")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from ``/proc/self/statm``.
+
+    Returns:
+        The size in bytes.
+    """
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+def dir_bytes(directory: str | os.PathLike) -> int:
+    """Bytes of every file below ``directory`` (files removed meanwhile count as 0).
+
+    Args:
+        directory: The folder to walk.
+
+    Returns:
+        The total size in bytes.
+    """
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed while we looked
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+class PeakSampler:
+    """Peak RSS of this process and peak bytes under a directory, sampled on a thread.
+
+    Use as a context manager around one run; the disk is sampled once more on exit.
+
+    Args:
+        directory: Folder whose size is tracked. (default: :obj:`None`, no disk)
+        interval: Seconds between samples. (default: :obj:`0.01`)
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None,
+                 interval: float = 0.01) -> None:
+        self.directory = directory
+        self.interval = interval
+        self.baseline = rss_bytes()
+        self.peak_rss = self.baseline
+        self.peak_disk = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, rss_bytes())
+        if self.directory is not None:
+            self.peak_disk = max(self.peak_disk, dir_bytes(self.directory))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    @property
+    def growth(self) -> int:
+        """Peak RSS minus the RSS at construction, in bytes."""
+        return self.peak_rss - self.baseline
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+# ------------------------------------------------------------------ server targets
+def _test_servers() -> None:
+    if _TESTS not in sys.path:
+        sys.path.insert(0, _TESTS)
+
+
+def serve_http(root: str, bandwidth: float | None, queue: Any) -> None:
+    """Child target: the throttled loopback file server over ``root``; reports its port.
+
+    Args:
+        root: Directory served (``/name`` -> ``root/name``).
+        bandwidth: Bytes per second per connection (:obj:`None`: unthrottled).
+        queue: Receives the port.
+    """
+    _test_servers()
+    from servers.http_server import ShardServer
+
+    server = ShardServer(root, bandwidth=bandwidth)
+    queue.put(server.server_address[1])
+    server.serve_forever(poll_interval=0.05)
+
+
+def serve_relay(upstream_port: int, bandwidth: float, queue: Any) -> None:
+    """Child target: a paced TCP relay in front of ``upstream_port``; reports its port.
+
+    Args:
+        upstream_port: Loopback port relayed to.
+        bandwidth: Bytes per second per connection.
+        queue: Receives the relay's port.
+    """
+    _test_servers()
+    from servers.tcp_proxy import ThrottlingProxy
+
+    proxy = ThrottlingProxy(upstream_port, bandwidth=bandwidth).start()
+    queue.put(proxy.port)
+    threading.Event().wait()
+
+
+def serve_s3_relay(bandwidth: float, queue: Any) -> None:
+    """Child target: a moto S3 server and a paced relay in front of it, in one process.
+
+    Args:
+        bandwidth: Bytes per second per connection through the relay.
+        queue: Receives ``(moto port, relay port)``.
+    """
+    import logging
+
+    _test_servers()
+    from moto.server import ThreadedMotoServer
+    from servers.tcp_proxy import ThrottlingProxy
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    _, port = moto.get_host_and_port()
+    proxy = ThrottlingProxy(port, bandwidth=bandwidth).start()
+    queue.put((port, proxy.port))
+    threading.Event().wait()
+
+
+class ServerProcess:
+    """A server target running in a forked child process until :meth:`stop`.
+
+    Args:
+        target: ``target(*args, queue)``, e.g. :func:`serve_http`; it puts what clients
+            need on ``queue`` once it listens, then serves forever.
+        *args: The target's arguments before the queue.
+        timeout: Seconds to wait for the target's answer. (default: :obj:`60`)
+    """
+
+    def __init__(self, target: Callable[..., None], *args: Any, timeout: float = 60) -> None:
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        self.process = context.Process(target=target, args=(*args, queue), daemon=True)
+        self.process.start()
+        self.answer = queue.get(timeout=timeout)
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>`` for a target that answered with one port."""
+        return f"http://127.0.0.1:{self.answer}"
+
+    def stop(self) -> None:
+        """Terminate the child and wait for it (up to 5 s)."""
+        self.process.terminate()
+        self.process.join(5)
