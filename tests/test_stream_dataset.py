@@ -242,3 +242,24 @@ def test_bad_arguments(server):
     with pytest.raises(ValueError, match="prefetch"):
         ShardStreamDataset(_source(server), prefetch=-1)
     assert "ShardStreamDataset(HTTPSource" in repr(ShardStreamDataset(_source(server)))
+
+
+def test_downloads_start_at_iter_and_stop_when_the_iterator_is_dropped(tmp_path):
+    from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
+
+    write_pt_shards(tmp_path, [4, 4, 4], atoms=3)
+
+    def prefetch_threads():
+        return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
+
+    for server in serve_directory(tmp_path):
+        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json")), prefetch=1)
+        samples = iter(dataset)  # a DataLoader worker calls iter() well before next()
+        deadline = time.monotonic() + 30
+        while not any(e.path.endswith(".pt") for e in server.requests):
+            assert time.monotonic() < deadline, "no download started before next()"
+            time.sleep(0.01)
+        assert prefetch_threads()
+        del samples  # never advanced: its finally clause never runs
+        assert not prefetch_threads()
+        assert len(list(dataset)) == 12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -145,3 +146,37 @@ def test_a_rank_budget_of_one_still_gives_every_worker_a_connection(tmp_path, wo
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
     assert sorted(int(s.sample_id) for s in loader) == sorted(
         int(s.sample_id) for s in dataset)
+
+
+def test_workers_download_with_the_client_made_before_they_forked(tmp_path, monkeypatch):
+    from huggingface_hub.utils import _http as hf_http
+
+    from pyg_atompack.transport import spare_client
+
+    made = tmp_path / "clients-made-by"
+    original = hf_http._GLOBAL_CLIENT_FACTORY
+
+    def recording_factory():  # a user's set_client_factory: records who calls it
+        with open(made, "a", encoding="utf-8") as handle:
+            handle.write(f"{os.getpid()}\n")
+        return original()
+
+    monkeypatch.setattr(hf_http, "_GLOBAL_CLIENT_FACTORY", recording_factory)
+    monkeypatch.setattr(spare_client, "_spare", None)
+    hf_http.close_session()
+    (tmp_path / "www").mkdir()
+    write_pt_shards(tmp_path / "www", [5, 4, 6, 3], atoms=3)
+    try:
+        for server in serve_directory(tmp_path / "www"):
+            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+                                         prefetch=2, concurrency=2)
+            loader = DataLoader(dataset, batch_size=4, num_workers=2)
+            assert sum(len(b.sample_id) for b in loader) == 18
+            assert len([e for e in server.requests if e.path.endswith(".pt")]) == 4
+        # the listing's session and the spare, both here: no worker built a client
+        assert made.read_text(encoding="utf-8").split() == [str(os.getpid())] * 2
+        # this process itself never uses the spare
+        assert spare_client.client() is hf_http.get_session()
+        assert spare_client.client() is not spare_client._spare.client
+    finally:
+        hf_http.close_session()  # drop the recording factory's session

@@ -17,6 +17,7 @@ from pyg_atompack.stream.buffers import WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
 from pyg_atompack.transport import http as transport
+from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.errors import TransportError
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -187,6 +188,8 @@ class HTTPSource(URLShardSource):
             if not urls:
                 raise ShardFetchError("HTTPSource needs at least one URL")
             self._shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
+        # DataLoader workers forked from this process start with an HTTP client
+        spare_client.keep_spare()
 
     def _list_manifest(self, url: str) -> tuple[ShardInfo, ...]:
         body = fetch_url(url, name="manifest.json", policy=self.retry, cancel=CancelToken(),

@@ -14,6 +14,7 @@ from pyg_atompack.stream.sources import (
     ShardInfo,
     read_manifest_records,
 )
+from pyg_atompack.transport import spare_client
 
 
 class HubSource(URLShardSource):
@@ -85,6 +86,7 @@ class HubSource(URLShardSource):
                 f"{pattern!r}"
             )
         self._shards = tuple(shards)
+        spare_client.keep_spare()  # DataLoader workers forked from here start with a client
 
     @property
     def headers(self) -> dict[str, str]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urljoin, urlsplit
 
+from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import (
     FileSink,
     RangeIgnoredError,
@@ -116,9 +117,8 @@ def origin(url: str) -> tuple[str, str, int]:
 
 
 def _client():
-    from huggingface_hub.utils import get_session
-
-    return get_session()
+    # huggingface_hub's session, or in a forked worker the spare made before the fork
+    return spare_client.client()
 
 
 def _timeout(policy: RetryPolicy):
