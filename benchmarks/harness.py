@@ -37,7 +37,7 @@ def dir_bytes(directory: str | os.PathLike) -> int:
     """Bytes of every file below ``directory`` (files removed meanwhile count as 0).
 
     Args:
-        directory: The folder to walk.
+        directory (str | os.PathLike): The folder to walk.
 
     Returns:
         The total size in bytes.
@@ -56,8 +56,9 @@ class PeakSampler:
     Use as a context manager around one run; the disk is sampled once more on exit.
 
     Args:
-        directory: Folder whose size is tracked. (default: :obj:`None`, no disk)
-        interval: Seconds between samples. (default: :obj:`0.01`)
+        directory (str | os.PathLike, optional): Folder whose size is tracked.
+            (default: :obj:`None`, no disk)
+        interval (float, optional): Seconds between samples. (default: :obj:`0.01`)
     """
 
     def __init__(self, directory: str | os.PathLike | None = None,
@@ -104,9 +105,10 @@ def serve_http(root: str, bandwidth: float | None, queue: Any) -> None:
     """Child target: the throttled loopback file server over ``root``; reports its port.
 
     Args:
-        root: Directory served (``/name`` -> ``root/name``).
-        bandwidth: Bytes per second per connection (:obj:`None`: unthrottled).
-        queue: Receives the port.
+        root (str): Directory served (``/name`` -> ``root/name``).
+        bandwidth (float | None): Bytes per second per connection (:obj:`None`:
+            unthrottled).
+        queue (Any): Receives the port.
     """
     _test_servers()
     from servers.http_server import ShardServer
@@ -120,9 +122,9 @@ def serve_relay(upstream_port: int, bandwidth: float, queue: Any) -> None:
     """Child target: a paced TCP relay in front of ``upstream_port``; reports its port.
 
     Args:
-        upstream_port: Loopback port relayed to.
-        bandwidth: Bytes per second per connection.
-        queue: Receives the relay's port.
+        upstream_port (int): Loopback port relayed to.
+        bandwidth (float): Bytes per second per connection.
+        queue (Any): Receives the relay's port.
     """
     _test_servers()
     from servers.tcp_proxy import ThrottlingProxy
@@ -136,8 +138,8 @@ def serve_s3_relay(bandwidth: float, queue: Any) -> None:
     """Child target: a moto S3 server and a paced relay in front of it, in one process.
 
     Args:
-        bandwidth: Bytes per second per connection through the relay.
-        queue: Receives ``(moto port, relay port)``.
+        bandwidth (float): Bytes per second per connection through the relay.
+        queue (Any): Receives ``(moto port, relay port)``.
     """
     import logging
 
@@ -158,10 +160,11 @@ class ServerProcess:
     """A server target running in a forked child process until :meth:`stop`.
 
     Args:
-        target: ``target(*args, queue)``, e.g. :func:`serve_http`; it puts what clients
-            need on ``queue`` once it listens, then serves forever.
-        *args: The target's arguments before the queue.
-        timeout: Seconds to wait for the target's answer. (default: :obj:`60`)
+        target (Callable[..., None]): ``target(*args, queue)``, e.g. :func:`serve_http`;
+            it puts what clients need on ``queue`` once it listens, then serves forever.
+        *args (Any): The target's arguments before the queue.
+        timeout (float, optional): Seconds to wait for the target's answer.
+            (default: :obj:`60`)
     """
 
     def __init__(self, target: Callable[..., None], *args: Any, timeout: float = 60) -> None:

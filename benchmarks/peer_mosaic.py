@@ -10,13 +10,14 @@ the other arms:
 
 * ``{"op": "convert", "source": npz, "out": dir, "size_limit": bytes}``: write MDS
   shards from the structures in ``source`` with ``MDSWriter``;
-* ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n, "ragged": b}``:
-  one pass of ``StreamingDataset(remote=..., local=<fresh dir>)`` through a
+* ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n, "ragged": b,
+  "endpoint": url}``: one pass of ``StreamingDataset(remote=..., local=<fresh dir>)`` through a
   ``DataLoader`` (``ragged``: structures of different sizes, atoms concatenated), the
   consumer sleeping ``compute`` seconds per batch;
 * ``{"op": "quit"}``.
 
-The S3 endpoint comes from ``S3_ENDPOINT_URL``, as streaming's documentation says.
+The S3 endpoint comes from ``S3_ENDPOINT_URL``, as streaming's documentation says (a
+``read`` command's ``endpoint`` sets it, so that one child serves every regime).
 Only numpy, torch and streaming are imported: no project code.
 """
 
@@ -77,8 +78,12 @@ def _concat(samples: list[dict]) -> dict:
     return out
 
 
-def read(remote: str, compute: float, batch_size: int, ragged: bool = False) -> dict:
+def read(remote: str, compute: float, batch_size: int, ragged: bool = False,
+         endpoint: str | None = None) -> dict:
     import torch
+
+    if endpoint:  # streaming reads it whenever it makes an S3 client (once per dataset)
+        os.environ["S3_ENDPOINT_URL"] = endpoint
 
     streaming = _import_streaming()
     from streaming.base.util import clean_stale_shared_memory

@@ -36,7 +36,10 @@ Part 3 (the issue's finding): ours against WebDataset with ``DataLoader(num_work
 Run: ``.venv/bin/python benchmarks/peers.py [--pairs 5] [--quick]``. The last line
 printed is a JSON object of ours ÷ theirs at D/C = 1 and for the shuffled loop. Writes
 ``benchmarks/results/peers.md`` (+ ``peers.json``) and ``benchmarks/figures/peers.png``.
-The MosaicML venv is built on first use under ``benchmarks/_work/`` (git-ignored).
+The MosaicML venv is built on first use under ``benchmarks/_work/`` (git-ignored), and
+so are the stores of part 1 (every format of each structure set, with the conversion
+figures measured when they were written): later runs with the same sizes and versions
+reuse them (``--rebuild`` writes them again). One MosaicML child serves the whole run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import io
 import json
 import os
@@ -74,6 +78,8 @@ from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
 from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
 
 WORK = HERE / "_work"
+#: Stores of part 1 (every format of a structure set), kept between runs.
+STORES = WORK / "peers-stores"
 BATCH = 32
 BUCKET = "peers"
 #: The peers' versions this benchmark was written against (also in pyproject's ``bench``).
@@ -94,6 +100,22 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 
 
 # ------------------------------------------------------------------ data in every format
+#: Bump when ``write_formats`` changes what it writes, so that kept stores are rebuilt.
+STORES_VERSION = 1
+
+
+def stores_key() -> str:
+    """What kept stores must match: this file's format version and the writers' versions."""
+    found = []
+    for name in ("torch", "torch_geometric", "litdata", "webdataset"):
+        try:
+            found.append(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            found.append("none")
+    digest = hashlib.sha256(" ".join(found).encode()).hexdigest()[:10]
+    return f"v{STORES_VERSION}-{digest}"
+
+
 def make_structures(shard: int, count: int, atoms: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(shard)
     return {"z": rng.integers(1, 10, (count, atoms)).astype(np.int64),
@@ -415,7 +437,7 @@ def run_pairs(arms: dict, pairs: int) -> dict[str, list]:
 
 
 def streaming_arms(base: str, names: dict, cache: Path, mosaic: MosaicArm | None,
-                   prefetch: int, concurrency: int, compute: float,
+                   s3_endpoint: str, prefetch: int, concurrency: int, compute: float,
                    ragged: bool = False) -> dict:
     """Every streaming arm; ``ragged``: structures of different sizes, so the peers read
     through :func:`concat_collate` (their default collate cannot stack them)."""
@@ -430,13 +452,19 @@ def streaming_arms(base: str, names: dict, cache: Path, mosaic: MosaicArm | None
     }
     if mosaic is not None:
         arms["mosaic"] = lambda: mosaic.ask(op="read", remote=f"s3://{BUCKET}/mds",
-                                            compute=compute, batch_size=BATCH, ragged=ragged)
+                                            compute=compute, batch_size=BATCH, ragged=ragged,
+                                            endpoint=s3_endpoint)
     return arms
 
 
 def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path,
                    shard_bytes: int, compute_batch: float, regimes, log,
-                   ragged: bool = False) -> dict:
+                   mosaic: MosaicArm | None, ragged: bool = False) -> dict:
+    """Part 1 over one structure set: every streaming arm in each regime, paired.
+
+    ``mosaic`` is the one MosaicML child of the run (:obj:`None` when its venv failed,
+    which is logged); each regime points it at that regime's relay.
+    """
     compute_shard = compute_batch * args.per_shard / BATCH
     results = {}
     for ratio, prefetch, concurrency in regimes:
@@ -445,23 +473,16 @@ def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path
         s3 = ServerProcess(serve_s3_relay, bandwidth)
         base = http.base_url
         moto_url, proxy_url = (f"http://127.0.0.1:{p}" for p in s3.answer)
-        mosaic = None
         try:
             upload(moto_url, lit_dir, "litdata")
             upload(moto_url, mosaic_dir, "mds")
             os.environ.update(S3_ENV, AWS_ENDPOINT_URL=proxy_url)
-            try:
-                mosaic = MosaicArm(proxy_url)
-            except Exception as exc:  # recorded, never silently dropped
-                log(f"MosaicML arm unavailable: {exc}")
             cache = Path(tempfile.mkdtemp(prefix="litdata-cache-"))
-            arms = streaming_arms(base, names, cache, mosaic, prefetch, concurrency,
+            arms = streaming_arms(base, names, cache, mosaic, proxy_url, prefetch, concurrency,
                                   compute_batch, ragged)
             runs = run_pairs(arms, args.pairs)
             shutil.rmtree(cache, ignore_errors=True)
         finally:
-            if mosaic is not None:
-                mosaic.close()
             http.stop()
             s3.stop()
         expected = args.shards * args.per_shard
@@ -750,7 +771,9 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
     lines += [
         "",
         "Conversion before training (from the structures in memory; ours reads existing "
-        "`.pt` / `.atp` shards as they are):",
+        "`.pt` / `.atp` shards as they are; measured when the stores were written, "
+        f"{', '.join(meta.get('stores_built', [])) or 'this run'}, and kept under "
+        "`benchmarks/_work/peers-stores/` for later runs, `--rebuild` to write them again):",
         "",
         "| format | seconds | bytes |",
         "|---|---:|---:|",
@@ -872,12 +895,14 @@ def main() -> None:
                         help=f"skip the mixed-size set ({MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms)")
     parser.add_argument("--workers-only", action="store_true",
                         help="run part 3 alone (into results/peers_workers.md)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="write the stores again even if benchmarks/_work/ has them")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peers.md")
     args = parser.parse_args()
     regimes, worker_ratios = REGIMES, [1.0, 3.0]
     if args.quick:
         args.pairs, args.shards, args.per_shard, args.ra_structures = 2, 6, 128, 1024
-        regimes, worker_ratios = [REGIMES[1]], []
+        regimes, worker_ratios = [REGIMES[1]], [1.0]
         args.out = Path(tempfile.mkdtemp(prefix="peers-quick-")) / "peers.md"
     torch.set_num_threads(1)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
@@ -891,30 +916,44 @@ def main() -> None:
         return
     scratch = Path(tempfile.mkdtemp(prefix="peers-"))
     begun = time.perf_counter()
+    mosaic = None
     try:
-        mosaic_version = None
+        try:  # one child for the whole run: conversions and every read
+            mosaic = MosaicArm()
+        except Exception as exc:  # recorded, never silently dropped
+            log(f"MosaicML venv unavailable: {exc}")
+        mosaic_version = mosaic.version if mosaic is not None else None
+        stores_built = []
 
-        def build_stores(root: Path, atoms, shards: int) -> tuple:
-            """Every format of one structure set under ``root``: (www, names, convert,
-            litdata dir, MDS dir, shard sizes)."""
-            nonlocal mosaic_version
-            www = root / "www"
-            for sub in ("pt", "atp", "tar"):
-                (www / sub).mkdir(parents=True)
-            lit_dir, mds_dir = root / "litdata", root / "mds"
-            names, convert = write_formats(www, lit_dir, root / "mds.npz", shards,
-                                           args.per_shard, atoms)
-            try:
-                converter = MosaicArm()
-                mosaic_version = converter.version
-                pt_shard = (www / "pt" / names["pt"][0]).stat().st_size
-                convert["mosaicml (MDSWriter)"] = converter.ask(
-                    op="convert", source=str(root / "mds.npz"), out=str(mds_dir),
-                    size_limit=pt_shard)
-                converter.close()
-            except Exception as exc:
-                log(f"MosaicML venv or conversion failed: {exc}")
-                mds_dir.mkdir(exist_ok=True)
+        def build_stores(atoms, shards: int) -> tuple:
+            """Every format of one structure set: (www, names, convert, litdata dir, MDS
+            dir, shard sizes), reused from ``benchmarks/_work/peers-stores/`` when an
+            earlier run with the same set and versions left them there."""
+            spec = atoms if isinstance(atoms, int) else f"{atoms[0]}-{atoms[1]}"
+            root = STORES / f"{shards}x{args.per_shard}x{spec}-{stores_key()}"
+            www, lit_dir, mds_dir = root / "www", root / "litdata", root / "mds"
+            marker = root / "stores.json"
+            if marker.exists() and not args.rebuild:
+                saved = json.loads(marker.read_text(encoding="utf-8"))
+                names, convert = saved["names"], saved["convert"]
+                log(f"reusing the stores built {saved['built']} in {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+                for sub in ("pt", "atp", "tar"):
+                    (www / sub).mkdir(parents=True)
+                names, convert = write_formats(www, lit_dir, root / "mds.npz", shards,
+                                               args.per_shard, atoms)
+                mds_dir.mkdir()
+                saved = {"built": meta["date"], "names": names, "convert": convert}
+                try:
+                    pt_shard = (www / "pt" / names["pt"][0]).stat().st_size
+                    convert["mosaicml (MDSWriter)"] = mosaic.ask(
+                        op="convert", source=str(root / "mds.npz"), out=str(mds_dir),
+                        size_limit=pt_shard)
+                    marker.write_text(json.dumps(saved), encoding="utf-8")
+                except Exception as exc:  # the stores are rebuilt next time
+                    log(f"MosaicML conversion failed: {exc}")
+            stores_built.append(saved["built"])
             sizes = {kind: int(np.mean([(www / kind / n).stat().st_size for n in names[kind]]))
                      for kind in ("pt", "atp", "tar")}
             sizes["litdata"] = max(p.stat().st_size for p in lit_dir.glob("*.bin"))
@@ -923,24 +962,24 @@ def main() -> None:
             return www, names, convert, lit_dir, mds_dir, sizes
 
         www, names, convert, lit_dir, mds_dir, shard_sizes = build_stores(
-            scratch, args.atoms, args.shards)
+            args.atoms, args.shards)
         # the mixed-size set: fewer shards in a quick run, to stay within its 5 minutes
         mixed_args = argparse.Namespace(**{**vars(args),
                                            "shards": 4 if args.quick else args.shards})
-        mixed_stores = None if args.no_mixed else build_stores(
-            scratch / "mixed", MIXED_ATOMS, mixed_args.shards)
+        mixed_stores = None if args.no_mixed else build_stores(MIXED_ATOMS, mixed_args.shards)
+        meta["stores_built"] = sorted(set(stores_built))
         import litdata.streaming.downloader as litdata_downloader
 
         litdata_downloader._OBSTORE_AVAILABLE = False  # see NOTES: obstore refuses http://
         log(f"[{time.perf_counter() - begun:.0f} s] formats written; streaming part")
         streaming = streaming_part(args, www, names, lit_dir, mds_dir, shard_sizes["pt"],
-                                   args.compute, regimes, log)
+                                   args.compute, regimes, log, mosaic)
         mixed = {}
         if mixed_stores is not None:
             log(f"[{time.perf_counter() - begun:.0f} s] mixed-size streaming part")
             m_www, m_names, _, m_lit, m_mds, m_sizes = mixed_stores
             mixed = streaming_part(mixed_args, m_www, m_names, m_lit, m_mds, m_sizes["pt"],
-                                   args.compute, [REGIMES[1]], log, ragged=True)
+                                   args.compute, [REGIMES[1]], log, mosaic, ragged=True)
             mixed["shard_bytes"], mixed["shards"] = m_sizes, mixed_args.shards
         log(f"[{time.perf_counter() - begun:.0f} s] random-access part")
         random_access = random_access_part(args, scratch, log)
@@ -970,6 +1009,8 @@ def main() -> None:
         log(f"[{time.perf_counter() - begun:.0f} s] done")
         print(json.dumps(last), flush=True)
     finally:
+        if mosaic is not None:
+            mosaic.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
