@@ -6,7 +6,9 @@ goes through :func:`open_response`, on huggingface_hub's shared :mod:`httpx2` cl
 Hub (``set_client_factory``), it reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY``
 for every request and ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` for the trust store, refuses
 to connect when ``HF_HUB_OFFLINE=1``, and is closed in a forked child (so no connection
-crosses a ``fork``). Per request this module adds what that client leaves out:
+crosses a ``fork``); a forked DataLoader worker uses a spare client the same factory made
+before the fork instead of building its own (:mod:`pyg_atompack.transport.spare_client`).
+Per request this module adds what that client leaves out:
 
 * **timeouts**: connect and read timeouts from the :class:`RetryPolicy` (the shared client
   has none);
