@@ -11,12 +11,12 @@ benchmark's bandwidth took 0.16 s).
 
 A process that lists remote shards therefore keeps one *spare* client, made with
 huggingface_hub's current client factory (so it is configured as a user configured
-the Hub client) and never used by that process: it holds no connection, so a forked
-child may take it over safely. In a child, :func:`client` hands out the inherited
-spare (the same one for every thread of that child); in the process that made it, and
-in a child whose parent had already taken it over (it may hold connections there),
-it is huggingface_hub's session. A spare made with another factory than the current
-one is not used.
+the Hub client) next to that process's session and never used by it: it holds no
+connection, so a forked child may take it over safely. In a child, :func:`client`
+hands out the inherited spare (the same one for every thread of that child); in the
+process that made it, and in a child whose parent had already taken it over (it may
+hold connections there), it is huggingface_hub's session. A spare made with another
+factory than the current one is not used.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = ["client", "keep_spare"]
 class _Spare:
     client: Any
     factory: Any
+    session: Any  # the session of the process that made it, when it was made
     made_in: int  # pid of the process that made it (never uses it)
     taken_by: int | None = None  # pid of the child that took it over
 
@@ -62,18 +63,24 @@ os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def keep_spare() -> None:
-    """Make the spare client of this process, once (call it where workers may fork).
+    """Make the spare client of this process (call it where workers may fork).
 
-    Does nothing in a process that already holds a spare of the current factory (its
-    own, or one inherited unused), or when huggingface_hub's factory cannot be found.
+    Does nothing in a process that already holds a spare made with the current factory
+    alongside its current session (its own, or one inherited unused), or when
+    huggingface_hub's factory cannot be found. A new session (after ``close_session`` or
+    ``set_client_factory``) gets a new spare too.
     """
     global _spare
     factory = _current_factory()
-    spare = _spare
-    if factory is None or (spare is not None and spare.factory is factory and (
-            spare.made_in == os.getpid() or spare.taken_by is None)):
+    if factory is None:
         return
-    made = _Spare(factory(), factory, os.getpid())  # ~50 ms: outside the lock
+    session = _hf_http().get_session()
+    spare = _spare
+    if spare is not None and spare.factory is factory and (
+            (spare.made_in == os.getpid() and spare.session is session)
+            or (spare.made_in != os.getpid() and spare.taken_by is None)):
+        return
+    made = _Spare(factory(), factory, session, os.getpid())  # ~50 ms: outside the lock
     with _lock:
         if _spare is spare:
             _spare = made
