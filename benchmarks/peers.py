@@ -697,7 +697,8 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
         "(`benchmarks/peers.py`)",
         "",
         f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
-        f"{meta['load_start']} / {meta['load_end']} (the machine was shared by ~7 "
+        f"{meta['load_start']} / {meta['load_end']}, autogroup nice "
+        f"{meta.get('autogroup', 'unknown')} (the machine was shared by ~7 "
         "engineers: **rerun on a quiet machine** before quoting absolute figures; ratios "
         f"are paired, arms interleaved). Versions: "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
@@ -879,6 +880,14 @@ NOTES = [
 ]
 
 
+def autogroup() -> str:
+    """This process group's scheduler priority (``/proc/self/autogroup``), for the record."""
+    try:
+        return Path("/proc/self/autogroup").read_text(encoding="utf-8").split()[-1]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=4)
@@ -909,7 +918,7 @@ def main() -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()} {os.cpu_count()} CPU, Linux {platform.release()}, "
                        f"Python {platform.python_version()}",
-            "load_start": os.getloadavg()[0].__round__(1)}
+            "load_start": os.getloadavg()[0].__round__(1), "autogroup": autogroup()}
     ensure_litdata()
     if args.workers_only:
         workers_only(args, meta, log)
