@@ -54,7 +54,7 @@ class ObjectStoreSource:
         self.store = ObjectStore(url, **storage_options)
         self._shards = tuple(
             ShardInfo(name=o.name, size=o.size, sha256=o.sha256, records=o.records,
-                      location=o.url, extra={"etag": o.etag})
+                      location=o.url, extra={"etag": o.etag, "generation": o.generation})
             for o in self.store.list()
         )
 
@@ -80,7 +80,7 @@ class ObjectStoreSource:
     def _object(self, shard: ShardInfo) -> ObjectInfo:
         return ObjectInfo(name=shard.name, url=shard.location, size=shard.size or 0,
                           etag=shard.extra.get("etag"), sha256=shard.sha256,
-                          records=shard.records)
+                          records=shard.records, generation=shard.extra.get("generation"))
 
     def range_reader(self, shard: ShardInfo) -> ObjectRangeReader:
         """Range reads of one shard (record blocks of ``.atp`` shards use them).

@@ -1,10 +1,12 @@
 """Object stores (``s3://``, and ``gs://`` / ``az://`` where gcsfs / adlfs are installed).
 
-Built on `fsspec <https://filesystem-spec.readthedocs.io>`_ with s3fs: obstore was 2-3x
-faster against moto (``benchmarks/objectstore_clients.py``) but a child process hangs on
-its first request once the parent has used it, which every DataLoader worker started by
-``fork`` would do; s3fs works in a forked child given a client of its own (see
-``docs/architecture.md``, "Object stores").
+Built on `fsspec <https://filesystem-spec.readthedocs.io>`_ with s3fs, gcsfs and adlfs:
+obstore was 2-3x faster against moto (``benchmarks/objectstore_clients.py``) but a child
+process hangs on its first request once the parent has used it, which every DataLoader
+worker started by ``fork`` would do; the fsspec clients work in a forked child given a
+client of their own (see ``docs/architecture.md``, "Object stores"). What differs
+between the stores (client options, the conditional range read, error codes) lives in
+:mod:`pyg_atompack.transport.objectstore_backends`; everything else is here, once.
 
 :class:`ObjectStore` is one bucket prefix (or one object, or a ``manifest.json``):
 
@@ -12,8 +14,9 @@ its first request once the parent has used it, which every DataLoader worker sta
   takes sha256 digests and record counts from a ``manifest.json`` found there;
 * :meth:`ObjectStore.read_range` reads a byte range; :meth:`ObjectStore.read_into`
   streams a range into a writable buffer, resuming from the last byte received after
-  a transient failure (``Range`` + ``If-Match`` on the listed ETag, so an object that
-  changed meanwhile is an error, never a splice of two versions);
+  a transient failure (``Range`` pinned to the listed version: ``If-Match`` on the ETag
+  for S3 and Azure, ``ifGenerationMatch`` for GCS; an object that changed meanwhile is
+  an error, never a splice of two versions);
 * :meth:`ObjectStore.download` puts a verified copy (size, and sha256 when known) into
   a cache directory and returns its path; nothing unverified ever lands there.
 
@@ -28,9 +31,9 @@ Every failure raises one :class:`~pyg_atompack.transport.TransportError` subclas
 message names the object URL and the cause (never a credential). Retries are the
 project's one policy (:class:`~pyg_atompack.transport.RetryPolicy`, run by
 :func:`~pyg_atompack.transport.retry.with_retries`, as for HTTP(S)): connection
-failures, timeouts, 408, 429, 5xx and S3's throttling codes are retried with
+failures, timeouts, 408, 429, 5xx and the stores' throttling codes are retried with
 exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else is.
-botocore and s3fs make a single attempt each, so retries never multiply.
+The clients make a single attempt each, so retries never multiply.
 
 :func:`object_range_readers` gives the listed objects the
 :class:`~pyg_atompack.transport.ranges.RangeReader` interface
@@ -66,6 +69,7 @@ from pyg_atompack.transport.errors import (
     TransportError,
     UnsupportedURLError,
 )
+from pyg_atompack.transport.objectstore_backends import BACKENDS, StoreHTTPError
 from pyg_atompack.transport.retry import (
     RETRYABLE_STATUSES,
     RetryPolicy,
@@ -88,23 +92,22 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: URL schemes this module serves, and the package each needs.
-OBJECT_STORE_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
-                        "abfs": "adlfs"}
+OBJECT_STORE_SCHEMES = {scheme: backend.package for scheme, backend in BACKENDS.items()}
 SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = "manifest.json"
-_CHUNK = 1 << 20
 _HASH_CHUNK = 8 << 20
 _CACHE_ENV = "PYG_ATOMPACK_CACHE"
 # storage options that hold a credential: kept in memory, never pickled, never printed
 _SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "password",
                              "account_key", "sas_token", "connection_string",
-                             "client_secret", "credentials", "aws_access_key_id",
+                             "client_secret", "credential", "credentials", "aws_access_key_id",
                              "aws_secret_access_key", "aws_session_token"})
-# S3's throttling / transient error codes; the statuses are the transport's
-# RETRYABLE_STATUSES (408, 429, 5xx), as for HTTP(S)
+# the stores' throttling / transient error codes (S3, then Azure; GCS says it with the
+# status alone); the statuses are the transport's RETRYABLE_STATUSES (408, 429, 5xx)
 _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
                               "ServiceUnavailable", "Throttling", "ThrottlingException",
-                              "RequestLimitExceeded", "TooManyRequestsException"})
+                              "RequestLimitExceeded", "TooManyRequestsException",
+                              "ServerBusy", "OperationTimedOut"})
 
 
 class CancelLike(Protocol):
@@ -149,6 +152,8 @@ class ObjectInfo:
         etag: The store's entity tag (quotes removed), or ``None``.
         sha256: Hex sha256 from the manifest, or ``None``.
         records: Record count from the manifest, or ``None``.
+        generation: GCS's object generation (what range reads are pinned to there),
+            or ``None``.
     """
 
     name: str
@@ -157,6 +162,7 @@ class ObjectInfo:
     etag: str | None = None
     sha256: str | None = None
     records: int | None = None
+    generation: str | None = None
 
     @property
     def path(self) -> str:
@@ -192,12 +198,30 @@ def _causes(error: BaseException):
 
 
 def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
-    """(error code, HTTP status) of the botocore ``ClientError`` behind ``error``, if any."""
+    """(error code, HTTP status) of the store's answer behind ``error``, if any.
+
+    botocore's ``ClientError`` (S3), azure-core's ``HttpResponseError`` (Azure), gcsfs's
+    ``HttpError`` and the statuses it turns into built-in exceptions (GCS listings), and
+    :class:`~pyg_atompack.transport.objectstore_backends.StoreHTTPError` (GCS reads).
+    """
     for cause in _causes(error):
         response = getattr(cause, "response", None)
         if isinstance(response, dict) and "Error" in response:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             return response["Error"].get("Code"), status
+        if isinstance(cause, StoreHTTPError):
+            return cause.code, cause.status
+        status = getattr(cause, "status_code", None)  # azure-core
+        if isinstance(status, int):
+            return getattr(cause, "error_code", None) or None, status
+        module = type(cause).__module__ or ""
+        if module.startswith("gcsfs"):
+            code = getattr(cause, "code", None)
+            if isinstance(code, int):
+                return None, code
+        if module == "builtins" and isinstance(cause, OSError) and not isinstance(
+                cause, FileNotFoundError) and str(cause).startswith("Forbidden"):
+            return None, 403  # gcsfs: a 403 answer becomes OSError("Forbidden: ...")
     return None, None
 
 
@@ -211,13 +235,22 @@ def _is_transient(error: BaseException) -> bool:
                        "ServerDisconnectedError", "ClientConnectorError", "ClientOSError",
                        "IncompleteRead", "ResponseStreamingError", "FSTimeoutError",
                        "TimeoutError", "ConnectionResetError", "ConnectionRefusedError",
-                       "BrokenPipeError", "ProxyConnectionError", "_Truncated"}
+                       "BrokenPipeError", "ProxyConnectionError", "_Truncated",
+                       "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError",
+                       "ServiceRequestError", "ServiceResponseError", "IncompleteReadError",
+                       "ServiceRequestTimeoutError", "ServiceResponseTimeoutError",
+                       "ProxyError"}
     return bool(names & transient_names)
 
 
 def _server_wait(error: BaseException) -> float | None:
-    """The wait the store asked for (``Retry-After``), from the botocore answer if any."""
+    """The wait the store asked for (``Retry-After``), from its answer if any."""
     for cause in _causes(error):
+        if isinstance(cause, StoreHTTPError):
+            return server_wait({"Retry-After": cause.retry_after})
+        headers = getattr(getattr(cause, "response", None), "headers", None)
+        if headers is not None and hasattr(headers, "get"):  # azure-core's response
+            return server_wait({"Retry-After": headers.get("Retry-After")})
         response = getattr(cause, "response", None)
         if isinstance(response, dict) and "Error" in response:
             headers = response.get("ResponseMetadata", {}).get("HTTPHeaders") or {}
@@ -239,17 +272,22 @@ class ObjectStore:
             (one object) or ``s3://bucket/prefix/manifest.json`` (the shards it names);
             ``gs://`` and ``az://`` likewise when gcsfs / adlfs are installed.
         anon: Unsigned requests, for public buckets. (default: :obj:`False`)
-        profile: A named profile of the AWS config files. (default: ``AWS_PROFILE``)
-        endpoint_url: An S3-compatible endpoint (MinIO, Ceph, R2, ...).
-            (default: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS)
+        profile: A named profile of the AWS config files (``s3://`` only).
+            (default: ``AWS_PROFILE``)
+        endpoint_url: An S3-compatible endpoint (MinIO, Ceph, R2, ...), or for ``gs://``
+            a GCS endpoint such as an emulator's. ``az://`` takes its endpoint from the
+            connection string (``BlobEndpoint=``).
+            (default: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS;
+            ``STORAGE_EMULATOR_HOST``, else Google's for ``gs://``)
         retry: Retries, backoff and timeouts of every request (``timeout`` is the read
             timeout, ``connect_timeout`` the connect timeout): transient failures
             (connection, timeout, 408, 429, 5xx, throttling) are retried, and a
             retried transfer resumes where it stopped.
             (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
         **storage_options: Further options of the fsspec filesystem (e.g. ``key``,
-            ``secret``, ``token``, ``client_kwargs``); credentials among them are
-            never pickled.
+            ``secret``, ``client_kwargs`` for s3fs; ``token``, ``project`` for gcsfs;
+            ``connection_string``, ``account_name``, ``account_key``, ``sas_token``,
+            ``credential`` for adlfs); credentials among them are never pickled.
     """
 
     def __init__(self, url: str, *, anon: bool = False, profile: str | None = None,
@@ -287,36 +325,20 @@ class ObjectStore:
         return f"{type(self).__name__}({self.url!r})"
 
     def _make_filesystem(self) -> Any:
-        package = OBJECT_STORE_SCHEMES[self.scheme]
+        backend = BACKENDS[self.scheme]
         try:
             import fsspec
 
-            filesystem = fsspec.get_filesystem_class(self.scheme)
+            fsspec.get_filesystem_class(self.scheme)
         except (ImportError, ValueError) as error:
             raise UnsupportedURLError(
-                f"{self.url}: {self.scheme}:// needs the optional package {package!r} "
-                f"(pip install {package}, or pyg_atompack[s3] for s3://)", url=self.url,
+                f"{self.url}: {self.scheme}:// needs the optional package "
+                f"{backend.package!r} (pip install {backend.package}, or "
+                f"pip install 'pyg_atompack[{backend.extra}]')", url=self.url,
             ) from error
         options = _merge(self.storage_options, self._secrets)
         options["skip_instance_cache"] = True
-        if self.scheme == "s3":
-            # one retry policy, ours: botocore and s3fs each make a single attempt
-            # (botocore's "max_attempts" counts retries, "total_max_attempts" attempts)
-            config = dict(options.pop("config_kwargs", {}))
-            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-            config.setdefault("connect_timeout", self.retry.connect_timeout)
-            config.setdefault("read_timeout", self.retry.timeout)
-            options.update(config_kwargs=config, anon=self.anon)
-            endpoint = (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                        or os.environ.get("AWS_ENDPOINT_URL"))
-            if endpoint:
-                options["endpoint_url"] = endpoint
-            if "session" not in options:
-                options["session"] = _new_session(self.profile)
-        fs = filesystem(**options)
-        if self.scheme == "s3":
-            fs.retries = 1  # s3fs's own retry loop: one attempt
-        return fs
+        return backend.make_filesystem(self, options)
 
     @property
     def fs(self) -> Any:
@@ -357,19 +379,19 @@ class ObjectStore:
             return error
         code, status = _client_error_info(error)
         names = {type(cause).__name__ for cause in _causes(error)}
+        backend = BACKENDS[self.scheme]
         if "NoCredentialsError" in names or "PartialCredentialsError" in names:
             hint = (" (credentials given as options are not pickled: in spawned workers "
                     "use the environment or a profile)" if self._secrets_dropped else "")
             return RemoteAuthError(
-                f"{url}: no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                f"or AWS_PROFILE, or pass anon=True for a public bucket{hint}", url=url)
-        if code == "NoSuchBucket":
+                f"{url}: no credentials found: {backend.credentials_hint}{hint}", url=url)
+        if code in ("NoSuchBucket", "ContainerNotFound"):
             return RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist",
                                        url=url, status=status)
-        if code in ("NoSuchKey", "404", "NotFound") or (
+        if code in ("NoSuchKey", "404", "NotFound", "BlobNotFound") or status == 404 or (
                 code is None and isinstance(error, FileNotFoundError)):
             return RemoteNotFoundError(f"{url}: no such object", url=url, status=status)
-        if code in ("PreconditionFailed", "412"):
+        if code in ("PreconditionFailed", "412", "ConditionNotMet") or status == 412:
             return RemoteIntegrityError(
                 f"{url}: the object changed since it was listed (ETag differs)",
                 url=url, status=status)
@@ -378,14 +400,14 @@ class ObjectStore:
                 "ExpiredToken", "InvalidToken"):
             return RemoteAuthError(
                 f"{url}: access denied ({code or status or 'forbidden'}): check the "
-                f"credentials and the bucket policy", url=url, status=status)
+                f"credentials ({backend.credentials_hint}) and the bucket policy",
+                url=url, status=status)
         return TransportError(f"{url}: {code or type(error).__name__}: {_first_line(error)}",
                               url=url, status=status)
 
     def _describe_transient(self, error: BaseException) -> str:
         code, _ = _client_error_info(error)
-        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-            os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = BACKENDS[self.scheme].endpoint(self)
         where = _redact_endpoint(endpoint) if endpoint else "the default endpoint"
         return f"{code or type(error).__name__} from {where}: {_first_line(error)}"
 
@@ -506,7 +528,10 @@ class ObjectStore:
         url = self.object_url(prefix)
 
         def find() -> tuple[dict, bool]:
-            found = self.fs.find(root + "/", detail=True)
+            try:
+                found = self.fs.find(root + "/", detail=True)
+            except FileNotFoundError:  # gcsfs, for a missing bucket
+                found = {}
             # an empty answer may mean a missing bucket in some backends: ask once
             return found, bool(found) or self.fs.exists(self.bucket)
 
@@ -598,37 +623,16 @@ class ObjectStore:
         fs = self.fs
         if cancel is not None:
             cancel.raise_if_cancelled()
-        if not hasattr(fs, "_call_s3"):
-            # other fsspec backends: chunked range reads (no conditional request)
-            position = start
-            while position < end:
-                if cancel is not None:
-                    cancel.raise_if_cancelled()
-                stop = min(end, position + 8 * _CHUNK)
-                chunk = fs.cat_file(obj.path, start=position, end=stop)
-                if len(chunk) != stop - position:
-                    raise _Truncated(f"range answered {len(chunk)} of {stop - position} bytes")
-                sink(chunk)
-                position = stop
-            return
-        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
         received = [0]
 
         async def run() -> None:
-            response = await fs._call_s3("get_object", Bucket=self.bucket,
-                                         Key=obj.path.split("/", 1)[1],
-                                         Range=f"bytes={start}-{end - 1}", **extra)
-            body = response["Body"]
-            try:
-                while received[0] < end - start:
-                    chunk = await body.read(_CHUNK)
-                    if not chunk:
-                        break
-                    chunk = chunk[:end - start - received[0]]
+            async for chunk in BACKENDS[self.scheme].chunks(self, obj, start, end):
+                chunk = chunk[:end - start - received[0]]
+                if chunk:
                     sink(chunk)
                     received[0] += len(chunk)
-            finally:
-                body.close()
+                if received[0] >= end - start:
+                    break
 
         future = asyncio.run_coroutine_threadsafe(run(), fs.loop)
         unregister = cancel.on_cancel(future.cancel) if cancel is not None else None
@@ -737,26 +741,6 @@ def _redact_endpoint(endpoint: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else endpoint
 
 
-_LOADER: list[Any] = []
-
-
-def _new_session(profile: str | None) -> Any:
-    """A fresh aiobotocore session (own credentials) sharing the parsed service models.
-
-    Parsing botocore's JSON models is most of the cost of a new client (0.3 s of 0.6 s
-    measured); the loader is a plain cache, safe to share between sessions and across
-    ``fork``, while credentials stay per session.
-    """
-    import botocore.loaders
-    from aiobotocore.session import AioSession
-
-    if not _LOADER:
-        _LOADER.append(botocore.loaders.create_loader())
-    session = AioSession(profile=profile) if profile else AioSession()
-    session.register_component("data_loader", _LOADER[0])
-    return session
-
-
 def _first_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]
@@ -771,9 +755,11 @@ def _is_complete(path: Path, size: int) -> bool:
 
 def _object_info(store: ObjectStore, entry: dict, name: str) -> ObjectInfo:
     etag = entry.get("ETag") or entry.get("etag") or entry.get("md5Hash")
+    generation = entry.get("generation")
     return ObjectInfo(name=name, url=f"{store.scheme}://{entry['name']}",
                       size=int(entry["size"]),
-                      etag=str(etag).strip('"') if etag else None)
+                      etag=str(etag).strip('"') if etag else None,
+                      generation=str(generation) if generation else None)
 
 
 def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> ObjectInfo:
