@@ -23,3 +23,7 @@ def golden_expected() -> dict:
     so that no test can change what the next one expects)."""
     with open(GOLDEN_DIR / "expected.json", encoding="utf-8") as handle:
         return json.load(handle)
+
+
+# every object-store server (s3, gs, az), started at most once per test process
+from servers.stores import store_servers  # noqa: E402, F401

@@ -1,24 +1,26 @@
-"""Object-store shards (``s3://``) against a real S3-compatible server (moto, loopback).
+"""S3-only object-store behaviour against a real S3-compatible server (moto, loopback).
 
-One moto server runs for the module; shards are uploaded with boto3. Faults (dropped and
-stalled connections, S3's ``503 SlowDown`` throttling) come from a TCP relay in front of
-it (``servers/tcp_proxy.py``).
+What every store does alike (listing, streaming with forked workers, AtompackDataset,
+secrets, bad input, resume, throttling) runs for s3://, gs:// and az:// in
+``tests/test_objectstore_stores.py``; here: anonymous buckets, profiles, endpoint
+variables, stalls, manifests' field checks, and a missing backend package. One moto
+server runs for the module; shards are uploaded with boto3; faults come from a TCP
+relay in front of it (``servers/tcp_proxy.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import atompack
 import numpy as np
 import pytest
-import torch
 from servers.http_server import write_pt_shards
 from servers.moto_s3 import (
     ACCESS_KEY,
@@ -28,13 +30,10 @@ from servers.moto_s3 import (
     s3_environment,
 )
 from servers.tcp_proxy import ThrottlingProxy
-from torch_geometric.loader import DataLoader
 
-from pyg_atompack import AtompackDataset
 from pyg_atompack.stream import (
     CancelToken,
     ObjectStoreSource,
-    ShardIntegrityError,
     ShardStreamDataset,
 )
 from pyg_atompack.stream.errors import StreamCancelled
@@ -88,93 +87,12 @@ def pt_prefix(server, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def atp_prefix(server, tmp_path_factory):
-    """Three ``.atp`` shards (one nested) without a manifest at ``s3://BUCKET/atp/``."""
-    root = tmp_path_factory.mktemp("atp")
-    for shard, (count, atoms) in enumerate([(3, 4), (2, 5), (4, 3)]):
-        _write_atp(root / f"part-{shard}.atp", count, atoms, shard + 1)
-    server.upload_directory(root, BUCKET, "atp")
-    return root
-
-
-def _ids(samples) -> list[int]:
-    return [int(s.sample_id) for s in samples]
-
-
-ALL_PT_IDS = sorted(shard * 1000 + i for shard, n in enumerate(PT_SIZES) for i in range(n))
-
-
-# ------------------------------------------------------------------ listing
-def test_listing_has_sizes_etags_and_manifest_facts(pt_prefix):
-    source = ObjectStoreSource(f"s3://{BUCKET}/pt/")
-    shards = source.list_shards()
-    names = sorted(p.name for p in pt_prefix.glob("*.pt"))
-    assert [s.name for s in shards] == names
-    manifest = {e["name"]: e for e in json.loads((pt_prefix / "manifest.json").read_text())[
-        "shards"]}
-    for shard in shards:
-        data = (pt_prefix / shard.name).read_bytes()
-        assert shard.size == len(data)
-        assert shard.sha256 == manifest[shard.name]["sha256"]
-        assert shard.records == manifest[shard.name]["records"]
-        assert shard.extra["etag"] == hashlib.md5(data).hexdigest()  # S3's single-part ETag
-        assert shard.location == f"s3://{BUCKET}/pt/{shard.name}"
-    by_manifest = ObjectStoreSource(f"s3://{BUCKET}/pt/manifest.json").list_shards()
-    assert by_manifest == shards
-
-
-def test_nested_atp_shards_sorted_by_posix_path(server, atp_prefix, tmp_path):
-    (tmp_path / "b").mkdir()
-    _write_atp(tmp_path / "b" / "x.atp", 1, 2, 9)
-    server.client().upload_file(str(tmp_path / "b" / "x.atp"), BUCKET, "nested/b/x.atp")
-    server.client().upload_file(str(atp_prefix / "part-0.atp"), BUCKET, "nested/a.atp")
-    server.client().put_object(Bucket=BUCKET, Key="nested/readme.txt", Body=b"not a shard")
-    names = [s.name for s in ObjectStoreSource(f"s3://{BUCKET}/nested").list_shards()]
-    assert names == ["a.atp", "b/x.atp"]
-
-
-# ------------------------------------------------------------------ streaming
-def test_stream_every_pt_sample_once_per_epoch_two_forked_workers(pt_prefix):
-    source = ObjectStoreSource(f"s3://{BUCKET}/pt/")  # the parent's client is in use now
-    dataset = ShardStreamDataset(source, shuffle=True, seed=1, prefetch=1)
-    for epoch in range(2):
-        dataset.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=4, num_workers=2,
-                            multiprocessing_context="fork")
-        ids = torch.cat([batch.sample_id for batch in loader]).tolist()
-        assert sorted(ids) == ALL_PT_IDS
-        assert {r["worker"] for r in dataset.trace} == {0, 1}
-
-
-def test_stream_atp_shards_two_forked_workers(atp_prefix):
-    dataset = ShardStreamDataset(ObjectStoreSource(f"s3://{BUCKET}/atp/"), prefetch=1)
-    loader = DataLoader(dataset, batch_size=2, num_workers=2,
-                        multiprocessing_context="fork")
-    energies = sorted(torch.cat([batch.energy for batch in loader]).tolist())
-    local = ShardStreamDataset(ObjectStoreSource(f"s3://{BUCKET}/atp/"), prefetch=0)
-    assert energies == sorted(float(s.energy) for s in local)
-    assert energies == sorted(seed * 100.0 + i for seed, n in ((1, 3), (2, 2), (3, 4))
-                              for i in range(n))
-
-
-def test_first_shard_in_parts_equals_the_object(server, tmp_path):
-    payload = os.urandom(3 << 20)
-    server.client().put_object(Bucket=BUCKET, Key="parts/big.pt", Body=payload)
-    source = ObjectStoreSource(f"s3://{BUCKET}/parts/big.pt")
-    (shard,) = source.list_shards()
-    assert bytes(source.fetch_in_parts(shard, CancelToken(), 4)) == payload
-    assert bytes(source.fetch(shard, CancelToken())) == payload
-
-
 # ------------------------------------------------------------------ pickling and secrets
-def test_pickled_source_carries_no_secret_and_still_fetches(pt_prefix, monkeypatch):
-    explicit = ObjectStoreSource(f"s3://{BUCKET}/pt/", key=ACCESS_KEY, secret=SECRET_KEY,
-                                 token=SESSION_TOKEN)
+def test_pickled_source_carries_no_nested_secret_and_still_fetches(pt_prefix):
     nested = ObjectStoreSource(f"s3://{BUCKET}/pt/", client_kwargs={
         "aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY,
         "aws_session_token": SESSION_TOKEN, "region_name": "us-east-1"})
-    for source in (explicit, nested, ObjectStoreSource(f"s3://{BUCKET}/pt/")):
+    for source in (nested,):
         shard = source.list_shards()[0]
         source.fetch(shard, CancelToken())  # a live client exists before pickling
         raw = pickle.dumps(source)
@@ -182,14 +100,6 @@ def test_pickled_source_carries_no_secret_and_still_fetches(pt_prefix, monkeypat
         assert SESSION_TOKEN.encode() not in raw
         clone = pickle.loads(raw)  # the environment's credentials serve the clone
         assert bytes(clone.fetch(shard, CancelToken())) == (pt_prefix / shard.name).read_bytes()
-
-
-def test_missing_credentials(pt_prefix, monkeypatch):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name)
-    with pytest.raises(RemoteAuthError, match=r"s3://atompack-test/pt: no credentials") as info:
-        ObjectStoreSource(f"s3://{BUCKET}/pt/")
-    assert "anon=True" in str(info.value)
 
 
 def test_anonymous_access(server, pt_prefix, monkeypatch):
@@ -207,29 +117,6 @@ def test_anonymous_access(server, pt_prefix, monkeypatch):
 
 
 # ------------------------------------------------------------------ bad input
-def test_wrong_bucket_and_wrong_key():
-    with pytest.raises(RemoteNotFoundError, match=r"s3://no-such-bucket/pt: bucket "
-                                                  r"'no-such-bucket' does not exist"):
-        ObjectStoreSource("s3://no-such-bucket/pt/")
-    with pytest.raises(RemoteNotFoundError, match=r"s3://atompack-test/pt/nope\.pt: no such"):
-        ObjectStoreSource(f"s3://{BUCKET}/pt/nope.pt")
-    with pytest.raises(RemoteNotFoundError, match=r"s3://atompack-test/void: no objects"):
-        ObjectStoreSource(f"s3://{BUCKET}/void/")
-    with pytest.raises(RemoteNotFoundError, match=r"manifest\.json"):
-        ObjectStoreSource(f"s3://{BUCKET}/void/manifest.json")
-
-
-def test_manifest_naming_a_missing_shard(server):
-    document = {"shards": [{"name": "gone.pt", "bytes": 3}]}
-    server.client().put_object(Bucket=BUCKET, Key="orphan/manifest.json",
-                               Body=json.dumps(document).encode())
-    server.client().put_object(Bucket=BUCKET, Key="orphan/here.pt", Body=b"abc")
-    for url in (f"s3://{BUCKET}/orphan/", f"s3://{BUCKET}/orphan/manifest.json"):
-        with pytest.raises(RemoteNotFoundError,
-                           match=r"s3://atompack-test/orphan/gone\.pt: named by the manifest"):
-            ObjectStoreSource(url)
-
-
 def test_bad_manifest_field_names_entry_and_field(server):
     document = {"shards": [{"name": "a.pt", "sha256": 5}]}
     server.client().put_object(Bucket=BUCKET, Key="badman/manifest.json",
@@ -250,43 +137,6 @@ def test_manifest_size_mismatch_is_refused_at_listing(server):
         ObjectStoreSource(f"s3://{BUCKET}/short/")
 
 
-def test_sha256_mismatch_detected_and_nothing_cached(server, tmp_path):
-    good = b"the right bytes"
-    document = {"shards": [{"name": "a.pt", "bytes": len(good),
-                            "sha256": hashlib.sha256(good).hexdigest()}]}
-    client = server.client()
-    client.put_object(Bucket=BUCKET, Key="altered/manifest.json",
-                      Body=json.dumps(document).encode())
-    client.put_object(Bucket=BUCKET, Key="altered/a.pt", Body=b"the wrong bytes")
-    source = ObjectStoreSource(f"s3://{BUCKET}/altered/")
-    with pytest.raises(ShardIntegrityError, match=r"shard a\.pt: sha256"):
-        list(ShardStreamDataset(source, prefetch=0))
-    store = ObjectStore(f"s3://{BUCKET}/altered/")
-    (obj,) = store.list()
-    cache = tmp_path / "cache"
-    with pytest.raises(RemoteIntegrityError, match=r"s3://atompack-test/altered/a\.pt: sha256"):
-        store.download(obj, cache)
-    assert [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
-
-
-def test_object_replaced_after_listing(server):
-    client = server.client()
-    client.put_object(Bucket=BUCKET, Key="moving/a.pt", Body=b"version one")
-    source = ObjectStoreSource(f"s3://{BUCKET}/moving/")
-    client.put_object(Bucket=BUCKET, Key="moving/a.pt", Body=b"version two")
-    with pytest.raises(RemoteIntegrityError, match=r"s3://atompack-test/moving/a\.pt: the "
-                                                   r"object changed since it was listed"):
-        source.fetch(source.list_shards()[0], CancelToken())
-
-
-def test_unreachable_endpoint_bounded_retries():
-    with pytest.raises(RemoteUnavailableError, match=r"s3://atompack-test/pt: giving up after "
-                                                     r"3 attempts: .* from http://127\.0\.0"
-                                                     r"\.1:9") as info:
-        ObjectStoreSource(f"s3://{BUCKET}/pt/", endpoint_url="http://127.0.0.1:9", retry=FAST)
-    assert SECRET_KEY not in str(info.value) and ACCESS_KEY not in str(info.value)
-
-
 def test_unsupported_urls():
     with pytest.raises(UnsupportedURLError, match=r"ftp://x/y: not an object-store URL"):
         ObjectStore("ftp://x/y")
@@ -295,14 +145,28 @@ def test_unsupported_urls():
     assert SECRET_KEY not in str(info.value)
 
 
-def test_scheme_without_its_package_names_the_package():
-    store = ObjectStore("gs://some-bucket/shards/")
-    if importlib.util.find_spec("gcsfs") is None:
-        with pytest.raises(UnsupportedURLError, match=r"gs://some-bucket/shards: gs:// needs "
-                                                      r"the optional package 'gcsfs'"):
-            store.list()
-    else:
-        assert store.fs.protocol[0] in ("gs", "gcs")
+@pytest.mark.parametrize("url, package, extra", [("gs://some-bucket/shards/", "gcsfs", "gcs"),
+                                                 ("az://some-container/shards/", "adlfs",
+                                                  "azure")])
+def test_scheme_without_its_package_names_the_package(url, package, extra):
+    # a fresh interpreter in which the backend package cannot be imported
+    code = (f"import sys; sys.modules[{package!r}] = None\n"
+            "from pyg_atompack import AtompackDataset\n"
+            "from pyg_atompack.stream import ShardStreamDataset\n"
+            "for make in (AtompackDataset, ShardStreamDataset):\n"
+            "    try:\n"
+            f"        make({url!r})\n"
+            "    except Exception as error:\n"
+            "        print(type(error).__name__, error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr
+    scheme = url.split(":")[0]
+    for line in lines:
+        assert line.startswith(f"UnsupportedURLError {url.rstrip('/')}: {scheme}:// needs the "
+                               f"optional package {package!r} (pip install {package}, or pip "
+                               f"install 'pyg_atompack[{extra}]')"), line
 
 
 # ------------------------------------------------------------------ faults on the wire
@@ -311,20 +175,6 @@ def proxy(server):
     relay = ThrottlingProxy(server.port).start()
     yield relay
     relay.stop()
-
-
-def test_dropped_transfer_resumes_by_range(server, proxy):
-    payload = os.urandom(2 << 20)
-    server.client().put_object(Bucket=BUCKET, Key="resume/a.pt", Body=payload)
-    (obj,) = ObjectStore(f"s3://{BUCKET}/resume/").list()
-    proxy.cut_next(after_bytes=700_000)
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
-    buffer = bytearray(obj.size)
-    store.read_into(obj, buffer)
-    assert bytes(buffer) == payload
-    assert proxy.ranges[0] == f"bytes=0-{obj.size - 1}"
-    resumed_at = int(proxy.ranges[1].split("=")[1].split("-")[0])
-    assert 0 < resumed_at < obj.size  # the rest only, not the whole object again
 
 
 def test_download_truncated_every_time_fails_and_caches_nothing(server, proxy, tmp_path):
@@ -351,33 +201,6 @@ def test_permanent_errors_are_not_retried(server, proxy):
     assert len(proxy.ranges) == 1
 
 
-class _RecordingCancel(CancelToken):
-    """A cancel token that records the backoff waits instead of sleeping them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waits: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.waits.append(seconds)
-
-
-def test_throttling_is_retried_under_the_one_policy(server, proxy):
-    payload = os.urandom(100_000)
-    server.client().put_object(Bucket=BUCKET, Key="throttle/a.pt", Body=payload)
-    (obj,) = ObjectStore(f"s3://{BUCKET}/throttle/").list()
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url,
-                        retry=RetryPolicy(retries=3, backoff=0.01, jitter=0.0))
-    proxy.fail_next(503, "SlowDown", times=2, retry_after=7)
-    cancel = _RecordingCancel()
-    buffer = bytearray(obj.size)
-    store.read_into(obj, buffer, cancel=cancel)
-    assert bytes(buffer) == payload
-    assert proxy.failed == 2 and len(proxy.ranges) == 3  # two throttled, one served
-    # the backoff of the transport's RetryPolicy, never shorter than the Retry-After
-    assert cancel.waits == [7.0, 7.0]
-
-
 def test_throttling_outlasting_the_retries_names_the_url(server, proxy):
     server.client().put_object(Bucket=BUCKET, Key="throttle/b.pt", Body=b"x" * 1000)
     (obj,) = ObjectStore(f"s3://{BUCKET}/throttle/b.pt").list()
@@ -390,17 +213,6 @@ def test_throttling_outlasting_the_retries_names_the_url(server, proxy):
         store.read_into(obj, bytearray(obj.size))
     assert proxy.failed == 3  # bounded: FAST allows two retries
     assert SECRET_KEY not in str(info.value) and ACCESS_KEY not in str(info.value)
-
-
-def test_access_denied_is_not_retried(server, proxy):
-    server.client().put_object(Bucket=BUCKET, Key="denied/a.pt", Body=b"private")
-    (obj,) = ObjectStore(f"s3://{BUCKET}/denied/").list()
-    store = ObjectStore(obj.url, endpoint_url=proxy.endpoint_url, retry=FAST)
-    proxy.fail_next(403, "AccessDenied", times=3)
-    with pytest.raises(RemoteAuthError, match=r"s3://atompack-test/denied/a\.pt: access "
-                                              r"denied \(AccessDenied\)"):
-        store.read_into(obj, bytearray(obj.size))
-    assert proxy.failed == 1
 
 
 def test_retries_argument_of_the_stream_sets_the_store_policy(pt_prefix):
@@ -431,26 +243,6 @@ def test_cancel_interrupts_a_stalled_transfer(server, proxy):
 
 
 # ------------------------------------------------------------------ AtompackDataset
-@pytest.mark.parametrize("prefetch_shards", [None, True])
-def test_atompack_dataset_over_s3_equals_local(atp_prefix, tmp_path, monkeypatch,
-                                               prefetch_shards):
-    # by record through the page cache (default), or lazy verified whole-shard downloads
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
-    local = AtompackDataset(atp_prefix)
-    remote = AtompackDataset(f"s3://{BUCKET}/atp/", cache_dir=tmp_path / "cache",
-                             prefetch_shards=prefetch_shards)
-    assert len(remote) == len(local) == 9
-    for got, want in zip(remote, local):
-        assert set(got.keys()) == set(want.keys())
-        for key, value in want:  # iterating a Data yields (key, value) pairs
-            assert torch.equal(got[key], value), key
-    if prefetch_shards:
-        assert remote.reader.downloaded_shards() == [0, 1, 2]
-    else:
-        assert not (tmp_path / "hub").exists()  # nothing downloaded whole
-        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["atp-meta", "pages"]
-
-
 def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name)
@@ -466,9 +258,6 @@ def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, 
 
 
 def test_transport_module_is_torch_free():
-    import subprocess
-    import sys
-
     code = ("import sys, pyg_atompack.transport.objectstore as m; "
             "m.ObjectStore('s3://b/p/'); print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -213,7 +213,8 @@ def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
             return cause.code, cause.status
         status = getattr(cause, "status_code", None)  # azure-core
         if isinstance(status, int):
-            return getattr(cause, "error_code", None) or None, status
+            code = getattr(cause, "error_code", None)
+            return (str(getattr(code, "value", code)) if code else None), status
         module = type(cause).__module__ or ""
         if module.startswith("gcsfs"):
             code = getattr(cause, "code", None)

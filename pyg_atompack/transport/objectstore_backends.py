@@ -29,6 +29,7 @@ from typing import Any
 __all__ = ["BACKENDS", "Backend", "StoreHTTPError"]
 
 _CHUNK = 1 << 20
+_AZURE_GET = 4 << 20
 
 
 class StoreHTTPError(Exception):
@@ -266,9 +267,13 @@ class AzureBackend(Backend):
         fs = AzureBlobFileSystem(**options)
         # one attempt per request: the client's retry policy object is shared by every
         # container and blob client derived from it
-        policy = fs.service_client._config.retry_policy
+        config = fs.service_client._config
+        policy = config.retry_policy
         policy.total_retries = policy.connect_retries = 0
         policy.read_retries = policy.status_retries = 0
+        # the SDK buffers each GET whole before handing it on: ranges go in 4 MiB GETs
+        # (its default chunk), so a dropped transfer resumes after the last whole chunk
+        config.max_single_get_size = config.max_chunk_get_size = _AZURE_GET
         return fs
 
     async def chunks(self, store: Any, obj: Any, start: int, end: int):

@@ -30,7 +30,8 @@ import time
 from collections import deque
 
 _CHUNK = 16 * 1024
-_RANGE = re.compile(rb"\r\nrange: *(bytes=[0-9-]+)", re.IGNORECASE)
+# Azure's SDK sends its range as x-ms-range
+_RANGE = re.compile(rb"\r\n(?:x-ms-)?range: *(bytes=[0-9-]+)", re.IGNORECASE)
 
 
 class ThrottlingProxy:
