@@ -38,7 +38,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "stream_memory.md"
 NOTES = """## What keeps a live shard at its file size
 
 - **Download buffers** of known size (`Content-Length`, a file's size) are anonymous
-  memory maps of exactly that size (`pyg_atompack/stream/buffers.py`), unmapped the
+  memory maps of exactly that size (`pyg_atompack/transport/buffers.py`), unmapped the
   moment the last reference goes. A bytearray grown chunk by chunk overallocated and
   copied, and once glibc had raised its mmap threshold after the first multi-MiB free,
   later buffers came from the heap and stayed resident after they were freed.

@@ -33,8 +33,8 @@ from pyg_atompack.stream import (
     UnsafePayloadError,
     decode_shard,
 )
-from pyg_atompack.stream.buffers import ShardBuffer
 from pyg_atompack.stream.sources import CancelToken
+from pyg_atompack.transport.buffers import ShardBuffer
 
 
 def _saved(obj, **options) -> bytearray:

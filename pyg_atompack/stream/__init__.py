@@ -22,7 +22,6 @@ Example::
         print(dataset.stats())
 """
 
-from pyg_atompack.stream.buffers import ShardBuffer
 from pyg_atompack.stream.dataset import ShardStreamDataset
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
@@ -38,6 +37,7 @@ from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS, decode_shard
 from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import CancelToken, LocalSource, ShardInfo, Source
+from pyg_atompack.transport.buffers import ShardBuffer
 
 __all__ = [
     "ShardStreamDataset",

@@ -32,7 +32,6 @@ import numpy as np
 from pyg_atompack import atp
 from pyg_atompack.atp.header import HEADER_SIZE
 from pyg_atompack.atp.images import FileMeta, block_span, complete_block, plan_blocks
-from pyg_atompack.stream.buffers import allocate
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
     ShardFetchError,
@@ -46,6 +45,7 @@ from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamSlot
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.atp_meta import load_meta
+from pyg_atompack.transport.buffers import allocate
 from pyg_atompack.transport.errors import RemoteIntegrityError
 from pyg_atompack.transport.ranges import FileRangeReader, RangeReader, URLRangeReader
 

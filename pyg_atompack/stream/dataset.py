@@ -68,7 +68,7 @@ class ShardStreamDataset(IterableDataset):
     shard's bytes are held once: either as the storage a lazily decoded shard reads its
     samples from (``.atp`` shards, ``.pt`` lists of ``Data``), or until it is unpickled.
     Downloads of known size go to anonymous memory maps that are unmapped the moment a
-    shard is dropped (:mod:`pyg_atompack.stream.buffers`).
+    shard is dropped (:mod:`pyg_atompack.transport.buffers`).
 
     Every epoch, shards are (optionally) permuted with a generator seeded by
     ``(seed, epoch)`` and split between DDP ranks and DataLoader workers so that each

@@ -13,11 +13,11 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
-from pyg_atompack.stream.buffers import WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport import spare_client
+from pyg_atompack.transport.buffers import WritableBuffer
 from pyg_atompack.transport.errors import TransportError
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -53,7 +53,7 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
-        announced it (see :mod:`pyg_atompack.stream.buffers`), else in a bytearray.
+        announced it (see :mod:`pyg_atompack.transport.buffers`), else in a bytearray.
 
     Raises:
         ShardFetchError: A permanent error, or transient errors outlasting every retry.

@@ -10,7 +10,7 @@ process ~150 MiB above its baseline although at most three shards were alive, an
 resident set near what is really alive at a cost of a few milliseconds per trim.
 
 Shard buffers themselves no longer go through malloc when their size is known (they are
-anonymous memory maps, see :mod:`pyg_atompack.stream.buffers`), and lazily decoded
+anonymous memory maps, see :mod:`pyg_atompack.transport.buffers`), and lazily decoded
 shards allocate little else, so what trimming still returns is mostly the heap of
 unpickled shards (layouts decoded by ``torch.load``) and of the samples built from them.
 """

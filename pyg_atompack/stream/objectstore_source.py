@@ -15,9 +15,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pyg_atompack.stream.buffers import WritableBuffer, allocate
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
+from pyg_atompack.transport.buffers import WritableBuffer, allocate
 from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
 from pyg_atompack.transport.ranges import ObjectRangeReader
 from pyg_atompack.transport.retry import RetryPolicy

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 from torch_geometric.data.data import BaseData
 
-from pyg_atompack.stream.buffers import BufferViewSamples
+from pyg_atompack.pyg.samples import BufferViewSamples
 from pyg_atompack.stream.loading import LoadedShard
 from pyg_atompack.stream.progress import StreamProgress
 

@@ -57,9 +57,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pyg_atompack.stream.buffers import ShardBuffer, WritableBuffer
 from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
 from pyg_atompack.transport import manifest
+from pyg_atompack.transport.buffers import ShardBuffer, WritableBuffer
 
 SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = manifest.MANIFEST_NAME
@@ -291,7 +291,7 @@ class LocalSource:
 
         Returns:
             The file's bytes, in an anonymous memory map of the file's size (see
-            :mod:`pyg_atompack.stream.buffers`).
+            :mod:`pyg_atompack.transport.buffers`).
 
         Raises:
             ShardFetchError: The file cannot be read (the message names shard and path).
