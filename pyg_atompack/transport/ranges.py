@@ -74,7 +74,49 @@ def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -
     return out
 
 
-class FileRangeReader:
+class _Adapter:
+    """What every adapter shares: the one ``read_into`` (bounds check, then the read).
+
+    Subclasses set ``name``, ``size`` and ``identity`` and implement ``_read``.
+    """
+
+    name: str
+    size: int
+    identity: str
+
+    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+        """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
+
+        Args:
+            start (int): First byte of the file to read.
+            out (memoryview): Writable buffer; its length is the number of bytes read.
+            cancel (CancelToken, optional): Stops a remote transfer in flight, and any
+                backoff wait, when cancelled. (default: :obj:`None`)
+
+        Raises:
+            RemoteRangeError: The range lies outside the file (names it).
+            OSError: The bytes cannot be read: a short local file, or for remote files a
+                :class:`~pyg_atompack.transport.TransportError` after the retries
+                (names the URL; an object changed since it was listed is a
+                :class:`~pyg_atompack.transport.RemoteIntegrityError`).
+        """
+        from pyg_atompack.transport.errors import RemoteRangeError
+
+        if not len(out):
+            return
+        if start < 0 or start + len(out) > self.size:
+            raise RemoteRangeError(f"{self.name}: range [{start}, {start + len(out)}) outside "
+                                   f"the {self.size}-byte file", url=self.name)
+        self._read(start, out, cancel)
+
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, size={self.size})"
+
+
+class FileRangeReader(_Adapter):
     """Range reads of a local file.
 
     Args:
@@ -88,18 +130,7 @@ class FileRangeReader:
         self.size = stat.st_size
         self.identity = f"file:{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}"
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
-
-        Args:
-            start (int): First byte of the file to read.
-            out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
-                (default: :obj:`None`)
-
-        Raises:
-            OSError: The file is shorter than the range (names the file).
-        """
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = 0
@@ -112,11 +143,8 @@ class FileRangeReader:
         finally:
             os.close(fd)
 
-    def __repr__(self) -> str:
-        return f"FileRangeReader({self.path!r}, size={self.size})"
 
-
-class URLRangeReader:
+class URLRangeReader(_Adapter):
     """Range reads of a file served over HTTP(S).
 
     Args:
@@ -139,38 +167,19 @@ class URLRangeReader:
         self.name = name or url
         self.identity = f"sha256:{sha256.lower()}" if sha256 else f"url:{url}|{self.size}"
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
-
-        Args:
-            start (int): First byte of the file to read.
-            out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
-                (default: :obj:`None`)
-
-        Raises:
-            TransportError: The range could not be read after the retries (names the URL).
-        """
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
         from pyg_atompack.transport import http as transport_http
         from pyg_atompack.transport.buffers import ShardPart
         from pyg_atompack.transport.retry import RetryPolicy
 
-        if not len(out):
-            return
-        if start < 0 or start + len(out) > self.size:
-            raise ValueError(f"{self.name}: range [{start}, {start + len(out)}) outside the "
-                             f"{self.size}-byte file")
         # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
         transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
                             cancel=cancel or transport_http.NEVER, headers=self.headers)
 
-    def __repr__(self) -> str:
-        return f"URLRangeReader({self.name!r}, size={self.size})"
 
-
-class HubRangeReader:
+class HubRangeReader(_Adapter):
     """Range reads of a listed Hub file.
 
     Args:
@@ -191,29 +200,14 @@ class HubRangeReader:
         self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
             f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
-
-        Args:
-            start (int): First byte of the file to read.
-            out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops a remote transfer when cancelled.
-                (default: :obj:`None`)
-
-        Raises:
-            HubError: The range could not be read after the retries.
-        """
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
         from pyg_atompack.hub.transfer import fetch_range
 
-        if len(out):
-            out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
-                                 policy=self.policy)
-
-    def __repr__(self) -> str:
-        return f"HubRangeReader({self.name!r}, size={self.size})"
+        out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
+                             policy=self.policy)
 
 
-class ObjectRangeReader:
+class ObjectRangeReader(_Adapter):
     """Range reads of a listed object-store object.
 
     Picklable without secrets and fork-safe: the store handle makes its client lazily in
@@ -242,29 +236,6 @@ class ObjectRangeReader:
         else:
             self.identity = f"object:{obj.url}|{self.size}{etag}"
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
-        """Fill ``out`` from byte ``start`` (see :class:`RangeReader`).
-
-        Args:
-            start (int): First byte of the object to read.
-            out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops the transfer in flight and any backoff
-                wait when cancelled. (default: :obj:`None`)
-
-        Raises:
-            RemoteRangeError: The range lies outside the listed object.
-            TransportError: The range could not be read after the retries, or the
-                object changed since it was listed (names the URL).
-        """
-        from pyg_atompack.transport.errors import RemoteRangeError
-
-        if not len(out):
-            return
-        if start < 0 or start + len(out) > self.size:
-            raise RemoteRangeError(f"{self.name}: range [{start}, {start + len(out)}) outside "
-                                   f"the {self.size}-byte object", url=self.name)
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
         self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
                              cancel=cancel)
-
-    def __repr__(self) -> str:
-        return f"ObjectRangeReader({self.name!r}, size={self.size})"
