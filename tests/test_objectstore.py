@@ -3,9 +3,9 @@
 What every store does alike (listing, streaming with forked workers, AtompackDataset,
 secrets, bad input, resume, throttling) runs for s3://, gs:// and az:// in
 ``tests/test_objectstore_stores.py``; here: anonymous buckets, profiles, endpoint
-variables, stalls, manifests' field checks, and a missing backend package. One moto
-server runs for the module; shards are uploaded with boto3; faults come from a TCP
-relay in front of it (``servers/tcp_proxy.py``).
+variables, stalls, manifests' field checks, and a missing backend package. The moto
+server is the test process's (``servers/stores.py``); shards are uploaded with boto3;
+faults come from a TCP relay in front of it (``servers/tcp_proxy.py``).
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ import pickle
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
-import atompack
-import numpy as np
 import pytest
 from servers.http_server import write_pt_shards
-from servers.moto_s3 import (
-    ACCESS_KEY,
-    SECRET_KEY,
-    SESSION_TOKEN,
-    MotoS3Server,
-    s3_environment,
-)
+from servers.moto_s3 import ACCESS_KEY, SECRET_KEY, SESSION_TOKEN
+from servers.stores import use_store
 from servers.tcp_proxy import ThrottlingProxy
 
 from pyg_atompack.stream import (
@@ -54,28 +46,15 @@ PT_SIZES = [5, 3, 4, 6]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with MotoS3Server() as moto:
-        moto.create_bucket(BUCKET)
-        yield moto
+def server(store_servers):
+    moto = store_servers("s3")  # the test process's moto server (servers/stores.py)
+    moto.create_bucket(BUCKET)
+    return moto
 
 
 @pytest.fixture(autouse=True)
 def aws_env(server, monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    for name, value in s3_environment(server.endpoint_url).items():
-        monkeypatch.setenv(name, value)
-
-
-def _write_atp(path: Path, n_mol: int, n_atoms: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    db = atompack.Database(str(path), compression="zstd", overwrite=True)
-    db.add_arrays_batch(rng.normal(size=(n_mol, n_atoms, 3)).astype(np.float32),
-                        rng.integers(1, 30, size=(n_mol, n_atoms)).astype(np.uint8),
-                        energy=seed * 100.0 + np.arange(n_mol, dtype=np.float64))
-    db.flush()
+    use_store(monkeypatch, server)
 
 
 @pytest.fixture(scope="module")
