@@ -72,7 +72,7 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
     where = redact_url(url)
     try:
         if name.endswith(_SUFFIXES):
-            size = transport.probe_size(url, policy=policy, headers=headers)
+            size = transport.probe(url, policy=policy, headers=headers).size
             if size is None:
                 raise HubTransferError(f"{where}: the server does not tell the file's size",
                                        url=where)

@@ -49,6 +49,7 @@ from pyg_atompack.transport.buffers import (
 )
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
+    RemoteIntegrityError,
     RemoteNotFoundError,
     RemoteOfflineError,
     RemoteTooLargeError,
@@ -65,8 +66,9 @@ from pyg_atompack.transport.retry import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "fetch", "fetch_in_parts",
-           "fetch_range", "fetch_to_file", "open_response", "probe_size", "request_json"]
+__all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "Probe", "fetch", "fetch_in_parts",
+           "fetch_range", "fetch_to_file", "open_response", "probe", "request_json",
+           "response_validator"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -304,13 +306,32 @@ def _content_range_start(value: str | None) -> int | None:
     return int(first) if first.isdigit() else None
 
 
+def response_validator(headers: Mapping[str, str]) -> str | None:
+    """What identifies the version of a file a response comes from.
+
+    Args:
+        headers (Mapping[str, str]): The response headers.
+
+    Returns:
+        str: The ``ETag`` (weak or strong, as sent), else ``"modified <Last-Modified>"``,
+        else :obj:`None` (the server tells neither).
+    """
+    etag = (headers.get("ETag") or "").strip()
+    if etag:
+        return etag
+    modified = (headers.get("Last-Modified") or "").strip()
+    return f"modified {modified}" if modified else None
+
+
 def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Mapping[str, str],
-             policy: RetryPolicy, cancel: Cancel) -> None:
+             policy: RetryPolicy, cancel: Cancel, validator: str | None = None) -> None:
     """One attempt: append the (rest of the) body at ``url`` to ``sink``.
 
     A sink holding some bytes asks for the rest (``Range: bytes=len-``); a server that
     ignores the range answers 200 and the sink starts over (a :class:`ShardPart` raises
-    :class:`RangeIgnoredError` instead).
+    :class:`RangeIgnoredError` instead). With ``validator``, an answer from another
+    version of the file (see :func:`response_validator`) is refused before its body is
+    read.
     """
     range_header = sink.range_header()
     with open_response(url, headers=headers, range_header=range_header, policy=policy,
@@ -328,6 +349,12 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
                                      f"restarting")
         elif status != 200:
             raise permanent_error(status, response.headers, redact_url(url))
+        seen = response_validator(response.headers) if validator is not None else None
+        if seen is not None and seen != validator:
+            raise RemoteIntegrityError(
+                f"{redact_url(url)}: the file changed since it was opened (it was {validator}, "
+                f"the server now answers {seen}); open it again", url=redact_url(url),
+                status=status)
         declared = response.headers.get("Content-Length")
         declared = int(declared) if declared and declared.isdigit() else None
         if status == 200:  # the whole body (again): into a buffer of its announced size
@@ -353,7 +380,8 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
 
 
 def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPolicy,
-         cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None) -> None:
+         cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None,
+         validator: str | None = None) -> None:
     """Fill ``sink`` with the body at ``url``, retrying and resuming transient failures.
 
     Args:
@@ -362,13 +390,19 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
         policy: Retries and timeouts.
         cancel: Stops the transfer (and any backoff wait) when cancelled.
         headers: Request headers (credentials stay at the origin of ``url``).
+        validator (str, optional): The version the bytes must come from (a
+            :func:`response_validator` value); an answer naming another is a
+            :class:`RemoteIntegrityError`. (default: :obj:`None`: any version)
 
     Raises:
         RemoteUnavailableError: Transient failures outlasted every retry.
+        RemoteIntegrityError: The server answered from another version than
+            ``validator``.
         TransportError: A permanent failure (e.g. :class:`RemoteNotFoundError`).
     """
     def attempt() -> None:
-        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel)
+        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel,
+                 validator=validator)
         if isinstance(sink, ShardPart) and not sink.complete:
             raise TransientError(f"range answered short, at byte {sink.position}")
 
@@ -538,32 +572,45 @@ class _NotCancelled(Exception):
     pass
 
 
-def probe_size(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = None
-               ) -> int | None:
-    """The size of the body at ``url``, from a one-byte range request.
+@dataclass(frozen=True)
+class Probe:
+    """What a one-byte range request tells about a file.
+
+    Attributes:
+        size: Its length, or :obj:`None` when the server does not say.
+        validator: Its version (:func:`response_validator`), or :obj:`None`.
+    """
+
+    size: int | None
+    validator: str | None
+
+
+def probe(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = None) -> Probe:
+    """The size and version of the file at ``url``, from a one-byte range request.
 
     Args:
-        url: The address.
-        policy: Retries and timeouts.
-        headers: Request headers.
+        url (str): The address.
+        policy (RetryPolicy): Retries and timeouts.
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
 
     Returns:
-        The total from ``Content-Range`` (or ``Content-Length`` of a server that ignores
-        ranges; the body is not read), or ``None`` when the server does not say.
+        Probe: The total from ``Content-Range`` (or ``Content-Length`` of a server that
+        ignores ranges; the body is not read) and the response's validator.
     """
-    def attempt() -> int | None:
+    def attempt() -> Probe:
         with open_response(url, headers=headers, range_header="bytes=0-0",
                            policy=policy) as response:
             status = response.status_code
+            validator = response_validator(response.headers)
             if status == 206:
                 total = (response.headers.get("Content-Range") or "").rpartition("/")[2]
-                return int(total) if total.isdigit() else None
+                return Probe(int(total) if total.isdigit() else None, validator)
             if status == 416:  # an empty file
-                return 0
+                return Probe(0, validator)
             if status != 200:
                 raise permanent_error(status, response.headers, redact_url(url))
             length = response.headers.get("Content-Length") or ""
-            return int(length) if length.isdigit() else None
+            return Probe(int(length) if length.isdigit() else None, validator)
 
     return with_retries(attempt, url=url, policy=policy)
 

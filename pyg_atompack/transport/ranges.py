@@ -9,7 +9,8 @@ wrap the transport's range reads:
 * :class:`FileRangeReader`: a local file (``os.preadv``);
 * :class:`URLRangeReader`: a plain HTTP(S) URL, through the resumable ranged transfer of
   :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
-  missing byte, under the source's retry policy);
+  missing byte, under the source's retry policy), pinned to the server's ``ETag`` /
+  ``Last-Modified``;
 * :class:`HubRangeReader`: a listed Hub file, through :func:`pyg_atompack.hub.transfer.fetch_range`;
 * :class:`ObjectRangeReader`: a listed object-store object (``s3://``, ``gs://``,
   ``az://``), through :meth:`pyg_atompack.transport.objectstore.ObjectStore.read_into`
@@ -34,7 +35,8 @@ class RangeReader(Protocol):
         name: How messages name the file (a path, or a URL without any secret).
         size: The file's length in bytes.
         identity: A string that changes whenever the content does (``sha256:<hex>``
-            when the listing knows the hash, else location + size (+ mtime)); caches
+            when the listing knows the hash, else location + size (+ mtime); remote
+            files add the server's version: ETag, generation or Last-Modified); caches
             are keyed by it.
     """
 
@@ -145,27 +147,64 @@ class FileRangeReader(_Adapter):
 
 
 class URLRangeReader(_Adapter):
-    """Range reads of a file served over HTTP(S).
+    """Range reads of a file served over HTTP(S), pinned to one version of it.
+
+    The version is the server's validator (``ETag``, else ``Last-Modified``), learnt from
+    a one-byte range request when the identity is first needed (unless ``probe`` gives
+    it): it is part of the identity, so cached metadata and pages follow a file
+    rewritten under the same URL even when a manifest's sha256 is stale, and every read
+    refuses an answer from another version (a
+    :class:`~pyg_atompack.transport.RemoteIntegrityError`), as
+    :class:`ObjectRangeReader` does with the ETag.
 
     Args:
-        url: The file's URL.
-        size: Its length (from a listing or manifest).
-        sha256: Its hex sha256 when known (the content identity).
-        headers: Extra request headers (e.g. ``Authorization``; never part of messages).
-        retry: A :class:`~pyg_atompack.stream.RetryPolicy` (default: its defaults).
-        name: How messages name it (default: the URL).
+        url (str): The file's URL.
+        size (int): Its length (from a listing or manifest).
+        sha256 (str, optional): Its hex sha256 when known. (default: :obj:`None`)
+        headers (dict, optional): Extra request headers (e.g. ``Authorization``; never
+            part of messages). (default: :obj:`None`)
+        retry (RetryPolicy, optional): Retries and timeouts.
+            (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
+        name (str, optional): How messages name it. (default: the URL)
+        probe (Probe, optional): What a :func:`~pyg_atompack.transport.http.probe` of
+            the URL already told (size and validator). (default: :obj:`None`: probe
+            when needed)
     """
 
     def __init__(self, url: str, *, size: int, sha256: str | None = None,
                  headers: dict[str, str] | None = None, retry: Any = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, probe: Any = None) -> None:
         self.url = url
         self.size = int(size)
         self.sha256 = sha256
         self.headers = dict(headers or {})
         self.retry = retry
         self.name = name or url
-        self.identity = f"sha256:{sha256.lower()}" if sha256 else f"url:{url}|{self.size}"
+        self._probe = probe
+
+    @property
+    def validator(self) -> str | None:
+        """The server's ``ETag`` / ``Last-Modified`` of the file (:obj:`None`: it sends
+        neither); the first use asks the server."""
+        if self._probe is None:
+            from pyg_atompack.transport import http as transport_http
+            from pyg_atompack.transport.errors import RemoteIntegrityError
+            from pyg_atompack.transport.retry import RetryPolicy
+
+            found = transport_http.probe(self.url, policy=self.retry or RetryPolicy(),
+                                         headers=self.headers)
+            if found.size is not None and found.size != self.size:
+                raise RemoteIntegrityError(f"{self.name}: the server has {found.size} bytes, "
+                                           f"the listing says {self.size}", url=self.name)
+            self._probe = found
+        return self._probe.validator
+
+    @property
+    def identity(self) -> str:
+        """``sha256:<hex>`` (else URL and size), plus the server's validator."""
+        base = f"sha256:{self.sha256.lower()}" if self.sha256 else f"url:{self.url}|{self.size}"
+        validator = self.validator
+        return f"{base}|{validator}" if validator else base
 
     def _read(self, start: int, out: memoryview, cancel: Any) -> None:
         from pyg_atompack.transport import http as transport_http
@@ -176,7 +215,8 @@ class URLRangeReader(_Adapter):
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
         transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
-                            cancel=cancel or transport_http.NEVER, headers=self.headers)
+                            cancel=cancel or transport_http.NEVER, headers=self.headers,
+                            validator=self.validator)
 
 
 class HubRangeReader(_Adapter):

@@ -233,16 +233,16 @@ def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
     return ShardedReader.from_readers(shards, name=name)
 
 
-def _remote_size(url: str, headers: dict[str, str]) -> int:
-    """The length of the file at ``url``, from a one-byte range request."""
+def _probe(url: str, headers: dict[str, str]) -> Any:
+    """The length and version of the file at ``url``, from a one-byte range request."""
     from pyg_atompack.transport import http as transport_http
     from pyg_atompack.transport.retry import RetryPolicy
 
-    size = transport_http.probe_size(url, policy=RetryPolicy(), headers=headers)
-    if size is None:
+    found = transport_http.probe(url, policy=RetryPolicy(), headers=headers)
+    if found.size is None:
         raise OSError(f"{url}: the server announces no size (no Content-Range on a range "
                       f"request, no Content-Length)")
-    return size
+    return found
 
 
 def url_range_readers(source: str | Sequence[str], *,
@@ -283,12 +283,14 @@ def url_range_readers(source: str | Sequence[str], *,
                 continue
             url = urljoin(source, name)
             size = entry.get("bytes")
-            readers.append(URLRangeReader(url, size=size if size is not None else
-                                          _remote_size(url, headers),
-                                          sha256=entry.get("sha256"), headers=headers))
+            found = _probe(url, headers) if size is None else None  # else probed lazily
+            readers.append(URLRangeReader(url, size=size if found is None else found.size,
+                                          sha256=entry.get("sha256"), headers=headers,
+                                          probe=found))
         if not readers:
             raise OSError(f"{source}: the manifest lists no .atp shard")
         return readers
     urls = [source] if isinstance(source, str) else list(source)
-    return [URLRangeReader(url, size=_remote_size(url, headers), headers=headers)
-            for url in urls]
+    probes = [_probe(url, headers) for url in urls]
+    return [URLRangeReader(url, size=found.size, headers=headers, probe=found)
+            for url, found in zip(urls, probes)]

@@ -12,6 +12,8 @@ port) serving the files of one directory, with:
   the middle of the body), ``"truncate"`` (full ``Content-Length``, half the body, then
   a clean close), ``"wrong_bytes"`` (right length, corrupted content) and ``"stall"``
   (headers, then silence until the client gives up or is cancelled);
+* ``ETag`` and ``Last-Modified`` from the file's modification time and size (as nginx
+  sends them), so a file rewritten in place answers with new validators;
 * a request log (:attr:`ShardServer.requests`) of what was asked and answered.
 
 Use the ``shard_server`` fixture (serving a fresh ``tmp_path`` directory), or
@@ -31,6 +33,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -244,7 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        size = target.stat().st_size
+        stat = target.stat()
+        size = stat.st_size
         span = None if self.server.ignore_ranges else _parse_range(self.headers.get("Range"),
                                                                    size)
         if span == "bad":
@@ -260,6 +264,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(entry.status)
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
+        # validators as nginx derives them: a file rewritten in place gets new ones
+        self.send_header("ETag", f'"{stat.st_mtime_ns:x}-{size:x}"')
+        self.send_header("Last-Modified", formatdate(stat.st_mtime, usegmt=True))
         if span:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.end_headers()

@@ -1,0 +1,109 @@
+"""HTTP(S) range reads are pinned to the server's version of a file (ETag / Last-Modified).
+
+A file rewritten in place under the same URL, while a manifest still names its old
+sha256, must neither be served from the caches of its old version nor be read as a
+splice of two versions. Against the loopback :class:`~tests.servers.http_server.ShardServer`,
+which sends ``ETag`` and ``Last-Modified`` as nginx derives them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from pyg_atompack import AtompackDataset
+from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+from pyg_atompack.transport import RemoteIntegrityError, atp_meta
+from pyg_atompack.transport.ranges import URLRangeReader
+from tests.big_atp import write_big_atp, write_manifest
+from tests.servers.http_server import ShardServer
+
+RECORDS = 192  # ~3.3 MB
+NAME = "data.atp"
+HEADER_RANGE = "bytes=0-8191"
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    root = tmp_path / "srv"
+    root.mkdir()
+    write_manifest(root, [NAME], [write_big_atp(root / NAME, RECORDS, compression="zstd")])
+    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
+    atp_meta._MEMORY.clear()  # metadata from the disk cache or the server only
+    server = ShardServer(root).start()
+    try:
+        yield root, server
+    finally:
+        server.stop()
+
+
+def _rewrite(path, flip_at: float) -> bytes:
+    """The same size, other bytes, a later modification time: a new ETag."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * flip_at)] ^= 0x40
+    path.write_bytes(bytes(data))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    return bytes(data)
+
+
+def test_caches_follow_a_rewritten_file_despite_a_stale_manifest(served, tmp_path):
+    root, server = served
+    url = server.url("manifest.json")
+    first = AtompackDataset(url, cache_dir=tmp_path / "cache")
+    reader = first.reader.shards[0].range_reader if hasattr(first.reader, "shards") else \
+        first.reader.range_reader
+    assert reader.identity.startswith("sha256:") and '|"' in reader.identity  # + ETag
+    old = [np.asarray(first[i].pos) for i in range(RECORDS)]  # every page cached
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / NAME).write_bytes(_rewrite(root / NAME, 0.5))  # manifest untouched
+    headers_before = sum(r.range == HEADER_RANGE for r in server.requests_for(NAME))
+    second = AtompackDataset(url, cache_dir=tmp_path / "cache")
+    local = AtompackDataset(tmp_path / "v2" / NAME)
+    differs = 0
+    for i in range(RECORDS):  # the new version's metadata and pages, not the cached ones
+        got, want = second[i], local[i]
+        for key in ("pos", "z", "forces"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), (i, key)
+        differs += not np.array_equal(old[i], want.pos.numpy())
+    assert differs <= 1  # the flipped byte lies in one record (or in padding)
+    assert sum(r.range == HEADER_RANGE for r in server.requests_for(NAME)) == \
+        headers_before + 1  # the rewritten file's metadata again
+
+
+def test_a_file_rewritten_mid_read_is_refused_not_spliced(served, tmp_path):
+    root, server = served
+    url = server.url("manifest.json")
+    dataset = AtompackDataset(url, cache_dir=tmp_path / "cache")
+    assert float(dataset[0].energy) == 0.0
+    stream = ShardStreamDataset(HTTPSource(url), blocks=True, block_bytes=256 << 10,
+                                cache_dir=tmp_path / "blocks", prefetch=0, shuffle=False)
+    samples = iter(stream)
+    assert float(next(samples).energy) == 0.0  # the first block is in
+    _rewrite(root / NAME, 0.9)
+    with pytest.raises(RemoteIntegrityError, match=rf"{url.rsplit('/', 1)[0]}/{NAME}: the file "
+                                                   r"changed since it was opened"):
+        dataset[RECORDS - 1]  # a page not cached yet
+    with pytest.raises(RemoteIntegrityError, match=r"changed since it was opened"):
+        list(samples)  # the next blocks
+
+
+def test_the_version_travels_with_a_pickled_reader(served):
+    root, server = served
+    reader = URLRangeReader(server.url(NAME), size=(root / NAME).stat().st_size)
+    identity = reader.identity  # one probe: a one-byte range request
+    probes = [r for r in server.requests_for(NAME) if r.range == "bytes=0-0"]
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone.identity == identity  # no second probe in the worker
+    assert [r for r in server.requests_for(NAME) if r.range == "bytes=0-0"] == probes
+    out = bytearray(64)
+    clone.read_into(1000, memoryview(out))
+    assert bytes(out) == (root / NAME).read_bytes()[1000:1064]
+    wrong = URLRangeReader(server.url(NAME), size=(root / NAME).stat().st_size + 1)
+    with pytest.raises(RemoteIntegrityError, match=r"data\.atp: the server has \d+ bytes, the "
+                                                   r"listing says"):
+        _ = wrong.identity
