@@ -258,8 +258,10 @@ class AzureBackend(Backend):
         named = ("connection_string", "account_name")
         variables = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME")
         if not any(options.get(n) for n in named) and not any(map(os.environ.get, variables)):
+            hint = (" (credentials given as options are not pickled: in spawned workers use "
+                    "the environment)" if store._secrets_dropped else "")
             raise RemoteAuthError(f"{store.url}: no credentials found: "
-                                  f"{self.credentials_hint}", url=store.url)
+                                  f"{self.credentials_hint}{hint}", url=store.url)
         if store.anon:
             options["anon"] = True
         options.setdefault("connection_timeout", store.retry.connect_timeout)
