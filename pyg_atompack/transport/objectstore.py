@@ -627,13 +627,16 @@ class ObjectStore:
         received = [0]
 
         async def run() -> None:
-            async for chunk in BACKENDS[self.scheme].chunks(self, obj, start, end):
-                chunk = chunk[:end - start - received[0]]
-                if chunk:
-                    sink(chunk)
-                    received[0] += len(chunk)
-                if received[0] >= end - start:
-                    break
+            # aclosing: leaving early still closes the response (the backend's finally)
+            chunks = BACKENDS[self.scheme].chunks(self, obj, start, end)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    chunk = chunk[:end - start - received[0]]
+                    if chunk:
+                        sink(chunk)
+                        received[0] += len(chunk)
+                    if received[0] >= end - start:
+                        break
 
         future = asyncio.run_coroutine_threadsafe(run(), fs.loop)
         unregister = cancel.on_cancel(future.cancel) if cancel is not None else None
