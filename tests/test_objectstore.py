@@ -138,7 +138,7 @@ def test_scheme_without_its_package_names_the_package(url, package, extra):
             "    except Exception as error:\n"
             "        print(type(error).__name__, error)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, timeout=120)
+                            check=True, timeout=600)
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 2, result.stdout + result.stderr
     scheme = url.split(":")[0]

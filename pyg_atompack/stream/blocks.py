@@ -117,8 +117,15 @@ def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
     if isinstance(source, LocalSource):
         return FileRangeReader(info.location)
     if isinstance(source, URLShardSource) and info.size is not None:
-        return URLRangeReader(info.location, size=info.size, sha256=info.sha256,
-                              headers=source.headers, retry=source.retry, name=info.location)
+        # one reader per shard for the source's life: the version it learns (ETag) on
+        # first use travels with the source to the workers and to later epochs
+        readers = source.__dict__.setdefault("_range_readers", {})
+        key = (info.location, info.size, info.sha256, source.retry)
+        if key not in readers:
+            readers[key] = URLRangeReader(info.location, size=info.size, sha256=info.sha256,
+                                          headers=source.headers, retry=source.retry,
+                                          name=info.location)
+        return readers[key]
     return None
 
 
