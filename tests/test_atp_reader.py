@@ -325,7 +325,10 @@ def test_programming_errors_are_not_reported_as_corruption(golden_dir, monkeypat
     def broken(*args, **kwargs):
         raise bug("simulated bug in the decoder")
 
-    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda **values: broken)
+    # the decoder factories make (decode, checked); parses of earlier readers are
+    # forgotten so that their recipes (which hold the real decoders) are made again
+    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda **values: (broken, broken))
+    monkeypatch.setattr(cache, "_PARSED", {})
     monkeypatch.setattr(cache, "decode_molecule", broken)
     monkeypatch.setattr(batch, "read_mapped", broken)
     monkeypatch.setattr(batch, "_homogeneous", broken)
