@@ -29,6 +29,7 @@ from .errors import (
 )
 from .fields import FieldInfo, builtin_info
 from .gather import plan_of, read_mapped, read_single
+from .header import HEADER_SIZE
 from .preads import CACHED_READ_SECONDS, read_ranges
 from .records import Layout, decode_slot
 from .structure import read_structured
@@ -36,6 +37,7 @@ from .types import SECTION_BUILTINS
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
+_U32 = np.dtype("<u4")
 _GROUP_MIN = 32  # records per layout group, on average, for a grouped gather
 
 
@@ -211,6 +213,11 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     try:
         if mapped and st.u8 is not None and len(idx):
             # mapped, uncompressed: gather straight from the file
+            first = _check_uniform(st, idx, entries)
+            if first is not None:  # one known layout (the common case), checked now
+                out = _timed(st, len(idx), read_single, st, idx, first[1], first[0], infos)
+                out["n_atoms"] = n_atoms
+                return out
             if not (n_atoms == n_atoms[0]).all():
                 # mixed sizes: one gather per field when the records share a structure
                 out = _timed(st, len(idx), _read_structured, st, idx, entries, n_atoms,
@@ -245,6 +252,38 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     for key in ("properties", "atom_properties", "mask"):
         out.setdefault(key, {})
     return out
+
+
+def _check_uniform(st, idx: np.ndarray,
+                   entries: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """Check a batch of records of one known layout at once (few numpy calls).
+
+    The first touch of records of a uniform file: when every entry has the size and
+    atom count of a layout this reader knows, and lies inside the file, every
+    record's structural bytes are compared with the layout's in one gather, and the
+    records are remembered.
+
+    Returns:
+        ``(layout id, file offsets as int64)``, or None when the batch needs the
+        general path (another size, an entry or record that does not check out:
+        that path names the record at fault).
+    """
+    cache = st.cache
+    words = entries.view(_U32).reshape(len(entries), 5)  # offset (2 words), stored, raw, n
+    stored, raw, n = words[0, 2:].tolist()
+    layout = cache.layouts.get((raw, n))
+    if layout is None or layout.memo_id is None or stored != raw or \
+            not (words[:, 2:] == words[0, 2:]).all():
+        return None
+    offsets = entries["offset"]
+    if int(offsets.min()) < HEADER_SIZE or int(offsets.max()) + raw > st.size:
+        return None
+    starts = offsets.astype(np.int64)
+    cols, expected = layout.check_arrays()
+    if not (st.u8[starts[:, None] + cols] == expected).all():
+        return None
+    cache.memo_array()[idx] = layout.memo_id
+    return layout.memo_id, starts
 
 
 def _read_structured(st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
