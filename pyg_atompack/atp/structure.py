@@ -136,14 +136,20 @@ class Structure:
         ok = raw == self.size_a + self.size_b * n
         if self._u32 is None:
             return np.zeros(len(ok), bool)
-        rows = np.flatnonzero(ok)
-        if len(rows) < len(ok):
+        everyone = bool(ok.all())
+        if not everyone:
+            rows = np.flatnonzero(ok)
             offsets, n = offsets[rows], n[rows]
         n_col = n[:, None]
         cols = offsets[:, None] + self.const_a + self.const_b * n_col
-        good = (self.file_u8[cols] == self.const_expected).all(axis=1)
+        const = self.file_u8[cols] == self.const_expected
         at = offsets[:, None] + self.count_a + self.count_b * n_col
-        good &= (self._u32[at] == self.count_mult * n_col).all(axis=1)
+        counts = self._u32[at] == self.count_mult * n_col
+        if everyone and const.all() and counts.all():  # the common case: one reduction
+            return ok
+        good = const.all(axis=1) & counts.all(axis=1)
+        if everyone:
+            return good
         ok[rows] = good
         return ok
 
