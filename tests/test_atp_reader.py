@@ -327,7 +327,7 @@ def test_programming_errors_are_not_reported_as_corruption(golden_dir, monkeypat
 
     # the decoder factories make (decode, checked); parses of earlier readers are
     # forgotten so that their recipes (which hold the real decoders) are made again
-    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda **values: (broken, broken))
+    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda *values: (broken, broken))
     monkeypatch.setattr(cache, "_PARSED", {})
     monkeypatch.setattr(cache, "decode_molecule", broken)
     monkeypatch.setattr(batch, "read_mapped", broken)
