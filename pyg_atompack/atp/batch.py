@@ -195,8 +195,7 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
         lids = cache.memo_ids[idx]
         first = int(lids[0])
         if first and (lids == first).all():
-            offsets, n_atoms = cache.index_columns(st)
-            offsets = offsets[idx].astype(np.int64)
+            offsets = cache.index_columns(st)[0][idx].astype(np.int64)
             if not cache.batch_cold or st.resident is None or \
                     st.resident(int(offsets[0]), 1):
                 try:
@@ -205,7 +204,7 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
                     raise
                 except CORRUPT_DATA_ERRORS as exc:
                     raise _name_failed_record(st, idx, exc) from exc
-                out["n_atoms"] = n_atoms[idx].astype(np.int64)
+                out["n_atoms"] = np.full(len(idx), cache.memo_layouts[first].n_atoms, np.int64)
                 return out
     entries = st.index[idx]
     n_atoms = entries["n_atoms"].astype(np.int64)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .assemble import assemble, store
+from .assemble import all_present, assemble, store
 from .fields import FieldInfo
 from .records import OP_ARRAY, Layout
 
@@ -353,8 +353,7 @@ def read_structured(structure: Structure, offsets: np.ndarray, n_atoms: np.ndarr
         if name not in fields and name in structure.stored:
             return None
     count = len(offsets)
-    everyone = np.ones(count, bool)
-    everyone.flags.writeable = False  # one shared all-true mask
+    everyone = all_present(count)
     carried = [name for name in infos if name in fields]
     positions, numbers, *values = structure.take(["positions", "atomic_numbers", *carried],
                                                  offsets, n_atoms)
