@@ -166,6 +166,15 @@ def _timed(st, count: int, gather, *args) -> dict[str, Any]:
     (:data:`~pyg_atompack.atp.preads.CACHED_READ_SECONDS`) sets ``cache.batch_cold``:
     the next batch asks the page cache first (:func:`_use_mapping`) and reads what
     is not there with concurrent ``pread``; a fast one clears it.
+
+    Args:
+        st (FileState): The open file.
+        count (int): The batch's record count.
+        gather (Callable): The gather to run.
+        *args (Any): Its arguments.
+
+    Returns:
+        dict[str, Any]: What ``gather`` returned.
     """
     if st.resident is None:
         return gather(*args)
@@ -262,10 +271,15 @@ def _check_uniform(st, idx: np.ndarray,
     record's structural bytes are compared with the layout's in one gather, and the
     records are remembered.
 
+    Args:
+        st (FileState): The open file (mapped, uncompressed).
+        idx (np.ndarray): The batch's record indices.
+        entries (np.ndarray): Their index entries.
+
     Returns:
-        ``(layout id, file offsets as int64)``, or None when the batch needs the
-        general path (another size, an entry or record that does not check out:
-        that path names the record at fault).
+        tuple[int, np.ndarray] | None: ``(layout id, file offsets as int64)``, or
+        :obj:`None` when the batch needs the general path (another size, an entry
+        or record that does not check out: that path names the record at fault).
     """
     cache = st.cache
     words = entries.view(_U32).reshape(len(entries), 5)  # offset (2 words), stored, raw, n

@@ -172,11 +172,21 @@ class DecodeCache:
         return layout
 
     def adopt(self, st, raw: int, n: int, off: int) -> Layout | None:
-        """This reader's layout for ``(raw, n)`` from a parse made by any reader, or None.
+        """This reader's layout for ``(raw, n)`` from a parse made by any reader.
 
         The record at file offset ``off`` (inside the file) is compared in place
         with the known parse's structural bytes (no copy of the record); only when
         they match is the parse taken (and remembered under ``(raw, n)``).
+
+        Args:
+            st (FileState): The open file.
+            raw (int): The record's raw size.
+            n (int): Its atom count.
+            off (int): Its file offset.
+
+        Returns:
+            Layout | None: The layout, or :obj:`None` when no parse of that size is
+            known or the record's structural bytes differ from it.
         """
         known = _PARSED.get((st.pos_dtype, st.header.record_format, raw, n))
         if known is None or known.check_at(st.buf, off) != known.expected:
@@ -198,13 +208,14 @@ def check_entries(st, idx: np.ndarray, entries: np.ndarray) -> None:
     """Check the index entries of records ``idx`` against the file size.
 
     Args:
-        st: the file state.
-        idx: record indices (for the message).
-        entries: their index entries.
+        st (FileState): The open file.
+        idx (np.ndarray): Record indices (for the message).
+        entries (np.ndarray): Their index entries.
 
     Raises:
-        RecordDecodeError: an entry's stored bytes lie outside the file (or, without
-            compression, disagree with its raw size); the message names the first.
+        RecordDecodeError: If an entry's stored bytes lie outside the file (or,
+            without compression, disagree with its raw size); the message names the
+            first such record.
     """
     offsets, stored = entries["offset"], entries["stored"]
     ends = offsets + stored
@@ -266,7 +277,7 @@ def record(st, i: int) -> tuple[Any, int, Layout]:
 
 
 def first_touch(st, i: int) -> Molecule | None:
-    """Record ``i`` of a mapped uncompressed file, not checked before, or None.
+    """Decodes record ``i`` of a mapped uncompressed file, not checked before.
 
     The record is checked in place against the reader's layout of its size (or a
     parse of that size made by any reader), structural bytes compared inside the
@@ -279,6 +290,14 @@ def first_touch(st, i: int) -> Molecule | None:
     (:meth:`FileState.prefetch_record`); when it is fast again (the pages are in
     memory), the system call is skipped. Timing costs two clock reads; the system
     call on every first touch cost more than that on data already in memory.
+
+    Args:
+        st (FileState): The open file (its decode cache has views and a memo).
+        i (int): The record index (in range).
+
+    Returns:
+        Molecule | None: The molecule, or :obj:`None` when the record needs the
+        full parse (:func:`molecule`), which also raises for damaged records.
     """
     cache = st.cache
     off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)

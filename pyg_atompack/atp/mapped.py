@@ -114,9 +114,13 @@ class MappedPlan:
 def _recipe(layout: Layout) -> tuple[Callable, tuple, list[tuple]]:
     """What :class:`MappedPlan` needs of a layout, less the mapping's views.
 
+    Args:
+        layout (Layout): A checked layout.
+
     Returns:
-        ``(factory, args, wanted)``: the decoder factory, its positional arguments
-        (None where a view goes), and ``(position, elem, shape)`` of each view.
+        tuple[Callable, tuple, list[tuple]]: ``(factory, args, wanted)``: the
+        decoder factory, its positional arguments (:obj:`None` where a view goes),
+        and ``(position, elem, shape)`` of each view.
     """
     n = layout.n_atoms
     arrays = [("positions", layout.pos_dtype, (n, 3), 4),
@@ -151,7 +155,12 @@ def _recipe(layout: Layout) -> tuple[Callable, tuple, list[tuple]]:
 
 
 def _parameters(n_arrays: int, n_scalars: int) -> list[str]:
-    """The parameter names of a decoder factory, in order (see :func:`_decoder`)."""
+    """Returns the parameter names of a decoder factory, in order (:func:`_decoder`).
+
+    Args:
+        n_arrays (int): Number of array fields.
+        n_scalars (int): Number of scalar fields.
+    """
     names = ["new", "Molecule", "unpack", "scalar_offset", "sections", "n_atoms", "others",
              "customs", "check_unpack", "expected"]
     names += [f"{c}{j}" for j in range(n_arrays) for c in "kvo"]
@@ -266,12 +275,13 @@ def _checked_reader(spans: tuple, slots: list) -> tuple[Callable, tuple[int, ...
     """One struct reading a record's structural bytes and its fixed-size scalars.
 
     Args:
-        spans: ``(start, end)`` of the layout's structural byte runs.
-        slots: the scalar slots (:data:`_SCALAR_CODES`).
+        spans (tuple): ``(start, end)`` of the layout's structural byte runs.
+        slots (list): The scalar slots (:data:`_SCALAR_CODES`).
 
     Returns:
-        ``(unpack_from, order)``: ``order`` says, item by item in record order, 0 for
-        a structural run (one ``bytes``) or the number of values of a scalar field.
+        tuple[Callable, tuple[int, ...]]: ``(unpack_from, order)``, where ``order``
+        says, item by item in record order, 0 for a structural run (one ``bytes``)
+        or the number of values of a scalar field.
     """
     items = [(a, b - a, 0) for a, b in spans]
     items += [(slot.offset, _SCALAR_CODES[slot.op][1], slot.op) for slot in slots]
