@@ -733,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['budget'] or 'none'} | {row['start_rss']} | "
                       f"{row['anon_growth']} | {row['file_growth']} | {row['drops']} |")
     report.append("")
-    report += ["", *real_report]
+    if real_rows:
+        report += ["", *real_report]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report) + "\n", encoding="utf-8")
     print("\n".join(report))

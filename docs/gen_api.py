@@ -75,8 +75,18 @@ def public_names(module_name: str) -> list[tuple[str, Any]]:
     ]
 
 
+def _exported(base: type) -> bool:
+    """Whether ``base`` is listed on the page itself (in its package's ``__all__``)."""
+    package = sys.modules.get(base.__module__.rsplit(".", 1)[0])
+    return base.__name__ in getattr(package, "__all__", ())
+
+
 def public_members(cls: type) -> Iterator[tuple[str, Any, str]]:
-    """Public methods and properties a class defines itself (inherited ones left out).
+    """Public methods and properties a class defines or inherits from a private base.
+
+    Members of bases outside this package, or listed on the page themselves, are
+    left out; those of an unexported base class of the package (e.g. the readers'
+    ``ReadOnlyReader``) belong to the class's own interface.
 
     Args:
         cls: The class.
@@ -85,9 +95,16 @@ def public_members(cls: type) -> Iterator[tuple[str, Any, str]]:
         ``(name, function or property, kind)`` with kind ``"method"``,
         ``"classmethod"``, ``"staticmethod"`` or ``"property"``.
     """
-    for name, member in vars(cls).items():
-        if name.startswith("_"):
+    owners = [cls]
+    for base in cls.__mro__[1:]:
+        if not base.__module__.startswith("pyg_atompack.") or _exported(base):
+            break
+        owners.append(base)
+    seen: set[str] = set()
+    for name, member in (item for owner in owners for item in vars(owner).items()):
+        if name.startswith("_") or name in seen:
             continue
+        seen.add(name)
         if isinstance(member, property):
             yield name, member, "property"
         elif isinstance(member, classmethod):

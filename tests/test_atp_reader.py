@@ -325,7 +325,10 @@ def test_programming_errors_are_not_reported_as_corruption(golden_dir, monkeypat
     def broken(*args, **kwargs):
         raise bug("simulated bug in the decoder")
 
-    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda **values: broken)
+    # the decoder factories make (decode, checked); parses of earlier readers are
+    # forgotten so that their recipes (which hold the real decoders) are made again
+    monkeypatch.setattr(mapped, "_decoder", lambda *args: lambda *values: (broken, broken))
+    monkeypatch.setattr(cache, "_PARSED", {})
     monkeypatch.setattr(cache, "decode_molecule", broken)
     monkeypatch.setattr(batch, "read_mapped", broken)
     monkeypatch.setattr(batch, "_homogeneous", broken)
@@ -892,3 +895,59 @@ def test_fresh_readers_reuse_parsed_layouts_only_after_checking_them(tmp_path, m
         assert f[3].energy == 3.0  # same size, known parse, checked
         with pytest.raises(atp.AtpError, match="record 1"):
             f[1]
+
+
+def test_batches_ask_the_page_cache_only_after_a_slow_gather(tmp_path, monkeypatch,
+                                                            random_advice):
+    """Gathers from the mapping that are as fast as page-cache hits skip the residency
+    probe of the next batch; a slow one (the disk) makes the next batch probe again, and
+    a batch the probe finds out of memory is read with pread. Nothing is timed: the
+    clock is replaced."""
+    import itertools
+    import os
+
+    from pyg_atompack.atp import batch
+
+    path = _write_small(tmp_path / "same.atp", [4] * 8)
+    with atp.open(path) as f:
+        st = f._state()
+        probes = []
+        answer = [True]
+        st.resident = lambda offset, length: probes.append(offset) or answer[0]
+        reads = []
+        st.pread = lambda fd, n, off: reads.append(off) or os.pread(fd, n, off)
+        for step, wanted in ((0.0, 1), (1.0, 4)):
+            clock = itertools.count(0.0, step)  # every gather takes ``step`` seconds
+            monkeypatch.setattr(batch, "perf_counter", lambda clock=clock: next(clock))
+            st.cache.batch_cold = True
+            probes.clear()
+            for first in range(4):  # first touches, then records checked before
+                got = f.read_batch([first, first + 4])
+                assert got["energy"].tolist() == [float(first), float(first + 4)]
+            assert len(probes) == wanted  # fast: only the first batch asked
+        answer[0] = False  # the pages went (the last gather was slow): read with pread
+        assert f.read_batch([1, 6])["energy"].tolist() == [1.0, 6.0]
+        assert len(probes) > 4 and len(reads) == 2  # asked, and read both records
+
+
+def test_a_batch_checks_its_own_index_entries(tmp_path):
+    """A fresh reader checks the index entries of the records a batch reads (not the
+    whole index): a damaged entry fails the batch that reads it, naming file and record,
+    and leaves the other records readable."""
+    import struct
+
+    path = _write_small(tmp_path / "entries.atp", [3] * 6)
+    with atp.open(path) as f:
+        index_offset = f.header.index_offset
+        size = path.stat().st_size
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<Q", data, index_offset + 8 + 20 * 4, size + 64)  # record 4's offset
+    path.write_bytes(bytes(data))
+    for access in ("auto", "mmap", "pread"):
+        with atp.open(path, access=access) as f:
+            assert f.read_batch([0, 1, 5])["energy"].tolist() == [0.0, 1.0, 5.0]
+            with pytest.raises(atp.RecordDecodeError, match=r"entries\.atp: record 4"):
+                f.read_batch([2, 4])
+            with pytest.raises(atp.RecordDecodeError, match=r"entries\.atp: record 4"):
+                f[4]
+            assert f[3].energy == 3.0

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from .fields import FieldInfo
+
+
+@functools.lru_cache(maxsize=64)
+def all_present(count: int) -> np.ndarray:
+    """The read-only all-true mask of ``count`` records (one per batch size, shared).
+
+    Args:
+        count (int): The batch size.
+
+    Returns:
+        np.ndarray: ``np.ones(count, bool)``, not writeable.
+    """
+    mask = np.ones(count, bool)
+    mask.flags.writeable = False
+    return mask
 
 
 def store(out: dict, info: FieldInfo, values: Any, mask: np.ndarray) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -28,13 +29,15 @@ from .errors import (
 )
 from .fields import FieldInfo, builtin_info
 from .gather import plan_of, read_mapped, read_single
-from .preads import read_ranges
+from .header import HEADER_SIZE
+from .preads import CACHED_READ_SECONDS, read_ranges
 from .records import Layout, decode_slot
 from .structure import read_structured
 from .types import SECTION_BUILTINS
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
+_U32 = np.dtype("<u4")
 _GROUP_MIN = 32  # records per layout group, on average, for a grouped gather
 
 
@@ -123,7 +126,7 @@ def _fetch(st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
     """Uncompressed bytes of every requested record (slices of the mapping if ``mapped``)."""
     if not len(idx):
         return []
-    st.cache.check_index(st)
+    _cache.check_entries(st, idx, entries)
     off_l, raw_l = entries["offset"].tolist(), entries["raw"].tolist()
     if st.codec == CODEC_NONE and mapped:
         got = operator.itemgetter(*[slice(o, o + r) for o, r in zip(off_l, raw_l)])(st.buf)
@@ -145,13 +148,40 @@ def _use_mapping(st, entries: np.ndarray) -> bool:
 
     ``"auto"`` probes the first record's pages only: a random batch's records are
     resident about as often as the file's pages are, and a wrong guess costs time,
-    never correctness (both paths decode the same bytes).
+    never correctness (both paths decode the same bytes). While gathers from the
+    mapping are fast (``cache.batch_cold`` false, :func:`_timed`), the probe's
+    system call is skipped.
     """
     if st.buf is None:
         return False
-    if st.resident is None or not len(entries):
+    if st.resident is None or not len(entries) or not st.cache.batch_cold:
         return True
     return st.resident(int(entries["offset"][0]), max(int(entries["stored"][0]), 1))
+
+
+def _timed(st, count: int, gather, *args) -> dict[str, Any]:
+    """``gather(*args)`` from the mapping, learning whether it waited for the disk.
+
+    Under ``"auto"``, a gather slower than a page-cache hit per record
+    (:data:`~pyg_atompack.atp.preads.CACHED_READ_SECONDS`) sets ``cache.batch_cold``:
+    the next batch asks the page cache first (:func:`_use_mapping`) and reads what
+    is not there with concurrent ``pread``; a fast one clears it.
+
+    Args:
+        st (FileState): The open file.
+        count (int): The batch's record count.
+        gather (Callable): The gather to run.
+        *args (Any): Its arguments.
+
+    Returns:
+        dict[str, Any]: What ``gather`` returned.
+    """
+    if st.resident is None:
+        return gather(*args)
+    start = perf_counter()
+    out = gather(*args)
+    st.cache.batch_cold = perf_counter() - start > count * CACHED_READ_SECONDS
+    return out
 
 
 def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
@@ -171,29 +201,35 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     idx = _normalize_indices(indices, st.count, name)
     if st.u8 is not None and len(idx) and cache.memo is not UNCHECKED:
         # hot path: every record checked before, all of one layout, in memory
-        offsets, n_atoms = cache.index_columns(st)
-        offsets = offsets[idx]
-        lids = np.frombuffer(cache.memo, np.uint16)[idx]
+        lids = cache.memo_ids[idx]
         first = int(lids[0])
-        if first and (lids == first).all() and (
-                st.resident is None or st.resident(int(offsets[0]), 1)):
-            try:
-                out = read_single(st, idx, offsets, first, infos)
-            except AtpError:
-                raise
-            except CORRUPT_DATA_ERRORS as exc:
-                raise _name_failed_record(st, idx, exc) from exc
-            out["n_atoms"] = n_atoms[idx]
-            return out
+        if first and (lids == first).all():
+            offsets = cache.index_columns(st)[0][idx].astype(np.int64)
+            if not cache.batch_cold or st.resident is None or \
+                    st.resident(int(offsets[0]), 1):
+                try:
+                    out = _timed(st, len(idx), read_single, st, idx, offsets, first, infos)
+                except AtpError:
+                    raise
+                except CORRUPT_DATA_ERRORS as exc:
+                    raise _name_failed_record(st, idx, exc) from exc
+                out["n_atoms"] = np.full(len(idx), cache.memo_layouts[first].n_atoms, np.int64)
+                return out
     entries = st.index[idx]
     n_atoms = entries["n_atoms"].astype(np.int64)
     mapped = _use_mapping(st, entries)
     try:
         if mapped and st.u8 is not None and len(idx):
             # mapped, uncompressed: gather straight from the file
+            first = _check_uniform(st, idx, entries)
+            if first is not None:  # one known layout (the common case), checked now
+                out = _timed(st, len(idx), read_single, st, idx, first[1], first[0], infos)
+                out["n_atoms"] = n_atoms
+                return out
             if not (n_atoms == n_atoms[0]).all():
                 # mixed sizes: one gather per field when the records share a structure
-                out = _read_structured(st, idx, entries, n_atoms, infos)
+                out = _timed(st, len(idx), _read_structured, st, idx, entries, n_atoms,
+                             infos)
                 if out is not None:
                     out["n_atoms"] = n_atoms
                     return out
@@ -203,7 +239,8 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
             # per-record decode; 32 records 0.8x), per-record decoding below that
             if lids is not None and ((lids == lids[0]).all()
                                      or _GROUP_MIN * len(np.unique(lids)) <= len(lids)):
-                out = read_mapped(st, idx, entries["offset"], lids, n_atoms, infos)
+                out = _timed(st, len(idx), read_mapped, st, idx, entries["offset"], lids,
+                             n_atoms, infos)
                 out["n_atoms"] = n_atoms
                 return out
         recs = _fetch(st, idx, entries, mapped)
@@ -225,37 +262,83 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     return out
 
 
+def _check_uniform(st, idx: np.ndarray,
+                   entries: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """Check a batch of records of one known layout at once (few numpy calls).
+
+    The first touch of records of a uniform file: when every entry has the size and
+    atom count of a layout this reader knows, and lies inside the file, every
+    record's structural bytes are compared with the layout's in one gather, and the
+    records are remembered.
+
+    Args:
+        st (FileState): The open file (mapped, uncompressed).
+        idx (np.ndarray): The batch's record indices.
+        entries (np.ndarray): Their index entries.
+
+    Returns:
+        tuple[int, np.ndarray] | None: ``(layout id, file offsets as int64)``, or
+        :obj:`None` when the batch needs the general path (another size, an entry
+        or record that does not check out: that path names the record at fault).
+    """
+    cache = st.cache
+    words = entries.view(_U32).reshape(len(entries), 5)  # offset (2 words), stored, raw, n
+    sizes = words[0, 2:].tolist()
+    if words[-1, 2:].tolist() != sizes:  # the cheap way out for a batch of mixed sizes
+        return None
+    stored, raw, n = sizes
+    layout = cache.layouts.get((raw, n))
+    if layout is None or layout.memo_id is None or stored != raw or \
+            not (words[:, 2:] == words[0, 2:]).all():
+        return None
+    offsets = entries["offset"]
+    if int(offsets.min()) < HEADER_SIZE or int(offsets.max()) + raw > st.size:
+        return None
+    starts = offsets.astype(np.int64)
+    cols, expected = layout.check_arrays()
+    if not (st.u8[starts[:, None] + cols] == expected).all():
+        return None
+    cache.memo_array()[idx] = layout.memo_id
+    return layout.memo_id, starts
+
+
 def _read_structured(st, idx, entries, n_atoms, infos) -> dict[str, Any] | None:
     """``read_batch`` of mixed-size records sharing one structure (structure.py).
 
     Records verified against a structure before (by an earlier batch) are known
-    from the mapping's :class:`StructureMemo`; otherwise the structure is that of
-    the first record's layout and the unverified records are checked against it.
-    Returns None when they do not share it or a field needs per-record decoding.
+    from the mapping's :class:`StructureMemo`; otherwise the unverified records are
+    checked against the structure of the first record (when verified) or the one
+    the mapping's last structure (mixed-size files rarely have two), and only when
+    they do not fit it against the structure of the first record's own layout
+    (built once per layout: ~100 µs, so not once per batch of a fresh reader).
+    Returns None when they do not share one or a field needs per-record decoding.
     """
     cache = st.cache
-    cache.check_index(st)
     memo = cache.structure_memo()
     ids = memo.ids[idx]
     sid = int(ids[0])
     offsets = entries["offset"].astype(np.int64)
     if sid and (ids == sid).all():  # every record verified against one structure
         return read_structured(memo.structures[sid], offsets, n_atoms, infos)
+    _cache.check_entries(st, idx, entries)
+    raw = entries["raw"].astype(np.int64)
+    known = memo.structures[sid or -1]
+    if known is not None and memo.verify(known, idx, offsets, raw, n_atoms):
+        return read_structured(known, offsets, n_atoms, infos)
     if sid:
-        structure = memo.structures[sid]
+        return None
+    first = int(idx[0])
+    lid = int(cache.memo_array()[first])
+    if lid:
+        layout = cache.memo_layouts[lid]
     else:
-        first = int(idx[0])
-        lid = cache.memo_array()[first]
-        if lid:
-            layout = cache.memo_layouts[lid]
-        else:
-            layout = _cache.record(st, first)[2]
-            cache.remember(first, layout)
-        structure = plan_of(layout, st.u8).structure(layout)
-        if structure is None:
-            return None
-        structure = memo.canonical(structure)
-    if not memo.verify(structure, idx, offsets, entries["raw"].astype(np.int64), n_atoms):
+        layout = _cache.record(st, first)[2]
+        cache.remember(first, layout)
+    structure = plan_of(layout, st.u8).structure(layout)
+    if structure is None:
+        return None
+    structure = memo.canonical(structure)
+    if structure is known or not memo.verify(structure, idx, offsets, raw, n_atoms):
         return None
     return read_structured(structure, offsets, n_atoms, infos)
 
@@ -286,13 +369,13 @@ def _checked_layout_ids(st, idx: np.ndarray, entries: np.ndarray) -> np.ndarray 
     Returns None when some layout could not get an id (more than 65535 layouts).
     """
     cache = st.cache
-    memo = np.frombuffer(cache.memo_array(), np.uint16)
+    memo = cache.memo_array()
     lids = memo[idx]
     if lids.all():
         return lids
-    cache.check_index(st)
     new = np.flatnonzero(lids == 0)
     new_idx, new_entries = idx[new], entries[new]
+    _cache.check_entries(st, new_idx, new_entries)
     keys = (new_entries["raw"].astype(np.int64) << 32) | new_entries["n_atoms"]
     # one size in the common case: skip the sort of np.unique
     distinct = [int(keys[0])] if (keys == keys[0]).all() else np.unique(keys).tolist()
@@ -326,7 +409,7 @@ def _layouts(st, idx, entries, recs) -> list[Layout] | None:
     cache = st.cache
     layout = cache.layout(st, recs[0], int(raw[0]), int(n[0]), int(idx[0]))
     cache.remember(int(idx[0]), layout)
-    memo = np.frombuffer(cache.memo, np.uint16)
+    memo = cache.memo_array()
     lid = layout.memo_id
     if lid is not None and (memo[idx] == lid).all():
         return [layout]

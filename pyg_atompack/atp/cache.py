@@ -12,10 +12,16 @@ everything ``reader[i]`` and ``read_batch`` remember between calls:
   file never change under an open reader, so a record is checked once;
 * ``views`` (whole-file views, :mod:`.mapped`) and ``structures`` (the mixed-size
   memo, :mod:`.structure`) of a mapped uncompressed file;
-* ``index_checked``, ``columns`` and ``resolved``: the batch path's once-per-file
-  index check, int64 index columns and resolved ``fields=`` selections;
+* ``columns`` and ``resolved``: the batch path's views of the index columns and
+  resolved ``fields=`` selections;
 * ``cold``: whether the last first touch of a record waited for the disk, which
-  decides whether the next one asks for its pages first (``"auto"``).
+  decides whether the next one asks for its pages first, and ``batch_cold``:
+  whether the last batch gathered from the mapping did, which decides whether the
+  next one asks the page cache first (``"auto"``).
+
+Index entries are checked against the file where they are used (a record's first
+touch, the entries of a batch), not all at once: a fresh reader of a large file
+pays for the records it reads, not for a pass over the whole index.
 
 The functions that fill it take the file state as their first argument; nothing
 here refers back to the state, so dropping the state frees the mapping at once.
@@ -23,7 +29,6 @@ here refers back to the state, so dropping the state frees the mapping at once.
 
 from __future__ import annotations
 
-import array
 import os
 from time import perf_counter
 from typing import Any
@@ -76,30 +81,39 @@ class DecodeCache:
             (uncompressed, mapped or in memory), else None.
     """
 
-    __slots__ = ("count", "layouts", "memo", "memo_layouts", "plans", "views", "structures",
-                 "index_checked", "columns", "resolved", "cold")
+    __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
+                 "structures", "columns", "resolved", "cold", "batch_cold")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
         self.layouts: dict[tuple[int, int], Layout] = {}
-        self.memo: array.array | _Unchecked = UNCHECKED
+        self.memo: memoryview | _Unchecked = UNCHECKED
+        self.memo_ids: np.ndarray | None = None  # the memo as a uint16 array
         self.memo_layouts: list[Layout | None] = [None]
         # memo id -> decode plan of a mapped uncompressed file (None elsewhere: records
         # are then decoded from their own bytes, checked each time)
         self.plans: list[MappedPlan | None] = [None]
         self.views = WholeFileViews(file_u8) if file_u8 is not None else None
         self.structures: StructureMemo | None = None
-        self.index_checked = False
         self.columns: tuple[np.ndarray, np.ndarray] | None = None
         self.resolved: dict[Any, dict] = {}
-        # whether the last first touch of a record waited for the disk ("auto" only)
+        # whether the last first touch of a record / the last batch gathered from the
+        # mapping waited for the disk ("auto" only)
         self.cold = True
+        self.batch_cold = True
 
-    def memo_array(self) -> array.array:
-        """The per-record memo of checked layout ids, created on first use."""
-        if self.memo is UNCHECKED:
-            self.memo = array.array("H", bytes(2 * self.count))
-        return self.memo
+    def memo_array(self) -> np.ndarray:
+        """The per-record memo of checked layout ids (uint16), created on first use.
+
+        ``memo`` is the same memory as a memoryview (what ``reader[i]`` indexes: a
+        Python int per item, as fast as an ``array.array``). Zero pages come from
+        ``calloc``: a fresh reader of a large file pays only for the pages of the
+        records it touches.
+        """
+        if self.memo_ids is None:
+            self.memo_ids = np.zeros(self.count, np.uint16)
+            self.memo = memoryview(self.memo_ids)
+        return self.memo_ids
 
     def structure_memo(self) -> StructureMemo:
         """The mixed-size structure memo (:mod:`.structure`), created on first use."""
@@ -115,14 +129,14 @@ class DecodeCache:
 
     def remember(self, i: int, layout: Layout) -> None:
         """Record that record ``i`` was checked against ``layout``."""
-        memo = self.memo_array()
+        self.memo_array()
         lid = layout.memo_id
         if lid is None and len(self.memo_layouts) <= _MAX_MEMO_IDS:
             lid = layout.memo_id = len(self.memo_layouts)
             self.memo_layouts.append(layout)
             self.plans.append(self.plan(layout) if self.views is not None else None)
         if lid is not None:
-            memo[i] = lid
+            self.memo[i] = lid
 
     def layout(self, st, rec, raw: int, n: int, i: int) -> Layout:
         """The checked layout of record ``i`` (its bytes ``rec``), parsing it when new.
@@ -157,28 +171,63 @@ class DecodeCache:
             self.layouts[(raw, n)] = layout
         return layout
 
-    def check_index(self, st) -> None:
-        """Check every index entry against the file once; raises naming the first bad one."""
-        if self.index_checked:
-            return
-        index = st.index
-        offsets, stored = index["offset"], index["stored"].astype(np.uint64)
-        bad = (offsets < HEADER_SIZE) | (offsets > st.size) | (offsets + stored > st.size)
-        if st.codec == CODEC_NONE:
-            bad |= index["stored"] != index["raw"]
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise RecordDecodeError(
-                f"{st.name}: record {j}: stored bytes [{int(offsets[j])}, +{int(stored[j])}) "
-                f"lie outside the {st.size}-byte file or disagree with its size")
-        self.index_checked = True
+    def adopt(self, st, raw: int, n: int, off: int) -> Layout | None:
+        """This reader's layout for ``(raw, n)`` from a parse made by any reader.
+
+        The record at file offset ``off`` (inside the file) is compared in place
+        with the known parse's structural bytes (no copy of the record); only when
+        they match is the parse taken (and remembered under ``(raw, n)``).
+
+        Args:
+            st (FileState): The open file.
+            raw (int): The record's raw size.
+            n (int): Its atom count.
+            off (int): Its file offset.
+
+        Returns:
+            Layout | None: The layout, or :obj:`None` when no parse of that size is
+            known or the record's structural bytes differ from it.
+        """
+        known = _PARSED.get((st.pos_dtype, st.header.record_format, raw, n))
+        if known is None or known.check_at(st.buf, off) != known.expected:
+            return None
+        layout = known.unbound()
+        if len(self.layouts) >= MAX_LAYOUTS:
+            self.layouts.clear()
+        self.layouts[(raw, n)] = layout
+        return layout
 
     def index_columns(self, st) -> tuple[np.ndarray, np.ndarray]:
-        """Every record's offset and atom count as int64 (made once per file)."""
+        """Every record's offset and atom count: views of the index (no copy)."""
         if self.columns is None:
-            self.columns = (st.index["offset"].astype(np.int64),
-                            st.index["n_atoms"].astype(np.int64))
+            self.columns = (st.index["offset"], st.index["n_atoms"])
         return self.columns
+
+
+def check_entries(st, idx: np.ndarray, entries: np.ndarray) -> None:
+    """Check the index entries of records ``idx`` against the file size.
+
+    Args:
+        st (FileState): The open file.
+        idx (np.ndarray): Record indices (for the message).
+        entries (np.ndarray): Their index entries.
+
+    Raises:
+        RecordDecodeError: If an entry's stored bytes lie outside the file (or,
+            without compression, disagree with its raw size); the message names the
+            first such record.
+    """
+    offsets, stored = entries["offset"], entries["stored"]
+    ends = offsets + stored
+    bad = (offsets < HEADER_SIZE) | (ends > st.size) | (ends < offsets)
+    if st.codec == CODEC_NONE:
+        bad |= stored != entries["raw"]
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise RecordDecodeError(
+            f"{st.name}: record {int(idx[j])}: stored bytes [{int(offsets[j])}, "
+            f"+{int(stored[j])}) lie outside the {st.size}-byte file or disagree with its "
+            f"size")
 
 
 def entry(st, i: int) -> tuple[int, int, int, int]:
@@ -227,22 +276,57 @@ def record(st, i: int) -> tuple[Any, int, Layout]:
     return buf, base, st.cache.layout(st, rec, raw, n, i)
 
 
-def _check_timed(st, cache: DecodeCache, layout: Layout, off: int, raw: int) -> bool:
-    """``layout.check_at`` of a first touch under ``"auto"``, learning whether to prefetch.
+def first_touch(st, i: int) -> Molecule | None:
+    """Decodes record ``i`` of a mapped uncompressed file, not checked before.
 
-    The check is the record's first touch: when the previous first touch had to wait
-    for the disk (slower than a page-cache hit), this one asks for the record's
-    pages with one ``MADV_WILLNEED`` first (:meth:`FileState.prefetch_record`); when
-    it is fast again (the pages are in memory), the system call is skipped. Timing
-    costs two clock reads; the system call on every first touch cost more than that
-    on data already in memory.
+    The record is checked in place against the reader's layout of its size (or a
+    parse of that size made by any reader), structural bytes compared inside the
+    plan's ``checked`` decoder, and remembered. None when the entry, the layout or
+    the structural bytes call for the full parse (:func:`record`).
+
+    Under ``"auto"`` the check is the record's first touch: when the previous first
+    touch had to wait for the disk (slower than a page-cache hit), this one asks for
+    the record's pages with one ``MADV_WILLNEED`` first
+    (:meth:`FileState.prefetch_record`); when it is fast again (the pages are in
+    memory), the system call is skipped. Timing costs two clock reads; the system
+    call on every first touch cost more than that on data already in memory.
+
+    Args:
+        st (FileState): The open file (its decode cache has views and a memo).
+        i (int): The record index (in range).
+
+    Returns:
+        Molecule | None: The molecule, or :obj:`None` when the record needs the
+        full parse (:func:`molecule`), which also raises for damaged records.
     """
-    if cache.cold:
-        st.prefetch_record(off, raw)
-    start = perf_counter()
-    matches = layout.check_at(st.buf, off) == layout.expected
-    cache.cold = perf_counter() - start > CACHED_READ_SECONDS
-    return matches
+    cache = st.cache
+    off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
+    if stored != raw or off < HEADER_SIZE or off + raw > st.size:
+        return None
+    layout = cache.layouts.get((raw, n))
+    if layout is None:  # the first record of its size in this reader
+        if st.resident is not None:
+            st.prefetch_record(off, raw)
+        layout = cache.adopt(st, raw, n, off)
+        if layout is None:
+            return None  # parsed from its bytes
+        cache.remember(i, layout)
+        return cache.plan(layout).decode(st.buf, off, st.name, i)
+    lid = layout.memo_id
+    if lid is None:
+        return None
+    checked = cache.plans[lid].checked
+    if st.resident is None:
+        mol = checked(st.buf, off, st.name, i)
+    else:
+        if cache.cold:
+            st.prefetch_record(off, raw)
+        start = perf_counter()
+        mol = checked(st.buf, off, st.name, i)
+        cache.cold = perf_counter() - start > CACHED_READ_SECONDS
+    if mol is not None:
+        cache.memo[i] = lid
+    return mol
 
 
 def molecule(st, i: int) -> Molecule:
@@ -269,22 +353,11 @@ def molecule(st, i: int) -> Molecule:
             plan = cache.plans[cache.memo[i]]
             if plan is not None:
                 return plan.decode(st.buf, entry(st, i)[0], st.name, i)
-            # first touch: check the record's structural bytes in place against a known
-            # layout of its size (no copy of the record, no re-parse)
-            off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
-            inside = stored == raw and off >= HEADER_SIZE and off + raw <= st.size
-            layout = cache.layouts.get((raw, n))
-            if inside and layout is not None and layout.memo_id is not None:
-                if st.resident is None:
-                    matches = layout.check_at(st.buf, off) == layout.expected
-                else:
-                    matches = _check_timed(st, cache, layout, off, raw)
-                if matches:
-                    memo = cache.memo
-                    (cache.memo_array() if memo is UNCHECKED else memo)[i] = layout.memo_id
-                    return cache.plans[layout.memo_id].decode(st.buf, off, st.name, i)
-            elif inside and st.resident is not None:
-                st.prefetch_record(off, raw)
+            if cache.memo is UNCHECKED:
+                cache.memo_array()
+            mol = first_touch(st, i)
+            if mol is not None:
+                return mol
             buf, base, layout = record(st, i)
             cache.remember(i, layout)
             return cache.plan(layout).decode(buf, base, st.name, i)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .assemble import assemble, store
+from .assemble import all_present, assemble, store
 from .fields import FieldInfo
 from .records import Layout, Slot, decode_slot
 from .structure import Structure, build_structure
@@ -206,8 +206,7 @@ def read_mapped(st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray
     offsets = offsets.astype(np.int64)
     out: dict[str, Any] = {"properties": {}, "atom_properties": {}, "mask": {}}
     # one read-only all-true mask serves every field all records carry
-    everyone = np.ones(count, bool)
-    everyone.flags.writeable = False
+    everyone = all_present(count)
     first = int(layout_ids[0])
     if (layout_ids == first).all():
         return read_single(st, idx, offsets, first, infos)
@@ -245,8 +244,7 @@ def read_single(st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
     layout = st.cache.memo_layouts[layout_id]
     plan = plan_of(layout, st.u8)
     out: dict[str, Any] = {"properties": {}, "atom_properties": {}, "mask": {}}
-    everyone = np.ones(len(idx), bool)
-    everyone.flags.writeable = False
+    everyone = all_present(len(idx))
     out["positions"] = plan.positions.take(offsets).reshape(-1, 3)
     out["atomic_numbers"] = plan.numbers.take(offsets).reshape(-1)
     for field, info in infos.items():

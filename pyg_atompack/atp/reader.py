@@ -14,13 +14,15 @@ import numpy as np
 
 from . import batch as _batch
 from . import cache as _cache
+from .cache import UNCHECKED
 from .codecs import CODEC_NAMES, decompress
-from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, ReadOnlyError, RecordDecodeError
+from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, RecordDecodeError
 from .fields import FieldInfo, fields_from_schema, merge_layout
 from .filestate import F32, FileState
 from .header import Header
 from .index import molecule_index
 from .molecule import Molecule
+from .readonly import ReadOnlyReader
 from .schema import Schema
 
 ACCESS_MODES = ("auto", "mmap", "pread")
@@ -39,7 +41,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class Reader:
+class Reader(ReadOnlyReader):
     """Read-only view of one `.atp` file.
 
     Args:
@@ -113,12 +115,6 @@ class Reader:
         self._drop_state(close=True)
         _OPEN_READERS.discard(self)
 
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._drop_state(close=True)
@@ -145,11 +141,6 @@ class Reader:
     def name(self) -> str:
         """The name used in messages."""
         return self._name
-
-    @property
-    def access(self) -> str:
-        """``"auto"``, ``"mmap"``, ``"pread"`` or ``"memory"``."""
-        return self._access
 
     @property
     def header(self) -> Header:
@@ -218,16 +209,21 @@ class Reader:
             i = molecule_index(i, st.count, self._name)
         cache = st.cache
         plan = cache.plans[cache.memo[i]]
-        if plan is None:  # not checked yet, or not a mapped uncompressed file
-            return _cache.molecule(st, i)
-        # hot path: a record checked before (its committed bytes never change)
         try:
-            return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
-                               self._name, i)
+            if plan is not None:
+                # hot path: a record checked before (its committed bytes never change)
+                return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
+                                   self._name, i)
+            if cache.views is not None and cache.memo is not UNCHECKED:
+                # first touch of a record of a mapped uncompressed file: checked in place
+                mol = _cache.first_touch(st, i)
+                if mol is not None:
+                    return mol
         except AtpError:
             raise
         except CORRUPT_DATA_ERRORS as exc:  # a string or tensor section that fails
             raise RecordDecodeError(f"{self._name}: record {i}: {exc}") from exc
+        return _cache.molecule(st, i)  # the rest: parsing, compressed and pread files
 
     def get(self, i: int) -> Molecule:
         """Decode one molecule; the same as ``reader[i]``.
@@ -318,13 +314,8 @@ class Reader:
         """
         return _batch.read_batch(self._st or self._load(), indices, infos)
 
-    # ------------------------------------------------------------------ writes refused
-    def add(self, *args: Any, **kwargs: Any) -> None:
-        """Readers are read-only; use :class:`pyg_atompack.atp.Writer`."""
-        raise ReadOnlyError(f"{self._name}: opened read-only; use atp.Writer.append_to()")
-
-    add_batch = add
-    flush = add
+    def _read_only_message(self) -> str:
+        return f"{self._name}: opened read-only; use atp.Writer.append_to()"
 
     def __repr__(self) -> str:
         if self._st is None:

@@ -125,7 +125,7 @@ class Layout:
 
     __slots__ = ("n_atoms", "pos_dtype", "pos_rows", "z_offset", "spans", "check", "expected",
                  "slots", "memo_id", "plan", "gather", "by_field", "trailing", "builtins",
-                 "customs", "_check_arrays", "check_at")
+                 "customs", "_check_arrays", "check_at", "shared")
 
     def __init__(self, n_atoms, pos_dtype, z_offset, spans, expected, slots, trailing):
         self.n_atoms = n_atoms
@@ -149,6 +149,9 @@ class Layout:
         self.builtins = tuple(s for s in slots if s.kind == KIND_BUILTIN)
         self.customs = tuple(s for s in slots if s.kind != KIND_BUILTIN)
         self._check_arrays = None
+        # what any reader derives from the structure alone (the mapped decode recipe,
+        # mapped.py): one dict shared by reference with every unbound() copy
+        self.shared: dict[str, Any] = {}
         self.memo_id = None
         # decoders bound to one reader's mapping, built on first use (mapped.py, gather.py)
         self.plan = None

@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from . import batch as _batch
-from .errors import AtpValueError, ReadOnlyError
+from .errors import AtpValueError
 from .fields import FieldInfo
 from .index import molecule_index
 from .molecule import Molecule
 from .reader import ACCESS_MODES, Reader
+from .readonly import ReadOnlyReader
 from .reorder import reorder_flat
 
 
@@ -43,7 +44,7 @@ def _check_access(access: str) -> None:
         raise AtpValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
 
 
-class ShardedReader:
+class ShardedReader(ReadOnlyReader):
     """Concatenation of the shards of a directory (or of a file list), indexed globally.
 
     Use :meth:`from_paths` for an explicit list of files.
@@ -159,11 +160,6 @@ class ShardedReader:
         """The dataset directory (a bracketed file list for :meth:`from_paths`)."""
         return self._root
 
-    @property
-    def access(self) -> str:
-        """``"auto"``, ``"mmap"`` or ``"pread"``."""
-        return self._access
-
     def __len__(self) -> int:
         return self._starts_list[-1]
 
@@ -252,18 +248,8 @@ class ShardedReader:
         for shard in self._shards:
             shard.close()
 
-    def __enter__(self) -> ShardedReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def add(self, *args: Any, **kwargs: Any) -> None:
-        """Sharded datasets are read-only."""
-        raise ReadOnlyError(f"{self._root}: sharded datasets are read-only")
-
-    add_batch = add
-    flush = add
+    def _read_only_message(self) -> str:
+        return f"{self._root}: sharded datasets are read-only"
 
     def __repr__(self) -> str:
         return (f"ShardedReader({self._root!r}, shards={len(self._shards)}, "

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .assemble import assemble, store
+from .assemble import all_present, assemble, store
 from .fields import FieldInfo
 from .records import OP_ARRAY, Layout
 
@@ -136,14 +136,20 @@ class Structure:
         ok = raw == self.size_a + self.size_b * n
         if self._u32 is None:
             return np.zeros(len(ok), bool)
-        rows = np.flatnonzero(ok)
-        if len(rows) < len(ok):
+        everyone = bool(ok.all())
+        if not everyone:
+            rows = np.flatnonzero(ok)
             offsets, n = offsets[rows], n[rows]
         n_col = n[:, None]
         cols = offsets[:, None] + self.const_a + self.const_b * n_col
-        good = (self.file_u8[cols] == self.const_expected).all(axis=1)
+        const = self.file_u8[cols] == self.const_expected
         at = offsets[:, None] + self.count_a + self.count_b * n_col
-        good &= (self._u32[at] == self.count_mult * n_col).all(axis=1)
+        counts = self._u32[at] == self.count_mult * n_col
+        if everyone and const.all() and counts.all():  # the common case: one reduction
+            return ok
+        good = const.all(axis=1) & counts.all(axis=1)
+        if everyone:
+            return good
         ok[rows] = good
         return ok
 
@@ -347,8 +353,7 @@ def read_structured(structure: Structure, offsets: np.ndarray, n_atoms: np.ndarr
         if name not in fields and name in structure.stored:
             return None
     count = len(offsets)
-    everyone = np.ones(count, bool)
-    everyone.flags.writeable = False  # one shared all-true mask
+    everyone = all_present(count)
     carried = [name for name in infos if name in fields]
     positions, numbers, *values = structure.take(["positions", "atomic_numbers", *carried],
                                                  offsets, n_atoms)
