@@ -48,6 +48,7 @@ from torch_geometric.data import Data
 
 from pyg_atompack.transport.buffers import WritableBuffer, is_writable_buffer
 
+from .data import data_from_mapping
 from .errors import PtPayloadError
 from .pt_archive import TorchArchive, TorchZipError, read_torch_archive
 from .samples import BufferViewSamples, CollatedSamples
@@ -690,11 +691,9 @@ class LazyPtSamples(BufferViewSamples):
             value = column[index]
             if value is not _MISSING:
                 mapping[key] = list(value) if type(value) is list else value
-        data = Data()
         # the pickled mapping as it was, like torch.load's __setstate__ (attribute
         # assignment would be four times slower and would drop None values)
-        data._store._mapping.update(mapping)
-        return data
+        return data_from_mapping(mapping)
 
 
 def _collated(buffer: WritableBuffer, mapping: Any, slices: Any) -> CollatedSamples:
@@ -702,10 +701,8 @@ def _collated(buffer: WritableBuffer, mapping: Any, slices: Any) -> CollatedSamp
     if not isinstance(mapping, dict) or not isinstance(slices, dict) or not slices:
         raise NotLazyLayout("not a (data, slices) tuple")
     views = _BufferTensors(buffer)
-    data = Data()
-    for key, value in mapping.items():
-        data._store._mapping[key] = (views.of(value) if type(value) is _TensorRef
-                                     else _plain_value(key, value))
+    data = data_from_mapping({key: views.of(value) if type(value) is _TensorRef
+                              else _plain_value(key, value) for key, value in mapping.items()})
     cuts = {}
     for key, value in slices.items():
         if type(value) is not _TensorRef:

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch_geometric.data import Data
 from torch_geometric.data.data import BaseData
+from torch_geometric.data.storage import recursive_apply
 
+from .data import data_from_mapping
 from .errors import PtPayloadError
 
 __all__ = ["BufferViewSamples", "CollatedSamples"]
@@ -64,7 +66,12 @@ class BufferViewSamples(Sequence):
         Returns:
             The sample, holding no reference to the file's memory.
         """
-        return self[index].apply(torch.clone)
+        sample = self[index]
+        if type(sample) is not Data:
+            return sample.apply(torch.clone)
+        # what Data.apply(torch.clone) gives, without its per-store walk (~4x the time)
+        return data_from_mapping({key: recursive_apply(value, torch.clone)
+                                  for key, value in sample._store._mapping.items()})
 
 
 class CollatedSamples(BufferViewSamples):
@@ -157,6 +164,4 @@ class CollatedSamples(BufferViewSamples):
             else:
                 start = bounds[index]
                 mapping[key] = values.narrow(dim, start, bounds[index + 1] - start)
-        data = Data()
-        data._store._mapping.update(mapping)
-        return data
+        return data_from_mapping(mapping)

@@ -34,6 +34,7 @@ from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
@@ -177,6 +178,14 @@ class ShardStreamDataset(IterableDataset):
         cache_dir: Where the metadata (header, schema, index) of block-streamed shards
             is cached, shared by workers, ranks and later runs. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        read_ahead (int, optional): Samples of each lazily decoded shard being consumed
+            that a background thread builds ahead of the consumer
+            (:mod:`pyg_atompack.stream.readahead`), so that taking a sample costs the
+            consumer no build, as with a loader that unpickles whole shards ahead.
+            Bounded per shard: the lazy layout's memory is kept. ``0`` builds every
+            sample in the consumer's thread when it is taken; with ``prefetch=0``
+            nothing runs in the background either way.
+            (default: :obj:`16`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -191,11 +200,13 @@ class ShardStreamDataset(IterableDataset):
                  split_first: bool = True, rename: Mapping[str, str] | None = None,
                  names: str | None = None, blocks: bool | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
-                 cache_dir: str | os.PathLike | None = None):
+                 cache_dir: str | os.PathLike | None = None,
+                 read_ahead: int = DEFAULT_READ_AHEAD):
         super().__init__()
-        if prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1:
-            raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0 and "
-                             "interleave >= 1")
+        if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
+                or read_ahead < 0):
+            raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "
+                             "interleave >= 1 and read_ahead >= 0")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
@@ -221,6 +232,7 @@ class ShardStreamDataset(IterableDataset):
                        if wants_blocks(source, self.shards, self.block_bytes, blocks) else None)
         self.prefetch = prefetch
         self.concurrency = concurrency
+        self.read_ahead = read_ahead
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -384,6 +396,8 @@ class ShardStreamDataset(IterableDataset):
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder, prefetcher: Prefetcher,
                   quota: int | None) -> Iterator[BaseData]:
+        # samples are built ahead in the background only where shards are fetched there
+        ahead = ReadAhead(self.read_ahead if prefetcher.depth > 0 else 0)
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
         handed = 0
         try:
@@ -392,7 +406,7 @@ class ShardStreamDataset(IterableDataset):
                                       pending, shuffle=self.shuffle, seed=self.seed,
                                       epoch=self.epoch,
                                       transform=names_transform(self.names, self.transform),
-                                      detach=self.shuffle_buffer > 0)
+                                      detach=self.shuffle_buffer > 0, ahead=ahead)
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
             trim_due = False
             untrimmed_bytes = 0  # shard bytes consumed since the last trim
@@ -434,6 +448,7 @@ class ShardStreamDataset(IterableDataset):
             progress.finished = True
         finally:
             prefetcher.close()
+            ahead.close()
             recorder.wait_s = prefetcher.wait_s
             now = recorder.now()
             for position in pending:  # shards cut short by a quota, break or error

@@ -8,7 +8,7 @@ can record, for each sample it hands out, which shard and which record it came f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from torch_geometric.data.data import BaseData
@@ -16,6 +16,7 @@ from torch_geometric.data.data import BaseData
 from pyg_atompack.pyg.samples import BufferViewSamples
 from pyg_atompack.stream.loading import LoadedShard
 from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.readahead import ReadAhead
 
 # (position in the stream's shard list, sample index within the decoded shard, sample)
 Item = tuple[int, int, BaseData]
@@ -45,7 +46,7 @@ def shard_sample_order(count: int, *, shuffle: bool, seed: int, epoch: int,
 def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
                   pending: dict[int, int], *, shuffle: bool, seed: int, epoch: int,
                   transform: Callable[[BaseData], BaseData] | None,
-                  detach: bool = False) -> Iterator[Item]:
+                  detach: bool = False, ahead: ReadAhead | None = None) -> Iterator[Item]:
     """The samples of each shard in turn, skipping those ``progress`` already handed out.
 
     Args:
@@ -60,6 +61,8 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         detach: Copy every sample of a lazily decoded shard out of the shard's buffer
             (when samples are held beyond their shard, e.g. in a mixing buffer); the
             last sample of each shard is always copied.
+        ahead: Builds the samples of lazily decoded shards ahead of the consumer, on
+            its thread; :obj:`None` builds each one here, when it is taken.
 
     Yields:
         ``(position, index in shard, sample)``.
@@ -73,23 +76,34 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
         pending[position] = len(todo)
         if not todo:
             progress.mark_complete(position)
-        last = todo[-1] if todo else None
-        views = isinstance(shard.samples, BufferViewSamples)
+        built = _taken_samples(shard.samples, todo, detach, ahead)
         for index in todo:
-            if views and (detach or index == last):
-                # a lazily decoded sample's tensors view its whole shard's buffer; one
-                # that may outlive the shard (held in a mixing buffer, or by the
-                # consumer while the next shard is fetched) gets its own copies
-                sample = shard.samples.detached(index)
-            else:
-                sample = shard.samples[index]
+            sample = next(built)
             if transform is not None:
                 sample = transform(sample)
             yield position, index, sample
         # release the decoded shard (and the last sample, which may be a view into a
         # collated shard's storage) before the next one is taken
-        del shard
+        del shard, built
         sample = None
+
+
+def _taken_samples(samples: Sequence[BaseData], todo: list[int], detach: bool,
+                   ahead: ReadAhead | None) -> Iterator[BaseData]:
+    """The samples of ``todo`` in order, built (ahead) if the shard is decoded lazily."""
+    if not isinstance(samples, BufferViewSamples):
+        return map(samples.__getitem__, todo)
+    # a lazily decoded sample's tensors view its whole shard's buffer; one that may
+    # outlive the shard (held in a mixing buffer, or by the consumer while the next
+    # shard is fetched) gets its own copies
+    if detach:
+        make = samples.detached
+    else:
+        get, detached, last = samples.__getitem__, samples.detached, todo[-1] if todo else None
+
+        def make(index: int) -> BaseData:
+            return detached(index) if index == last else get(index)
+    return ahead.run(make, todo) if ahead is not None else map(make, todo)
 
 
 def interleave_shards(shards: Iterable[LoadedShard], width: int, rng: np.random.Generator,
@@ -108,8 +122,8 @@ def interleave_shards(shards: Iterable[LoadedShard], width: int, rng: np.random.
         rng: Picks the shard each sample comes from.
         progress: Resume state (see :func:`shard_samples`).
         pending: Filled as by :func:`shard_samples`.
-        **options: ``shuffle``, ``seed``, ``epoch``, ``transform``, ``detach`` of
-            :func:`shard_samples`.
+        **options: ``shuffle``, ``seed``, ``epoch``, ``transform``, ``detach`` and
+            ``ahead`` of :func:`shard_samples`.
 
     Yields:
         ``(position, index in shard, sample)``.
