@@ -17,6 +17,10 @@ sleep, modelling a GPU step). Each pair runs, in rotating order:
   arms over the same molecules saved the way FoldPipe's users make shards, list slices
   of a collated ``InMemoryDataset`` (``torch.save([d for d in dataset])``: views of one
   storage per attribute), each shard its own collated dataset;
+* ``prefetch-inline`` and ``views-inline`` (with ``--arms``): the ``prefetch`` and
+  ``views`` arms with ``read_ahead=0``, every sample built in the consumer's thread as
+  it is taken instead of ahead on the read-ahead thread, which isolates what building
+  ahead changes;
 * ``s3``: the ``prefetch`` arm over ``ObjectStoreSource("s3://...")``: the same shards
   uploaded to a moto S3 server (``tests/servers/moto_s3.py``, its own process) behind a
   TCP relay with the same per-connection bandwidth limit (``tests/servers/tcp_proxy.py``,
@@ -102,14 +106,16 @@ def consume(samples, compute_per_sample: float) -> int:
 def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
                lazy_decode: bool = True, s3_endpoint: str | None = None,
                s3_prefix: str = "shards", blocks: bool | None = None,
-               block_bytes: int = 64 << 20, cache_dir: Path | None = None):
+               block_bytes: int = 64 << 20, cache_dir: Path | None = None,
+               read_ahead: int = 16):
     if s3_endpoint is None:
         source = HTTPSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
         source = ObjectStoreSource(f"s3://{S3_BUCKET}/{s3_prefix}/", endpoint_url=s3_endpoint)
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                  lazy_decode=lazy_decode, blocks=blocks,
-                                 block_bytes=block_bytes, cache_dir=cache_dir)
+                                 block_bytes=block_bytes, cache_dir=cache_dir,
+                                 read_ahead=read_ahead)
     with PeakSampler(interval=0.005) as rss:
         started = time.perf_counter()
         consume(dataset, compute)
@@ -258,10 +264,10 @@ def main() -> None:
                     elif variant == "foldpipe-views":
                         elapsed, growth = run_foldpipe(f"{server.base_url}/views",
                                                        view_names, compute_per_sample)
-                    elif variant == "views":
+                    elif variant in ("views", "views-inline"):
                         elapsed, growth, trace, stats = run_stream(
                             f"{server.base_url}/views", prefetch, concurrency,
-                            compute_per_sample)
+                            compute_per_sample, read_ahead=0 if "inline" in variant else 16)
                         traces[variant] = (trace, stats)
                     elif variant == "s3":
                         elapsed, growth, trace, stats = run_stream(
@@ -281,7 +287,8 @@ def main() -> None:
                                                                             concurrency)
                         elapsed, growth, trace, stats = run_stream(
                             server.base_url, depth, conc, compute_per_sample,
-                            lazy_decode=variant != "eager")
+                            lazy_decode=variant != "eager",
+                            read_ahead=0 if variant == "prefetch-inline" else 16)
                         traces[variant] = (trace, stats)
                     times[variant].append(elapsed)
                     rss[variant].append(growth)
@@ -310,8 +317,15 @@ def main() -> None:
                      "prefetch_vs_foldpipe": versus, "eager_vs_foldpipe": eager_versus,
                      "prefetch_vs_eager": lazy_gain, "s3_vs_sequential": s3_vs_seq,
                      "s3_vs_http_prefetch": s3_vs_http, "s3_blocks_vs_s3_whole": blocks_vs_whole,
-                     "views_vs_foldpipe_views": pair("foldpipe-views", "views")}
-        view_rows.append((ratio, summaries["views_vs_foldpipe_views"], versus))
+                     "views_vs_foldpipe_views": pair("foldpipe-views", "views"),
+                     "views_inline_vs_foldpipe_views": pair("foldpipe-views", "views-inline"),
+                     "views_vs_views_inline": pair("views-inline", "views"),
+                     "inline_vs_foldpipe": pair("foldpipe", "prefetch-inline"),
+                     "prefetch_vs_inline": pair("prefetch-inline", "prefetch")}
+        view_rows.append((ratio, summaries["views_vs_foldpipe_views"],
+                          summaries["views_inline_vs_foldpipe_views"],
+                          summaries["views_vs_views_inline"], versus,
+                          summaries["inline_vs_foldpipe"], summaries["prefetch_vs_inline"]))
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
             "times": times, "rss_growth_bytes": rss, "prefetch_trace_overlap": overlap,
@@ -375,20 +389,25 @@ def main() -> None:
         eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
         lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
                      f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
-    if any(row[1] is not None for row in view_rows):
+    if any(row[1] is not None or row[5] is not None for row in view_rows):
         lines += [
             "",
-            "## FoldPipe-style shards (`views`)",
+            "## FoldPipe-style shards (`views`) and building samples ahead",
             "",
             "The same molecules saved as list slices of a collated `InMemoryDataset` "
             "(views of one storage per attribute). Ours indexes each sample's views in "
-            "place; FoldPipe unpickles them with `torch.load(weights_only=False)`.",
+            "place; FoldPipe unpickles them with `torch.load(weights_only=False)`. "
+            "`inline` arms: `read_ahead=0`, each sample built in the consumer's thread as "
+            "it is taken; the default builds up to 16 samples of the shard being consumed "
+            "ahead on one background thread (`pyg_atompack/stream/readahead.py`).",
             "",
-            "| D/C | ours vs FoldPipe (views) | ours vs FoldPipe (lists) |",
-            "|---|---|---|",
+            "| D/C | views: ours vs FoldPipe | views: inline vs FoldPipe | views: ahead vs "
+            "inline | lists: ours vs FoldPipe | lists: inline vs FoldPipe | lists: ahead "
+            "vs inline |",
+            "|---|---|---|---|---|---|---|",
         ]
-        lines += [f"| {ratio} | {fmt_ci(views)} | {fmt_ci(lists)} |"
-                  for ratio, views, lists in view_rows]
+        lines += ["| " + " | ".join([str(row[0])] + [fmt_ci(v) for v in row[1:]]) + " |"
+                  for row in view_rows]
     lines += [
         "",
         "## Object-store arm (`s3`)",

@@ -267,25 +267,28 @@ class _ShardPickleMachine:
         memo, stack, marks = self.memo, self.stack, self.marks
         push = stack.append
         remember = self.fresh_memo.append
+        # opcodes that fill a container or stand for an object: one method each
+        methods = {SETITEMS: self._setitems, NEWOBJ: self._newobj, BUILD: self._build,
+                   SETITEM: self._setitem, APPENDS: self._appends, APPEND: self._append,
+                   STACK_GLOBAL: self._stack_global}
         memoised = 0  # entries numbered by MEMOIZE so far
         at, end = self.start, self.end
-        # branches in the order of how often torch.save emits them for a Data list
+        # branches in the order of how often torch.save emits them for a Data list; an
+        # opcode and its wider-argument twin share a branch
         while at < end:
             op = data[at]
             at += 1
-            if op == BINGET:
-                try:
-                    push(memo[data[at]])
-                except KeyError:
-                    push(self._recall(data[at]))
-                at += 1
-            elif op == LONG_BINPUT:
+            if op in (BINGET, LONG_BINGET):  # a 1- or a 4-byte argument
+                index, at = (data[at], at + 1) if op == BINGET else (_UINT32(data, at)[0],
+                                                                     at + 4)
+                push(memo[index] if index in memo else self._recall(index))
+            elif op in (LONG_BINPUT, BINPUT):
                 if memoised:
                     raise NotLazyLayout("explicit PUT after MEMOIZE")
-                index = _UINT32(data, at)[0]
+                index, at = (data[at], at + 1) if op == BINPUT else (_UINT32(data, at)[0],
+                                                                     at + 4)
                 memo[index] = stack[-1]
                 remember(index)
-                at += 4
             elif op == BININT1:
                 push(data[at])
                 at += 1
@@ -304,9 +307,9 @@ class _ShardPickleMachine:
                     self._reduce(args)
             elif op == EMPTY_TUPLE:
                 push(())
-            elif op == BINUNICODE:
-                length = _UINT32(data, at)[0]
-                at += 4
+            elif op in (BINUNICODE, SHORT_BINUNICODE):
+                length, at = ((data[at], at + 1) if op == SHORT_BINUNICODE
+                              else (_UINT32(data, at)[0], at + 4))
                 if at + length > end:
                     raise NotLazyLayout("string runs past the end of the pickle")
                 push(data[at:at + length].decode("utf-8", "surrogatepass"))
@@ -322,25 +325,6 @@ class _ShardPickleMachine:
                 stack[-1] = (stack[-1],)
             elif op == EMPTY_DICT:
                 push({})
-            elif op == SETITEMS:
-                self._setitems()
-            elif op == NEWOBJ:
-                self._newobj()
-            elif op == BUILD:
-                self._build()
-            elif op == LONG_BINGET:
-                index = _UINT32(data, at)[0]
-                try:
-                    push(memo[index])
-                except KeyError:
-                    push(self._recall(index))
-                at += 4
-            elif op == BINPUT:
-                if memoised:
-                    raise NotLazyLayout("explicit PUT after MEMOIZE")
-                memo[data[at]] = stack[-1]
-                remember(data[at])
-                at += 1
             elif op == BININT2:
                 push(data[at] | data[at + 1] << 8)
                 at += 2
@@ -351,13 +335,6 @@ class _ShardPickleMachine:
                 third = stack.pop()
                 second = stack.pop()
                 stack[-1] = (stack[-1], second, third)
-            elif op == SHORT_BINUNICODE:
-                length = data[at]
-                at += 1
-                if at + length > end:
-                    raise NotLazyLayout("string runs past the end of the pickle")
-                push(data[at:at + length].decode("utf-8", "surrogatepass"))
-                at += length
             elif op == EMPTY_LIST:
                 push([])
             elif op == MEMOIZE:
@@ -369,16 +346,8 @@ class _ShardPickleMachine:
                 memo[memoised] = stack[-1]
                 remember(memoised)
                 memoised += 1
-            elif op == SETITEM:
-                self._setitem()
-            elif op == APPENDS:
-                self._appends()
-            elif op == APPEND:
-                self._append()
             elif op == GLOBAL:
                 at = self._global(at)
-            elif op == STACK_GLOBAL:
-                self._stack_global()
             elif op == NEWTRUE:
                 push(True)
             elif op == NONE:
@@ -398,6 +367,8 @@ class _ShardPickleMachine:
                 if len(stack) != 1 or marks:
                     raise NotLazyLayout("unbalanced pickle")
                 return stack[0]
+            elif op in methods:
+                methods[op]()
             else:
                 raise NotLazyLayout(f"opcode {_OPCODE_NAMES.get(op, op)}")
         raise NotLazyLayout("pickle ends without STOP")

@@ -39,7 +39,7 @@ from pyg_atompack.stream.errors import (
     StreamCancelled,
     StreamError,
 )
-from pyg_atompack.stream.loading import LoadedShard, check_on_error
+from pyg_atompack.stream.loading import LoadedShard, check_on_error, traced_load
 from pyg_atompack.stream.payloads import _decode_atp
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamSlot
@@ -290,9 +290,10 @@ class BlockLoader:
         piece = self.plan.blocks[position]
         info = self.shards[piece.shard]
         name = f"{info.name}[{piece.first}:{piece.stop}]"
-        record = recorder.record(position, number, name)
-        record.download_start_s = recorder.now()
-        try:
+        meta = None
+
+        def fetch() -> tuple[bytearray, int]:
+            nonlocal meta
             reader, meta = self._shard(piece.shard)
             span_start, span_len, size = block_span(meta, piece.first, piece.stop)
             image = allocate(size)
@@ -309,24 +310,16 @@ class BlockLoader:
                 raise kind(f"shard {name}: {error}") from error
             finally:
                 view.release()
-            record.download_finish_s = recorder.now()
-            record.bytes = span_len
-            cancel.raise_if_cancelled()
+            return image, span_len
+
+        def prepare(image: bytearray) -> bytearray:
             complete_block(image, meta, piece.first, piece.stop)
-            samples = _decode_atp(image, name)
-            del image
-            record.deserialize_finish_s = recorder.now()
-            record.structures = len(samples)
-            return LoadedShard(position, piece.global_first, info, samples, recorder)
-        except StreamCancelled:
-            record.status = "cancelled"
-            raise
-        except StreamError as error:
-            if self.on_error != "skip":
-                raise
-            record.status = "skipped"
-            logger.warning("skipping block %s (on_error='skip'): %s", name, error)
-            return LoadedShard(position, piece.global_first, info, [], recorder)
+            return image
+
+        return traced_load(recorder, position, number, info, name, cancel=cancel,
+                           on_error=self.on_error, index=piece.global_first, unit="block",
+                           fetch=fetch, prepare=prepare,
+                           decode=lambda image: _decode_atp(image, name))
 
 
 #: Smallest part worth its own connection when a block is fetched in parts.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch_geometric.data.data import BaseData
 
@@ -157,34 +158,88 @@ class ShardLoader:
             StreamError: The shard cannot be fetched or decoded and ``on_error="raise"``.
         """
         info = self.shards[shard_index]
-        record = recorder.record(position, shard_index, info.name)
-        record.download_start_s = recorder.now()
-        try:
+
+        def fetch() -> tuple[bytes | bytearray, int]:
             data = self.fetch_verified(info, cancel, parts)
-            record.download_finish_s = recorder.now()
-            record.bytes = len(data)
-            cancel.raise_if_cancelled()
-            if not is_atp_shard(info.name, data):
-                if self.lazy_decode and isinstance(data, bytes):
-                    data = bytearray(data)  # lazily built samples need writable bytes
-                elif not self.lazy_decode and not isinstance(data, bytes):
-                    # one memcpy so torch reads the archive through io.BytesIO's C code
-                    # instead of a Python file object; rebinding frees the download
-                    # buffer before unpickling builds anything
-                    data = bytes(data)
-            samples = decode_shard(data, info.name, trusted=self.trusted,
-                                   lazy=self.lazy_decode)
-            # lazily decoded .pt and .atp shards keep the buffer as their samples' storage
-            del data
-            record.deserialize_finish_s = recorder.now()
-            record.structures = len(samples)
-            return LoadedShard(position, shard_index, info, samples, recorder)
-        except StreamCancelled:
-            record.status = "cancelled"
+            return data, len(data)
+
+        return traced_load(
+            recorder, position, shard_index, info, info.name, cancel=cancel,
+            on_error=self.on_error, fetch=fetch, prepare=lambda data: self._prepare(info, data),
+            decode=lambda data: decode_shard(data, info.name, trusted=self.trusted,
+                                             lazy=self.lazy_decode))
+
+    def _prepare(self, info: ShardInfo, data: bytes | bytearray) -> bytes | bytearray:
+        if is_atp_shard(info.name, data):
+            return data
+        if self.lazy_decode and isinstance(data, bytes):
+            return bytearray(data)  # lazily built samples need writable bytes
+        if not self.lazy_decode and not isinstance(data, bytes):
+            # one memcpy so torch reads the archive through io.BytesIO's C code instead
+            # of a Python file object; the caller's rebinding frees the download buffer
+            # before unpickling builds anything
+            return bytes(data)
+        return data
+
+
+def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInfo, name: str,
+                *, cancel: CancelToken, on_error: str, index: int | None = None,
+                unit: str = "shard",
+                fetch: Callable[[], tuple[Any, int]], prepare: Callable[[Any], Any],
+                decode: Callable[[Any], Sequence[BaseData]]) -> LoadedShard:
+    """Run one prefetch job (fetch, prepare, decode), recording each step in the trace.
+
+    The one way a job of the pipeline (a whole shard, or a record block of one) turns
+    into a :class:`LoadedShard`, with its download and deserialise times, its size,
+    and its outcome: cancelled, skipped (``on_error="skip"``) or loaded.
+
+    Args:
+        recorder (TraceRecorder): The iteration's trace.
+        position (int): The job's position in the stream.
+        key (int): What the trace calls the job: the shard's index in the listing, or
+            the block's number.
+        info (ShardInfo): The listing entry of the shard.
+        name (str): How the trace and messages name the job.
+        cancel (CancelToken): Cancellation of the iteration.
+        on_error (str): ``"raise"`` or ``"skip"``.
+        index (int, optional): :attr:`LoadedShard.index` (a block's first record in
+            the whole dataset). (default: ``key``)
+        unit (str, optional): What messages call the job. (default: :obj:`"shard"`)
+        fetch (Callable[[], tuple[Any, int]]): Downloads the job's bytes; returns them
+            and the byte count to record.
+        prepare (Callable[[Any], Any]): Turns the downloaded buffer into what ``decode``
+            reads; the download is dropped before decoding starts.
+        decode (Callable[[Any], Sequence[BaseData]]): Decodes the prepared bytes.
+
+    Returns:
+        LoadedShard: The decoded job (no samples when it failed and
+        ``on_error="skip"``).
+
+    Raises:
+        StreamCancelled: The iteration was closed meanwhile.
+        StreamError: The job cannot be fetched or decoded and ``on_error="raise"``.
+    """
+    index = key if index is None else index
+    record = recorder.record(position, key, name)
+    record.download_start_s = recorder.now()
+    try:
+        data, size = fetch()
+        record.download_finish_s = recorder.now()
+        record.bytes = size
+        cancel.raise_if_cancelled()
+        data = prepare(data)
+        samples = decode(data)
+        # lazily decoded .pt and .atp shards keep the buffer as their samples' storage
+        del data
+        record.deserialize_finish_s = recorder.now()
+        record.structures = len(samples)
+        return LoadedShard(position, index, info, samples, recorder)
+    except StreamCancelled:
+        record.status = "cancelled"
+        raise
+    except StreamError as error:
+        if on_error != "skip":
             raise
-        except StreamError as error:
-            if self.on_error != "skip":
-                raise
-            record.status = "skipped"
-            logger.warning("skipping shard %s (on_error='skip'): %s", info.name, error)
-            return LoadedShard(position, shard_index, info, [], recorder)
+        record.status = "skipped"
+        logger.warning("skipping %s %s (on_error='skip'): %s", unit, name, error)
+        return LoadedShard(position, index, info, [], recorder)
