@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from servers.http_server import ShardServer, write_pt_shards  # noqa: E402
 
-from pyg_atompack.stream import HTTPSource, RetryPolicy, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.transport import RetryPolicy  # noqa: E402
 
 FAULTS = ("500", "429", "reset", "truncate")
 RESULTS = REPO / "benchmarks" / "results" / "reliability.md"

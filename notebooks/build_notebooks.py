@@ -649,7 +649,7 @@ from ase.build import bulk
 from ase.calculators.emt import EMT
 
 import pyg_atompack
-from pyg_atompack import ShardStreamDataset, atp, convert, stream
+from pyg_atompack import ShardStreamDataset, atp, convert, stream, transport
 
 # Show the library's warnings (retries, skipped shards) in the notebook output.
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, force=True,
@@ -799,7 +799,7 @@ and the pass still yields all 480 structures.
 server.add_fault("shard_00002.atp", "503", retry_after=1)
 server.add_fault("shard_00005.atp", "reset", at_fraction=0.9)
 patient = stream.HTTPSource(server.url("manifest.json"),
-                            retry=stream.RetryPolicy(retries=3, backoff=0.1))
+                            retry=transport.RetryPolicy(retries=3, backoff=0.1))
 dataset = ShardStreamDataset(patient, prefetch=1)
 print("structures:", sum(1 for _ in dataset))
 for name in ("shard_00002.atp", "shard_00005.atp"):
@@ -814,7 +814,7 @@ and the URL, after the configured retries, unless the dataset is told to skip it
 # %%
 server.add_fault("shard_00003.atp", "503", times=10)
 impatient = stream.HTTPSource(server.url("manifest.json"),
-                              retry=stream.RetryPolicy(retries=1, backoff=0.05))
+                              retry=transport.RetryPolicy(retries=1, backoff=0.05))
 try:
     sum(1 for _ in ShardStreamDataset(impatient, prefetch=1))
 except stream.ShardFetchError as error:

@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset  # noqa: E402
-from pyg_atompack.stream import HTTPSource, RetryPolicy  # noqa: E402
+from pyg_atompack.stream import HTTPSource  # noqa: E402
+from pyg_atompack.transport import RetryPolicy  # noqa: E402
 
 EPOCHS = 2
 RUNS = 2

@@ -27,13 +27,13 @@ from pyg_atompack.pyg.samples import CollatedSamples
 from pyg_atompack.stream import (
     HTTPSource,
     LocalSource,
-    RetryPolicy,
     ShardDecodeError,
     ShardStreamDataset,
     UnsafePayloadError,
     decode_shard,
 )
 from pyg_atompack.stream.sources import CancelToken
+from pyg_atompack.transport import RetryPolicy
 from pyg_atompack.transport.buffers import ShardBuffer
 
 

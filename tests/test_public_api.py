@@ -15,6 +15,11 @@ MOVED = [
     ("pyg_atompack.graph", "plan_blocks", "pyg_atompack.graph._blocks"),
     ("pyg_atompack.transport", "RangeReader", "pyg_atompack.transport.ranges"),
     ("pyg_atompack.data.memmap_layout", "MemmapLayout", "pyg_atompack.memmap_layout"),
+    ("pyg_atompack.stream", "PYG_SAFE_GLOBALS", "pyg_atompack.pyg"),
+    ("pyg_atompack.stream", "RetryPolicy", "pyg_atompack.transport"),
+    ("pyg_atompack.atp", "select_header", "pyg_atompack.atp.header"),
+    ("pyg_atompack.atp", "index_n_atoms", "pyg_atompack.atp.index"),
+    ("pyg_atompack.atp", "schema_block_fields", "pyg_atompack.atp.fields"),
 ]
 
 
@@ -36,3 +41,21 @@ def test_unknown_names_are_still_attribute_errors():
     from pyg_atompack.transport import http  # a submodule is still importable by name
 
     assert http.__name__ == "pyg_atompack.transport.http"
+
+
+def test_stream_and_atp_list_what_users_need():
+    from pyg_atompack import atp, stream
+
+    # a shard stream, its sources (and what a custom one needs), its errors
+    assert set(stream.__all__) == {
+        "ShardStreamDataset", "open_source", "Source", "ShardInfo", "CancelToken",
+        "ShardBuffer", "LocalSource", "HTTPSource", "HubSource", "ObjectStoreSource",
+        "decode_shard", "StreamError", "ShardFetchError", "ShardIntegrityError",
+        "ShardDecodeError", "UnsafePayloadError"}
+    # reading, writing and checking files, what readers return, and the error family
+    assert {"open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
+            "describe", "verify", "find_shards", "AtpError"} <= set(atp.__all__)
+    assert not {name for name in atp.__all__ if not hasattr(atp, name)}
+    assert all(name.endswith("Error") for name in set(atp.__all__) - {
+        "open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
+        "describe", "verify", "find_shards"})

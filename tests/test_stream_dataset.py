@@ -13,9 +13,10 @@ from servers.http_server import ShardServer, serve_directory, write_pt_shards
 from torch.utils.data import DataLoader
 from torch_geometric.data import Batch
 
-from pyg_atompack.stream import HTTPSource, LocalSource, RetryPolicy, ShardStreamDataset
+from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.trace import TRACE_FIELDS
+from pyg_atompack.transport import RetryPolicy
 
 SIZES = [5, 7, 3, 6, 4, 8, 5, 2]  # 40 samples, uneven shards
 ALL_IDS = sorted(s * 1000 + i for s, n in enumerate(SIZES) for i in range(n))

@@ -11,11 +11,11 @@ from servers.http_server import serve_directory, write_pt_shards
 from pyg_atompack.stream import (
     CancelToken,
     HTTPSource,
-    RetryPolicy,
     ShardFetchError,
     ShardStreamDataset,
 )
 from pyg_atompack.stream.http import MIN_PART_BYTES, fetch_url_in_parts
+from pyg_atompack.transport import RetryPolicy
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
 

@@ -14,7 +14,6 @@ from pyg_atompack.stream import (
     CancelToken,
     HTTPSource,
     LocalSource,
-    RetryPolicy,
     ShardFetchError,
     ShardInfo,
     ShardIntegrityError,
@@ -23,6 +22,7 @@ from pyg_atompack.stream import (
 )
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.retry import parse_retry_after
+from pyg_atompack.transport import RetryPolicy
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
 

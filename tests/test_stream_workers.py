@@ -12,8 +12,9 @@ from servers.http_server import serve_directory, write_pt_shards
 from torch_geometric.data import Batch, Data, HeteroData
 from torch_geometric.loader import DataLoader
 
-from pyg_atompack.stream import HTTPSource, LocalSource, RetryPolicy, ShardStreamDataset, handoff
+from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset, handoff
 from pyg_atompack.stream.splitting import StreamSlot, worker_share
+from pyg_atompack.transport import RetryPolicy
 
 FAST = RetryPolicy(retries=2, backoff=0.01, timeout=10.0)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from pyg_atompack._moved import moved_names
+
 from .check import describe, verify
 from .errors import (
     AtpError,
@@ -26,9 +28,8 @@ from .errors import (
     TruncatedCommitWarning,
     TruncatedFileError,
 )
-from .fields import FieldInfo, schema_block_fields
-from .header import Header, select_header
-from .index import index_n_atoms
+from .fields import FieldInfo
+from .header import Header
 from .molecule import Molecule
 from .reader import Reader
 from .sharded import ShardedReader, find_shards
@@ -81,9 +82,14 @@ __all__ = [
     "Writer",
     "describe",
     "find_shards",
-    "index_n_atoms",
     "open",
-    "schema_block_fields",
-    "select_header",
     "verify",
 ]
+
+# building blocks of readers of files held in pieces (remote files), which the layers
+# above import from their modules (kept for one release, with a DeprecationWarning)
+__getattr__ = moved_names(__name__, {
+    "index_n_atoms": "pyg_atompack.atp.index:index_n_atoms",
+    "schema_block_fields": "pyg_atompack.atp.fields:schema_block_fields",
+    "select_header": "pyg_atompack.atp.header:select_header",
+})

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from pyg_atompack import atp
+from pyg_atompack.atp.fields import schema_block_fields
+from pyg_atompack.atp.header import select_header
+from pyg_atompack.atp.index import index_n_atoms
 from pyg_atompack.hub.remote import RemoteFile
 from pyg_atompack.hub.transfer import fetch_range
 
@@ -54,7 +56,7 @@ def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
     """
     head = fetch_range(shard, 0, min(HEADER_BYTES, shard.size), token=token, policy=policy,
                        store=store)
-    return _header_info(atp.select_header(head, shard.size, shard_uri(shard)))
+    return _header_info(select_header(head, shard.size, shard_uri(shard)))
 
 
 def remote_n_atoms(
@@ -76,7 +78,7 @@ def remote_n_atoms(
         return np.zeros(0, dtype=np.int64)
     raw = fetch_range(shard, header["index_offset"], header["index_len"], token=token,
                       policy=policy, store=store)
-    return atp.index_n_atoms(raw, count, shard_uri(shard))
+    return index_n_atoms(raw, count, shard_uri(shard))
 
 
 def remote_fields(
@@ -99,4 +101,4 @@ def remote_fields(
         return None  # 0.2.x file: only a scan of the records can tell (format layer does it)
     raw = fetch_range(shard, head["schema_offset"], head["schema_len"], token=token,
                       policy=policy, store=store)
-    return atp.schema_block_fields(raw, head["record_format"], shard_uri(shard))
+    return schema_block_fields(raw, head["record_format"], shard_uri(shard))

@@ -22,6 +22,7 @@ Example::
         print(dataset.stats())
 """
 
+from pyg_atompack._moved import moved_names
 from pyg_atompack.stream.dataset import ShardStreamDataset
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
@@ -34,8 +35,7 @@ from pyg_atompack.stream.http import HTTPSource
 from pyg_atompack.stream.hub_source import HubSource
 from pyg_atompack.stream.objectstore_source import ObjectStoreSource
 from pyg_atompack.stream.open import open_source
-from pyg_atompack.stream.payloads import PYG_SAFE_GLOBALS, decode_shard
-from pyg_atompack.stream.retry import RetryPolicy
+from pyg_atompack.stream.payloads import decode_shard
 from pyg_atompack.stream.sources import CancelToken, LocalSource, ShardInfo, Source
 from pyg_atompack.transport.buffers import ShardBuffer
 
@@ -49,13 +49,17 @@ __all__ = [
     "HubSource",
     "ObjectStoreSource",
     "open_source",
-    "RetryPolicy",
     "ShardBuffer",
     "decode_shard",
-    "PYG_SAFE_GLOBALS",
     "StreamError",
     "ShardFetchError",
     "ShardIntegrityError",
     "ShardDecodeError",
     "UnsafePayloadError",
 ]
+
+# names with one home elsewhere (kept for one release, with a DeprecationWarning)
+__getattr__ = moved_names(__name__, {
+    "PYG_SAFE_GLOBALS": "pyg_atompack.pyg:PYG_SAFE_GLOBALS",
+    "RetryPolicy": "pyg_atompack.transport:RetryPolicy",
+})
