@@ -122,6 +122,50 @@ class _Store:
         self.state = None
 
 
+class _Memo(dict):
+    """The pickle's memo, which forgets a finished sample's objects.
+
+    A finished sample's containers and tensor references are not referenced again by a
+    ``torch.save`` pickle: samples share attribute names, globals and, in list slices
+    of a collated dataset, storages. :meth:`forget_sample` drops them; storage keys
+    (torch numbers its storages ``"0"``, ``"1"``, ...) are remembered compactly (16
+    bytes) so that a shared storage can be recalled when it is referenced again
+    (``__missing__``); any other forgotten object referenced again makes the machine
+    give up.
+    """
+
+    __slots__ = ("fresh", "forgotten_at", "forgotten_key")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: list[int] = []  # indices memoised since the last finished sample
+        # (memo index, storage number) of forgotten storage keys, in memo order
+        self.forgotten_at = array("q")
+        self.forgotten_key = array("q")
+
+    def __missing__(self, index: int) -> str:
+        # a storage key forgotten after an earlier sample goes back into the memo for
+        # good: samples that view one shared storage name it by the key memoised with
+        # the first of them
+        position = bisect_left(self.forgotten_at, index)
+        if position == len(self.forgotten_at) or self.forgotten_at[position] != index:
+            raise NotLazyLayout("a finished sample's object is referenced again")
+        key = self[index] = str(self.forgotten_key[position])
+        return key
+
+    def forget_sample(self) -> None:
+        """Drop the entries memoised for the sample just finished (storage keys kept)."""
+        for index in self.fresh:
+            value = self[index]
+            if type(value) is str and value.isdigit() and (value[0] != "0" or value == "0"):
+                self.forgotten_at.append(index)
+                self.forgotten_key.append(int(value))
+                del self[index]
+            elif not isinstance(value, _KEEPABLE) or value is _EMPTY_HOOKS:
+                del self[index]
+        self.fresh.clear()
+
+
 class _TensorRef(tuple):
     """``(byte offset in the buffer, dtype, shape, stride)`` of one tensor.
 
@@ -246,11 +290,7 @@ class _ShardPickleMachine:
         self.first_mapping: dict | None = None  # the first Data's attributes
         self.stack: list[Any] = []
         self.marks: list[int] = []
-        self.memo: dict[int, Any] = {}
-        self.fresh_memo: list[int] = []  # memo indices added since the last sample
-        # (memo index, storage number) of forgotten storage keys, in memo order
-        self.forgotten_at = array("q")
-        self.forgotten_key = array("q")
+        self.memo = _Memo()
         self.geometries: dict[tuple, tuple[int, bool]] = {}  # see _geometry
 
     def run(self) -> Any:  # noqa: C901 - one flat dispatch loop, kept flat for speed
@@ -266,27 +306,28 @@ class _ShardPickleMachine:
         data = self.data  # read in place: the pickle is a record of the buffer
         memo, stack, marks = self.memo, self.stack, self.marks
         push = stack.append
-        remember = self.fresh_memo.append
-        # opcodes that fill a container or stand for an object: one method each
-        methods = {SETITEMS: self._setitems, NEWOBJ: self._newobj, BUILD: self._build,
-                   SETITEM: self._setitem, APPENDS: self._appends, APPEND: self._append,
+        remember = memo.fresh.append
+        # the rarer opcodes that fill a container or name a global: one method each
+        methods = {SETITEM: self._setitem, APPENDS: self._appends, APPEND: self._append,
                    STACK_GLOBAL: self._stack_global}
         memoised = 0  # entries numbered by MEMOIZE so far
         at, end = self.start, self.end
-        # branches in the order of how often torch.save emits them for a Data list; an
-        # opcode and its wider-argument twin share a branch
+        # branches in the order of how often torch.save emits them for a Data list
         while at < end:
             op = data[at]
             at += 1
-            if op in (BINGET, LONG_BINGET):  # a 1- or a 4-byte argument
-                index, at = (data[at], at + 1) if op == BINGET else (_UINT32(data, at)[0],
-                                                                     at + 4)
-                push(memo[index] if index in memo else self._recall(index))
-            elif op in (LONG_BINPUT, BINPUT):
+            if op == BINGET:
+                push(memo[data[at]])
+                at += 1
+            elif op == LONG_BINPUT or op == BINPUT:  # noqa: SIM109 - `in` builds a tuple
                 if memoised:
                     raise NotLazyLayout("explicit PUT after MEMOIZE")
-                index, at = (data[at], at + 1) if op == BINPUT else (_UINT32(data, at)[0],
-                                                                     at + 4)
+                if op == BINPUT:  # a 1-byte or a 4-byte index
+                    index = data[at]
+                    at += 1
+                else:
+                    index = _UINT32(data, at)[0]
+                    at += 4
                 memo[index] = stack[-1]
                 remember(index)
             elif op == BININT1:
@@ -307,13 +348,8 @@ class _ShardPickleMachine:
                     self._reduce(args)
             elif op == EMPTY_TUPLE:
                 push(())
-            elif op in (BINUNICODE, SHORT_BINUNICODE):
-                length, at = ((data[at], at + 1) if op == SHORT_BINUNICODE
-                              else (_UINT32(data, at)[0], at + 4))
-                if at + length > end:
-                    raise NotLazyLayout("string runs past the end of the pickle")
-                push(data[at:at + length].decode("utf-8", "surrogatepass"))
-                at += length
+            elif op == BINUNICODE:
+                at = self._text(at + 4, _UINT32(data, at)[0])
             elif op == BINPERSID:
                 stack[-1] = self._storage(stack[-1])
             elif op == TUPLE2:
@@ -325,6 +361,15 @@ class _ShardPickleMachine:
                 stack[-1] = (stack[-1],)
             elif op == EMPTY_DICT:
                 push({})
+            elif op == SETITEMS:
+                self._setitems()
+            elif op == NEWOBJ:
+                self._newobj()
+            elif op == BUILD:
+                self._build()
+            elif op == LONG_BINGET:
+                push(memo[_UINT32(data, at)[0]])
+                at += 4
             elif op == BININT2:
                 push(data[at] | data[at + 1] << 8)
                 at += 2
@@ -335,6 +380,8 @@ class _ShardPickleMachine:
                 third = stack.pop()
                 second = stack.pop()
                 stack[-1] = (stack[-1], second, third)
+            elif op == SHORT_BINUNICODE:
+                at = self._text(at + 1, data[at])
             elif op == EMPTY_LIST:
                 push([])
             elif op == MEMOIZE:
@@ -373,38 +420,13 @@ class _ShardPickleMachine:
                 raise NotLazyLayout(f"opcode {_OPCODE_NAMES.get(op, op)}")
         raise NotLazyLayout("pickle ends without STOP")
 
-    # ------------------------------------------------------------------ the memo
-    def _recall(self, index: int) -> str:
-        """A storage key forgotten after an earlier sample, referenced again.
-
-        Samples that view one shared storage (list slices of a collated dataset) name
-        it by the key memoised with the first of them; it goes back into the memo for
-        good. Any other forgotten object means the layout is not indexed here.
-        """
-        position = bisect_left(self.forgotten_at, index)
-        if position == len(self.forgotten_at) or self.forgotten_at[position] != index:
-            raise NotLazyLayout("a finished sample's object is referenced again")
-        key = str(self.forgotten_key[position])
-        self.memo[index] = key
-        return key
-
-    def _forget_sample_objects(self) -> None:
-        # A finished sample's containers and tensor references are not referenced
-        # again by a torch.save pickle: samples share attribute names, globals and, in
-        # list slices of a collated dataset, storages. Storage keys (torch numbers its
-        # storages "0", "1", ...) are remembered compactly (16 bytes) so that a shared
-        # storage can be recalled; if anything else is referenced again, the missing
-        # memo entry makes the machine give up.
-        memo = self.memo
-        for index in self.fresh_memo:
-            value = memo[index]
-            if type(value) is str and value.isdigit() and (value[0] != "0" or value == "0"):
-                self.forgotten_at.append(index)
-                self.forgotten_key.append(int(value))
-                del memo[index]
-            elif not isinstance(value, _KEEPABLE) or value is _EMPTY_HOOKS:
-                del memo[index]
-        self.fresh_memo.clear()
+    # ------------------------------------------------------------------ strings
+    def _text(self, at: int, length: int) -> int:
+        """Push the UTF-8 string of ``length`` bytes at ``at``; returns the offset after it."""
+        if at + length > self.end:
+            raise NotLazyLayout("string runs past the end of the pickle")
+        self.stack.append(self.data[at:at + length].decode("utf-8", "surrogatepass"))
+        return at + length
 
     # ------------------------------------------------------------------ containers
     def _pop_mark(self) -> list[Any]:
@@ -494,7 +516,7 @@ class _ShardPickleMachine:
             target.state = state
         elif type(target) is _Sample:
             self._finish_sample(target, state)
-            self._forget_sample_objects()
+            self.memo.forget_sample()
         else:
             raise NotLazyLayout("state for an unknown object")
 
