@@ -399,6 +399,7 @@ class ShardStreamDataset(IterableDataset):
         # samples are built ahead in the background only where shards are fetched there
         ahead = ReadAhead(self.read_ahead if prefetcher.depth > 0 else 0)
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
+        started: set[int] = set()  # positions whose consume_start_s is set
         handed = 0
         try:
             mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
@@ -418,14 +419,15 @@ class ShardStreamDataset(IterableDataset):
                     trim_due = False
                 if quota is not None and handed + len(unit) > quota:
                     break
-                now = recorder.now()
                 finishing = []
                 # (no loop variable may keep a sample alive: a sample cut from a collated
                 # shard is a view that pins the whole shard's storage)
                 for position, index in [(position, index) for position, index, _ in unit]:
-                    record = recorder.record(position, plan.shards[position], "")
-                    if record.consume_start_s is None:
-                        record.consume_start_s = now
+                    if position not in started:  # its first sample: consuming it starts
+                        started.add(position)
+                        record = recorder.record(position, plan.shards[position], "")
+                        if record.consume_start_s is None:
+                            record.consume_start_s = recorder.now()
                     progress.mark_sample(position, index)
                     pending[position] -= 1
                     if pending[position] == 0:
@@ -436,8 +438,8 @@ class ShardStreamDataset(IterableDataset):
                 del unit
                 yield samples[0] if self.batch_size is None else Batch.from_data_list(samples)
                 del samples
-                now = recorder.now()  # the consumer is back: it is done with `finishing`
-                for position in finishing:
+                now = recorder.now() if finishing else 0.0  # the consumer is back: it
+                for position in finishing:  # is done with the shards in `finishing`
                     record = recorder.record(position, plan.shards[position], "")
                     record.consume_finish_s = now
                     untrimmed_bytes += record.bytes or 0

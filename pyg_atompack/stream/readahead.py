@@ -14,6 +14,8 @@ kernels, waiting on a GPU, I/O, ``time.sleep`` in the benchmarks); a consumer th
 the GIL throughout gets no gain and loses little (the same work moves between threads).
 The consumer never waits for the thread to start on a sample: when nothing is ready it
 builds the next sample itself, so a starved or slow thread costs at most one build.
+The thread refills a shard's window in one burst once half of it has been taken:
+waking it for every sample cost more CPU in wake-ups than the builds it took over.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ DEFAULT_READ_AHEAD = 16
 class _Job(Generic[SampleT]):
     """One shard's samples in consumption order; ``built`` holds the ready ones."""
 
-    __slots__ = ("make", "order", "next", "built", "building", "active")
+    __slots__ = ("make", "order", "next", "built", "building", "active", "refilling")
 
     def __init__(self, make: Callable[[int], SampleT], order: Sequence[int]) -> None:
         self.make = make
@@ -46,6 +48,7 @@ class _Job(Generic[SampleT]):
         self.built: deque[tuple[bool, object]] = deque()  # (succeeded, sample or error)
         self.building = False  # one build of a job at a time, by either thread
         self.active = True
+        self.refilling = True  # the thread builds until the window is full
 
 
 class ReadAhead(Generic[SampleT]):
@@ -105,12 +108,22 @@ class ReadAhead(Generic[SampleT]):
                 self._jobs.remove(job)
 
     def _take(self, job: _Job) -> SampleT:
+        if job.built:  # ready: only this thread takes from the deque, the other appends
+            succeeded, value = job.built.popleft()
+            if not job.refilling and len(job.built) <= self.window // 2:
+                # refill in one burst from half the window: one wake-up of the thread
+                # per window / 2 samples, not one per sample
+                with self._condition:
+                    job.refilling = True
+                    self._condition.notify_all()
+            if not succeeded:
+                raise value  # type: ignore[misc]
+            return value  # type: ignore[return-value]
         with self._condition:
             while not job.built and job.building:
                 self._condition.wait()  # the thread is building exactly this sample
             if job.built:
                 succeeded, value = job.built.popleft()
-                self._condition.notify_all()  # room for one more
                 if not succeeded:
                     raise value  # type: ignore[misc]
                 return value  # type: ignore[return-value]
@@ -126,8 +139,10 @@ class ReadAhead(Generic[SampleT]):
 
     def _next_job(self) -> _Job | None:
         for job in self._jobs:
-            if not job.building and job.next < len(job.order) and len(job.built) < self.window:
-                return job
+            if job.refilling and not job.building and job.next < len(job.order):
+                if len(job.built) < self.window:
+                    return job
+                job.refilling = False  # full: wait until half of it is taken
         return None
 
     def _work(self) -> None:
