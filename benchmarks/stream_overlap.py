@@ -371,12 +371,13 @@ def main() -> None:
         "",
         "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
         "from the shard. Ours (default) indexes each `.pt` list of `Data` in place without "
-        "unpickling it (`pyg_atompack/pyg/pt_index.py`) and builds each sample as the "
-        "consumer takes it; the `eager` arm (`lazy_decode=False`) unpickles every shard on "
-        "the prefetch thread with `torch.load(weights_only=True)` and the PyG allow-list "
+        "unpickling it (`pyg_atompack/pyg/pt_index.py`) and builds its samples ahead of the "
+        "consumer on one thread (`read_ahead=16`); the `eager` arm (`lazy_decode=False`) "
+        "unpickles every shard on the prefetch thread with `torch.load(weights_only=True)` "
+        "and the PyG allow-list "
         "(`pyg_atompack/pyg/pt.py`). Deserialise time is per shard, "
         "from the traces of the last pair (for the lazy arm it excludes building the "
-        "samples, which happens in the consumer's thread).",
+        "samples, which happens on the read-ahead thread).",
         "",
         "| D/C | ours (lazy) vs FoldPipe | ours (eager) vs FoldPipe | lazy vs eager "
         "| deserialise ms/shard (lazy / eager) |",
