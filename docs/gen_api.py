@@ -42,7 +42,7 @@ def summary_line(obj: Any) -> str:
     """The first sentence of an object's docstring as Markdown, or an empty string.
 
     Args:
-        obj: A module, class, function or property.
+        obj (Any): A module, class, function or property.
 
     Returns:
         The summary, with ``|`` escaped for Markdown tables.
@@ -62,7 +62,7 @@ def public_names(module_name: str) -> list[tuple[str, Any]]:
     """The ``(name, object)`` pairs a module exports in ``__all__``, modules left out.
 
     Args:
-        module_name: A dotted module name.
+        module_name (str): A dotted module name.
 
     Returns:
         The exported objects in ``__all__`` order.
@@ -89,7 +89,7 @@ def public_members(cls: type) -> Iterator[tuple[str, Any, str]]:
     ``ReadOnlyReader``) belong to the class's own interface.
 
     Args:
-        cls: The class.
+        cls (type): The class.
 
     Yields:
         ``(name, function or property, kind)`` with kind ``"method"``,
@@ -193,8 +193,8 @@ def object_problems(obj: Any, where: str) -> list[str]:
     """Docstring findings for one exported class or function (see :func:`docstring_problems`).
 
     Args:
-        obj: The class or function.
-        where: Its qualified name, used in the findings.
+        obj (Any): The class or function.
+        where (str): Its qualified name, used in the findings.
 
     Returns:
         ``"where[.member]: problem"`` lines.
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     """Write (or check) ``docs/api.md``.
 
     Args:
-        argv: Command-line arguments (default: ``sys.argv[1:]``).
+        argv (list[str], optional): Command-line arguments (default: :obj:`sys.argv[1:]`).
 
     Returns:
         The exit status: 0, or 1 when ``--check`` finds the page out of date.
