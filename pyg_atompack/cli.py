@@ -503,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
     Args:
-        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+        argv (Sequence[str], optional): Arguments without the program name
+            (default: :obj:`sys.argv[1:]`).
 
     Returns:
         The exit code.

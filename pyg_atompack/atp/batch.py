@@ -46,15 +46,15 @@ def resolve_fields(all_fields: dict[str, FieldInfo], fields: Sequence[str] | Non
     """Turn a ``fields=`` argument into the FieldInfos to decode.
 
     Args:
-        all_fields: the reader's fields.
-        fields: requested names, or None for all.
-        name: file name for error messages.
+        all_fields (dict[str, FieldInfo]): The reader's fields.
+        fields (Sequence[str] | None): Requested names, or None for all.
+        name (str): File name for error messages.
 
     Returns:
         ``name -> FieldInfo`` of the optional fields to decode.
 
     Raises:
-        AtpValueError: an unknown or ambiguous custom key.
+        AtpValueError: An unknown or ambiguous custom key.
     """
     if fields is None:
         return {k: v for k, v in all_fields.items() if k not in ALWAYS}
@@ -84,16 +84,16 @@ def _normalize_indices(indices: Any, count: int, name: str) -> np.ndarray:
     """``indices`` as a flat int64 array of in-range non-negative indices.
 
     Args:
-        indices: integers (list, tuple or array; negative counts from the end).
-        count: the number of records.
-        name: file name for error messages.
+        indices (Any): Integers (list, tuple or array; negative counts from the end).
+        count (int): The number of records.
+        name (str): File name for error messages.
 
     Returns:
         The indices (the caller's array itself when it is already valid int64).
 
     Raises:
-        AtpValueError: the indices are not integers.
-        AtpIndexError: an index is out of range.
+        AtpValueError: The indices are not integers.
+        AtpIndexError: An index is out of range.
     """
     idx = np.asarray(indices)
     kind = idx.dtype.kind
@@ -188,10 +188,10 @@ def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """Decode ``indices`` of an open file into the flat batch dict (see module docstring).
 
     Args:
-        st: the file's :class:`~pyg_atompack.atp.filestate.FileState` (its decode cache
+        st: The file's :class:`~pyg_atompack.atp.filestate.FileState` (its decode cache
             is read and filled).
-        indices: molecule indices (negative allowed), any order, repeats allowed.
-        infos: the resolved fields to decode (:func:`resolve_fields`).
+        indices (Any): Molecule indices (negative allowed), any order, repeats allowed.
+        infos (dict[str, FieldInfo]): The resolved fields to decode (:func:`resolve_fields`).
 
     Returns:
         The ``read_batch`` dict of :meth:`pyg_atompack.atp.Reader.read_batch`.

@@ -76,9 +76,9 @@ class DecodeCache:
     """Decoding state of one open file (see the module docstring).
 
     Args:
-        count: the file's record count.
-        file_u8: the mapping or image as uint8 when records can be decoded in place
-            (uncompressed, mapped or in memory), else None.
+        count (int): The file's record count.
+        file_u8 (np.ndarray | None): The mapping or image as uint8 when records can be decoded in
+            place (uncompressed, mapped or in memory), else None.
     """
 
     __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
@@ -142,17 +142,17 @@ class DecodeCache:
         """The checked layout of record ``i`` (its bytes ``rec``), parsing it when new.
 
         Args:
-            st: the file state.
-            rec: the record's uncompressed bytes.
-            raw: its raw size (from the index).
-            n: its atom count (from the index).
-            i: its index (for error messages).
+            st: The file state.
+            rec: The record's uncompressed bytes.
+            raw (int): Its raw size (from the index).
+            n (int): Its atom count (from the index).
+            i (int): Its index (for error messages).
 
         Returns:
             The layout, shared by every record of the same size and structure.
 
         Raises:
-            RecordDecodeError: the record is malformed.
+            RecordDecodeError: The record is malformed.
         """
         layout = self.layouts.get((raw, n))
         if layout is None or not layout.matches(rec):
@@ -244,15 +244,15 @@ def record(st, i: int) -> tuple[Any, int, Layout]:
     """The buffer holding record ``i``, its offset there, and its checked layout.
 
     Args:
-        st: the file state.
-        i: the record index (in range).
+        st: The file state.
+        i (int): The record index (in range).
 
     Returns:
         ``(buffer, offset, layout)``: the mapping / image and the record's file
         offset, or a private buffer holding just the record and 0.
 
     Raises:
-        AtpError: the record is damaged or the file shrank.
+        AtpError: The record is damaged or the file shrank.
     """
     off, stored, raw, n = entry(st, i)
     if st.codec == CODEC_NONE:
@@ -338,14 +338,14 @@ def molecule(st, i: int) -> Molecule:
     read of a compressed or ``pread`` file.
 
     Args:
-        st: the file state.
-        i: the record index (in range).
+        st: The file state.
+        i (int): The record index (in range).
 
     Returns:
         The molecule.
 
     Raises:
-        AtpError: the record is damaged (the message names the file and record).
+        AtpError: The record is damaged (the message names the file and record).
     """
     cache = st.cache
     try:

@@ -21,7 +21,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     """Summarise a file's header slots, codec, counts, schema and dead space.
 
     Args:
-        path: an `.atp` file.
+        path (str | os.PathLike): An `.atp` file.
 
     Returns:
         A JSON-serialisable dict with ``path``, ``file_size``, ``slots`` (each with
@@ -34,7 +34,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         tail) and ``uncommitted_tail_bytes``.
 
     Raises:
-        AtpError: the file cannot be opened.
+        AtpError: The file cannot be opened.
     """
     path = os.fspath(path)
     head, size = _read_head(path)
@@ -90,7 +90,7 @@ def verify(path: str | os.PathLike) -> list[str]:
     """Check a file completely: both header slots, schema, index and every record.
 
     Args:
-        path: an `.atp` file.
+        path (str | os.PathLike): An `.atp` file.
 
     Returns:
         Human-readable problems; an empty list when the file is sound. Problems

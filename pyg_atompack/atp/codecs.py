@@ -54,16 +54,16 @@ def decompress(codec: int, data, raw: int, where: str) -> bytes:
     """Decompress one stored record to exactly ``raw`` bytes.
 
     Args:
-        codec: codec byte of the file.
-        data: the stored bytes.
-        raw: the uncompressed size from the index.
-        where: ``"file: record i"`` for error messages.
+        codec (int): Codec byte of the file.
+        data: The stored bytes.
+        raw (int): The uncompressed size from the index.
+        where (str): ``"file: record i"`` for error messages.
 
     Returns:
         The record bytes.
 
     Raises:
-        RecordDecodeError: corrupt data or a size mismatch.
+        RecordDecodeError: Corrupt data or a size mismatch.
     """
     if codec == CODEC_NONE:
         return data
@@ -95,8 +95,8 @@ def make_compressor(codec: int, level: int) -> Callable[[bytes], bytes]:
     """A function compressing one record the way atompack-db does.
 
     Args:
-        codec: codec byte.
-        level: zstd level (ignored by the other codecs).
+        codec (int): Codec byte.
+        level (int): zstd level (ignored by the other codecs).
 
     Returns:
         ``compress(record_bytes) -> stored_bytes``.

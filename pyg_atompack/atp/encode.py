@@ -207,7 +207,7 @@ def molecule_value(key: str, value: Any, n: int, atom_scope: bool) -> Section:
         The section.
 
     Raises:
-        AtpValueError: a value the format cannot hold.
+        AtpValueError: A value the format cannot hold.
     """
     kind = KIND_ATOM if atom_scope else KIND_MOLECULE
     field = ("atom_properties/" if atom_scope else "properties/") + key

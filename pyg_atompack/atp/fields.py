@@ -37,9 +37,9 @@ class FieldInfo:
         kind (str): ``"builtin"``, ``"atom"`` or ``"molecule"``.
         key (str): The section key.
         tag (int): Type tag (spec §5.3).
-        dtype (np.dtype, optional): Numpy dtype of the values (None for strings and None values).
+        dtype (np.dtype): Numpy dtype of the values (None for strings and None values).
         per_atom (bool): Whether the value has one row per atom.
-        shape (tuple[int, ...], optional): Shape of one molecule's value without the atom axis
+        shape (tuple[int, ...]): Shape of one molecule's value without the atom axis
             (``()`` for scalars, ``(3,)`` for forces, ``(3, 3)`` for a cell, ``(k,)`` for a
             per-molecule array); None when it varies (strings, tensors).
     """

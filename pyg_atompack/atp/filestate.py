@@ -36,13 +36,13 @@ class FileState:
     """The open file behind a reader.
 
     Args:
-        name: name used in error messages.
-        path: the file, or None for an in-memory image.
-        image: the complete file contents (``path`` None), else None.
-        access: ``"mmap"``, ``"auto"``, ``"pread"`` or ``"memory"``.
+        name (str): Name used in error messages.
+        path (str | None): The file, or None for an in-memory image.
+        image (bytes | None): The complete file contents (``path`` None), else None.
+        access (str): ``"mmap"``, ``"auto"``, ``"pread"`` or ``"memory"``.
 
     Raises:
-        AtpError: the file is not a readable `.atp` file (a subclass says why).
+        AtpError: The file is not a readable `.atp` file (a subclass says why).
     """
 
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
@@ -99,14 +99,14 @@ class FileState:
         """Bytes ``[offset, offset + length)`` (the caller checked they lie in the file).
 
         Args:
-            offset: first byte.
-            length: number of bytes.
+            offset (int): First byte.
+            length (int): Number of bytes.
 
         Returns:
             The bytes (a slice of the mapping or image, or what ``os.pread`` returned).
 
         Raises:
-            TruncatedFileError: the file is shorter than when it was opened.
+            TruncatedFileError: The file is shorter than when it was opened.
         """
         if self.buf is not None:
             return self.buf[offset:offset + length]

@@ -36,11 +36,12 @@ class Window:
     """Field values of one layout, gathered by record offset.
 
     Args:
-        file_u8: the mapped file as uint8.
-        offset: field offset inside the record.
-        elem: element dtype.
-        value_shape: shape of one record's value (e.g. ``(n, 3)``, ``(3, 3)``, ``()``).
-        to_bool: turn bytes into booleans (pbc).
+        file_u8 (np.ndarray): The mapped file as uint8.
+        offset (int): Field offset inside the record.
+        elem (np.dtype): Element dtype.
+        value_shape (tuple[int, ...]): Shape of one record's value (e.g. ``(n, 3)``, ``(3, 3)``,
+            ``()``).
+        to_bool (bool, optional): Turn bytes into booleans (pbc). (default: :obj:`False`)
     """
 
     __slots__ = ("view", "elem", "value_shape", "to_bool", "value_dtype")
@@ -91,8 +92,8 @@ class GatherPlan:
     """Windows of every field of one layout over one mapping, made on first use.
 
     Args:
-        layout: the checked layout.
-        file_u8: the mapped file as uint8.
+        layout (Layout): The checked layout.
+        file_u8 (np.ndarray): The mapped file as uint8.
     """
 
     # no reference back to the layout: the layout caches its plan, and a cycle through
@@ -137,11 +138,12 @@ def gather_groups(windows: list[Window | None], group_of: np.ndarray, offsets: n
     """Gather one field of a batch whose records use several layouts.
 
     Args:
-        windows: the field's window in each group's layout (None: the layout lacks it).
-        group_of: group number of each record of the batch.
-        offsets: file offset of each record (int64).
-        n_atoms: atom count of each record (int64).
-        per_atom: whether values have one row per atom.
+        windows (list[Window | None]): The field's window in each group's layout (None: the layout
+            lacks it).
+        group_of (np.ndarray): Group number of each record of the batch.
+        offsets (np.ndarray): File offset of each record (int64).
+        n_atoms (np.ndarray): Atom count of each record (int64).
+        per_atom (bool): Whether values have one row per atom.
 
     Returns:
         ``(values, present)`` with missing values zero-filled, or None when the
@@ -191,12 +193,12 @@ def read_mapped(st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray
     """The ``read_batch`` dict of checked records of a mapped uncompressed file.
 
     Args:
-        st: the open file state (mapping, name, decode cache).
-        idx: record indices.
-        offsets: their file offsets.
-        layout_ids: their checked layout ids (``st.cache.memo_layouts``).
-        n_atoms: their atom counts (int64).
-        infos: the fields to decode.
+        st: The open file state (mapping, name, decode cache).
+        idx (np.ndarray): Record indices.
+        offsets (np.ndarray): Their file offsets.
+        layout_ids (np.ndarray): Their checked layout ids (``st.cache.memo_layouts``).
+        n_atoms (np.ndarray): Their atom counts (int64).
+        infos (dict[str, FieldInfo]): The fields to decode.
 
     Returns:
         Everything but ``n_atoms`` of the ``read_batch`` dict.
@@ -232,11 +234,11 @@ def read_single(st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
     """:func:`read_mapped` of records that all have the checked layout ``layout_id``.
 
     Args:
-        st: the open file state (mapping, name, decode cache).
-        idx: record indices.
-        offsets: their file offsets (int64).
-        layout_id: their layout's id (``st.cache.memo_layouts``).
-        infos: the fields to decode.
+        st: The open file state (mapping, name, decode cache).
+        idx (np.ndarray): Record indices.
+        offsets (np.ndarray): Their file offsets (int64).
+        layout_id (int): Their layout's id (``st.cache.memo_layouts``).
+        infos (dict[str, FieldInfo]): The fields to decode.
 
     Returns:
         Everything but ``n_atoms`` of the ``read_batch`` dict.

@@ -31,17 +31,21 @@ class Header:
     """The committed state described by one header slot.
 
     Args:
-        generation: commit counter.
-        data_start: first byte after the header region (8192).
-        index_offset: absolute offset of the index block (0 if never flushed).
-        index_len: index block length in bytes.
-        num_molecules: committed molecule count.
-        codec: 0 none, 1 LZ4, 2 zstd.
-        level: codec level field (zstd level, else 0).
-        record_format: 2 or 3.
-        schema_offset: absolute offset of the schema block (0 = none).
-        schema_len: schema block length (0 = none).
-        slot: ``"A"`` or ``"B"``, the slot this header was read from.
+        generation (int, optional): Commit counter. (default: :obj:`0`)
+        data_start (int, optional): First byte after the header region (8192).
+            (default: :obj:`DATA_START`)
+        index_offset (int, optional): Absolute offset of the index block (0 if never flushed).
+            (default: :obj:`0`)
+        index_len (int, optional): Index block length in bytes. (default: :obj:`0`)
+        num_molecules (int, optional): Committed molecule count. (default: :obj:`0`)
+        codec (int, optional): 0 none, 1 LZ4, 2 zstd. (default: :obj:`0`)
+        level (int, optional): codec level field (zstd level, else 0). (default: :obj:`0`)
+        record_format (int, optional): 2 or 3. (default: :obj:`2`)
+        schema_offset (int, optional): Absolute offset of the schema block (0 = none).
+            (default: :obj:`0`)
+        schema_len (int, optional): Schema block length (0 = none). (default: :obj:`0`)
+        slot (str, optional): ``"A"`` or ``"B"``, the slot this header was read from.
+            (default: :obj:`"A"`)
     """
 
     generation: int = 0
@@ -74,10 +78,10 @@ class SlotReport:
     """What one slot holds and why it is (in)valid, for :func:`pyg_atompack.atp.describe`.
 
     Args:
-        slot: ``"A"`` or ``"B"``.
-        header: decoded fields, or None when the magic is missing.
-        valid: whether the slot passes every check of spec §2.1.
-        problem: why it is invalid (None when valid).
+        slot (str): ``"A"`` or ``"B"``.
+        header (Header | None): Decoded fields, or None when the magic is missing.
+        valid (bool): Whether the slot passes every check of spec §2.1.
+        problem (str | None): Why it is invalid (None when valid).
     """
 
     slot: str
@@ -90,9 +94,9 @@ def decode_slot(raw: bytes, file_size: int, slot: str = "A") -> SlotReport:
     """Decode one 4096-byte slot and check it against spec §2.1.
 
     Args:
-        raw: the slot's bytes (at least 4096).
-        file_size: current length of the file (offsets must lie inside it).
-        slot: ``"A"`` or ``"B"`` (recorded in the result).
+        raw (bytes): The slot's bytes (at least 4096).
+        file_size (int): Current length of the file (offsets must lie inside it).
+        slot (str, optional): ``"A"`` or ``"B"`` (recorded in the result). (default: :obj:`"A"`)
 
     Returns:
         A :class:`SlotReport`; ``header`` is None only when the magic is wrong.
@@ -145,8 +149,8 @@ def inspect_slots(buf: bytes, file_size: int) -> list[SlotReport]:
     """Decode both slots of a header region.
 
     Args:
-        buf: the first 8192 bytes of the file (or fewer if the file is shorter).
-        file_size: the file's length.
+        buf (bytes): The first 8192 bytes of the file (or fewer if the file is shorter).
+        file_size (int): The file's length.
 
     Returns:
         Reports for slot A and slot B.
@@ -159,17 +163,17 @@ def select_header(buf: bytes, file_size: int, name: str) -> Header:
     """Choose the committed header: the valid slot with the larger generation (tie: A).
 
     Args:
-        buf: the first 8192 bytes of the file (an HTTP range read is enough).
-        file_size: the full length of the file.
-        name: file name used in error messages.
+        buf (bytes): The first 8192 bytes of the file (an HTTP range read is enough).
+        file_size (int): The full length of the file.
+        name (str): File name used in error messages.
 
     Returns:
         The chosen :class:`Header`.
 
     Raises:
-        NotAtpFileError: no slot carries the ``ATPK`` magic.
-        TruncatedFileError: the file is shorter than the 8192-byte header.
-        HeaderError: no slot is valid, or the chosen slot has an unknown record format.
+        NotAtpFileError: No slot carries the ``ATPK`` magic.
+        TruncatedFileError: The file is shorter than the 8192-byte header.
+        HeaderError: No slot is valid, or the chosen slot has an unknown record format.
 
     Warns:
         TruncatedCommitWarning: a newer slot is valid but for pointing past the end

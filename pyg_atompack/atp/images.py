@@ -74,11 +74,11 @@ def parse_meta(name: str, size: int, head: bytes, schema: bytes, index: bytes) -
     """Check and decode fetched metadata against the header that announced it.
 
     Args:
-        name: How messages name the file.
-        size: The file's length.
-        head: Its first 8192 bytes.
-        schema: The bytes of the schema block the header points at (``b""`` if none).
-        index: The bytes of the index block the header points at (``b""`` if none).
+        name (str): How messages name the file.
+        size (int): The file's length.
+        head (bytes): Its first 8192 bytes.
+        schema (bytes): The bytes of the schema block the header points at (``b""`` if none).
+        index (bytes): The bytes of the index block the header points at (``b""`` if none).
 
     Returns:
         The :class:`FileMeta`.
@@ -120,8 +120,8 @@ def plan_blocks(meta: FileMeta, block_bytes: int) -> np.ndarray:
     (one range request). A single record larger than ``block_bytes`` is a block alone.
 
     Args:
-        meta: The file's metadata.
-        block_bytes: The largest span of a block, in bytes.
+        meta (FileMeta): The file's metadata.
+        block_bytes (int): The largest span of a block, in bytes.
 
     Returns:
         int64 boundaries ``b`` with ``b[0] == 0`` and ``b[-1] == len(meta)``: block ``j``
@@ -151,9 +151,9 @@ def image_layout(meta: FileMeta, stored_bytes: int, count: int) -> tuple[int, in
     """Where the parts of an image of ``count`` records (``stored_bytes`` in all) go.
 
     Args:
-        meta: The file's metadata.
-        stored_bytes: Total stored bytes of the records.
-        count: Number of records.
+        meta (FileMeta): The file's metadata.
+        stored_bytes (int): Total stored bytes of the records.
+        count (int): Number of records.
 
     Returns:
         ``(schema_offset, index_offset, total_size)`` of the image; the records start
@@ -190,9 +190,9 @@ def block_span(meta: FileMeta, first: int, stop: int) -> tuple[int, int, int]:
     :func:`complete_block`.
 
     Args:
-        meta: The file's metadata.
-        first: First record of the block.
-        stop: One past its last record.
+        meta (FileMeta): The file's metadata.
+        first (int): First record of the block.
+        stop (int): One past its last record.
 
     Returns:
         ``(span_start, span_len, image_size)``.
@@ -211,9 +211,9 @@ def complete_block(image, meta: FileMeta, first: int, stop: int) -> None:
     Args:
         image: A writable buffer of the size :func:`block_span` gave, holding the span
             at byte 8192.
-        meta: The file's metadata.
-        first: First record of the block.
-        stop: One past its last record.
+        meta (FileMeta): The file's metadata.
+        first (int): First record of the block.
+        stop (int): One past its last record.
     """
     span_start, span_len, _ = block_span(meta, first, stop)
     entries = meta.index[first:stop].copy()
@@ -226,9 +226,9 @@ def gathered_image(meta: FileMeta, records: np.ndarray,
     """An image of chosen records, from their stored bytes.
 
     Args:
-        meta: The file's metadata.
-        records: Record indices (any order, no repeats needed).
-        payloads: The stored bytes of each record, in the same order.
+        meta (FileMeta): The file's metadata.
+        records (np.ndarray): Record indices (any order, no repeats needed).
+        payloads (Sequence[bytes | memoryview]): The stored bytes of each record, in the same order.
 
     Returns:
         A reader whose record ``j`` is record ``records[j]`` of the file.

@@ -26,7 +26,7 @@ def decode_index(buf, num_molecules: int, name: str) -> np.ndarray:
         A structured array with fields ``offset``, ``stored``, ``raw``, ``n_atoms``.
 
     Raises:
-        IndexBlockError: the block is short or its count disagrees with the header.
+        IndexBlockError: The block is short or its count disagrees with the header.
     """
     expected = 8 + ENTRY_STRUCT.size * num_molecules
     if len(buf) < expected:

@@ -42,7 +42,7 @@ class WholeFileViews:
     """Whole-file views of one mapping, one per value dtype and shape, made on first use.
 
     Args:
-        file_u8: the mapped file as a uint8 array.
+        file_u8 (np.ndarray): The mapped file as a uint8 array.
     """
 
     __slots__ = ("file_u8", "_buffer", "_views")
@@ -61,8 +61,8 @@ class WholeFileViews:
         """The file as values of ``shape`` and dtype ``elem``, row ``b`` starting at byte ``b``.
 
         Args:
-            elem: element dtype.
-            shape: shape of one value (e.g. ``(n, 3)``, ``(3, 3)``, ``(k,)``).
+            elem (np.dtype): Element dtype.
+            shape (tuple[int, ...]): Shape of one value (e.g. ``(n, 3)``, ``(3, 3)``, ``(k,)``).
 
         Returns:
             A view over the mapping (read-only over a read-only mapping).
@@ -175,11 +175,11 @@ def _decoder(n_arrays: int, widths: tuple[int, ...], order: tuple[int, ...],
     """The factory of straight-line decoders for one pattern of fields (compiled once).
 
     Args:
-        n_arrays: number of array fields (positions and atomic numbers included).
-        widths: number of struct values of each scalar field (1, or 3 for pbc).
-        order: what ``check_unpack`` returns, in record order: 0 for a structural
+        n_arrays (int): Number of array fields (positions and atomic numbers included).
+        widths (tuple[int, ...]): Number of struct values of each scalar field (1, or 3 for pbc).
+        order (tuple[int, ...]): What ``check_unpack`` returns, in record order: 0 for a structural
             span, else the width of a scalar field.
-        sections: whether strings, tensors or custom sections follow.
+        sections (bool): Whether strings, tensors or custom sections follow.
 
     Returns:
         ``factory(*args)`` (parameters in :func:`_parameters` order) returning

@@ -87,9 +87,9 @@ def resident(address: int | None, offset: int, length: int) -> bool:
     """Whether every page of ``[offset, offset + length)`` of a mapping is in memory.
 
     Args:
-        address: the mapping's start (:func:`mapping_address`); None means unknown.
-        offset: first byte.
-        length: number of bytes (at least 1).
+        address (int | None): The mapping's start (:func:`mapping_address`); None means unknown.
+        offset (int): First byte.
+        length (int): Number of bytes (at least 1).
 
     Returns:
         True when resident or when residency cannot be asked.
@@ -123,20 +123,22 @@ def read_ranges(fd: int, offsets: list[int], lengths: list[int], name: str,
     """The bytes of every ``(offset, length)`` range, read concurrently.
 
     Args:
-        fd: the open file.
-        offsets: first byte of each range.
-        lengths: length of each range.
-        name: file name for error messages.
-        records: record index of each range (for error messages).
-        pread: the read function (``os.pread``; tests substitute a slow one).
-        probe: residency is unknown: read the first range alone and go concurrent
+        fd (int): The open file.
+        offsets (list[int]): First byte of each range.
+        lengths (list[int]): Length of each range.
+        name (str): File name for error messages.
+        records (list[int]): Record index of each range (for error messages).
+        pread (Callable[[int, int, int], bytes], optional): The read function (``os.pread``; tests
+            substitute a slow one). (default: :obj:`os.pread`)
+        probe (bool, optional): Residency is unknown: read the first range alone and go concurrent
             only if it was slower than a page-cache hit (:data:`CACHED_READ_SECONDS`).
+            (default: :obj:`False`)
 
     Returns:
         One ``bytes`` per range, in order.
 
     Raises:
-        TruncatedFileError: the file is shorter than its index says (file changed?).
+        TruncatedFileError: The file is shorter than its index says (file changed?).
     """
     count = len(offsets)
     if not count:

@@ -45,16 +45,16 @@ class Reader(ReadOnlyReader):
     """Read-only view of one `.atp` file.
 
     Args:
-        path: the file.
-        access: ``"auto"`` (default), ``"mmap"`` or ``"pread"``, see
+        path (str | os.PathLike): The file.
+        access (str, optional): ``"auto"`` (default), ``"mmap"`` or ``"pread"``, see
             :data:`ACCESS_MODES` and ``docs/architecture.md``. ``"mmap"`` and ``"auto"``
             return zero-copy read-only arrays for uncompressed records; ``"pread"``
-            returns writable arrays owned by the caller.
-        name: how messages name the file, e.g. the URL a cached download came from.
+            returns writable arrays owned by the caller. (default: :obj:`"auto"`)
+        name (str, optional): How messages name the file, e.g. the URL a cached download came from.
             (default: the path)
 
     Raises:
-        AtpError: the file is not a readable `.atp` file (a subclass says why).
+        AtpError: The file is not a readable `.atp` file (a subclass says why).
     """
 
     def __init__(self, path: str | os.PathLike, access: str = "auto", *,
@@ -74,12 +74,13 @@ class Reader(ReadOnlyReader):
         """Open an in-memory `.atp` image (e.g. a shard fetched over HTTP).
 
         Args:
-            buffer: the complete file contents.
-            name: name used in error messages.
-            copy: take a private ``bytes`` copy of a ``bytearray``, ``mmap`` or
+            buffer (bytes | bytearray | memoryview): The complete file contents.
+            name (str, optional): Name used in error messages. (default: :obj:`"<memory>"`)
+            copy (bool, optional): Take a private ``bytes`` copy of a ``bytearray``, ``mmap`` or
                 ``memoryview``. ``False`` keeps a ``bytearray`` or ``mmap`` as it is, so
                 a downloaded shard is held once rather than twice; the caller hands it
                 over and must not change it afterwards. ``bytes`` are never copied.
+                (default: :obj:`True`)
 
         Returns:
             A reader over the buffer; arrays are zero-copy views of it (read-only over
@@ -229,7 +230,7 @@ class Reader(ReadOnlyReader):
         """Decode one molecule; the same as ``reader[i]``.
 
         Args:
-            i: Molecule index; negative values count from the end.
+            i (int): Molecule index; negative values count from the end.
 
         Returns:
             The decoded :class:`Molecule`.
@@ -259,7 +260,7 @@ class Reader(ReadOnlyReader):
         """The uncompressed bytes of record ``i`` (as written, byte for byte).
 
         Args:
-            i: Molecule index; negative values count from the end.
+            i (int): Molecule index; negative values count from the end.
 
         Returns:
             The record's bytes after decompression, without decoding its sections.
@@ -280,9 +281,10 @@ class Reader(ReadOnlyReader):
         """Decode several molecules into concatenated arrays.
 
         Args:
-            indices: molecule indices (negative allowed), any order, repeats allowed.
-            fields: names to decode besides positions / atomic numbers: builtin
-                names, ``properties/<key>``, ``atom_properties/<key>`` or an
+            indices (Sequence[int] | np.ndarray): Molecule indices (negative allowed), any order,
+                repeats allowed.
+            fields (Sequence[str], optional): Names to decode besides positions / atomic numbers:
+                builtin names, ``properties/<key>``, ``atom_properties/<key>`` or an
                 unambiguous bare custom key (default: every field of the file).
 
         Returns:
@@ -305,9 +307,10 @@ class Reader(ReadOnlyReader):
         """:meth:`read_batch` with the fields already resolved (the multi-file readers' call).
 
         Args:
-            indices: molecule indices (negative allowed), any order, repeats allowed.
-            infos: ``name -> FieldInfo`` to decode, e.g. resolved against the union of
-                several files' fields.
+            indices (Sequence[int] | np.ndarray): Molecule indices (negative allowed), any order,
+                repeats allowed.
+            infos (dict[str, FieldInfo]): ``name -> FieldInfo`` to decode, e.g. resolved against the
+                union of several files' fields.
 
         Returns:
             The dict of :meth:`read_batch`.

@@ -63,16 +63,16 @@ class Slot:
     ``to_bool`` (pbc bytes become booleans).
 
     Args:
-        kind: section kind (0 builtin, 1 atom, 2 molecule).
-        key: section key.
-        tag: type tag.
-        offset: payload offset from the record start.
-        length: payload length in bytes.
-        op: decode operation (``OP_*``).
+        kind: Section kind (0 builtin, 1 atom, 2 molecule).
+        key: Section key.
+        tag: Type tag.
+        offset: Payload offset from the record start.
+        length: Payload length in bytes.
+        op: Decode operation (``OP_*``).
         dtype: numpy dtype for array/tensor payloads. (default: :obj:`None`)
-        count: element count for ``OP_ARRAY`` (rows for vec3 / mat3 subarray dtypes).
-            (default: ``0``)
-        single: the value is one element of a subarray ``dtype`` (3x3 cell/stress).
+        count: Element count for ``OP_ARRAY`` (rows for vec3 / mat3 subarray dtypes).
+            (default: :obj:`0`)
+        single: The value is one element of a subarray ``dtype`` (3x3 cell/stress).
             (default: :obj:`False`)
     """
 
@@ -114,13 +114,13 @@ class Layout:
     """Section offsets shared by records with the same size and atom count.
 
     Args:
-        n_atoms: atom count.
-        pos_dtype: positions element dtype (``<f4`` / ``<f8``).
-        z_offset: offset of the atomic numbers.
+        n_atoms: Atom count.
+        pos_dtype: Positions element dtype (``<f4`` / ``<f8``).
+        z_offset: Offset of the atomic numbers.
         spans: ``(start, end)`` byte ranges holding the structural bytes.
-        expected: the structural bytes of the record the layout was built from.
-        slots: decodable sections in record order.
-        trailing: bytes after the last section (writers never leave any).
+        expected: The structural bytes of the record the layout was built from.
+        slots: Decodable sections in record order.
+        trailing: Bytes after the last section (writers never leave any).
     """
 
     __slots__ = ("n_atoms", "pos_dtype", "pos_rows", "z_offset", "spans", "check", "expected",
@@ -198,17 +198,17 @@ def build_layout(rec, n_atoms: int, pos_dtype: np.dtype, record_format: int,
     """Parse one record's structure (slow path, run once per layout).
 
     Args:
-        rec: the uncompressed record bytes.
-        n_atoms: the atom count the index gives.
-        pos_dtype: positions element dtype.
-        record_format: 2 or 3 (which builtin tags are allowed).
-        where: ``"file: record i"`` for error messages.
+        rec: The uncompressed record bytes.
+        n_atoms (int): The atom count the index gives.
+        pos_dtype (np.dtype): Positions element dtype.
+        record_format (int): 2 or 3 (which builtin tags are allowed).
+        where (str): ``"file: record i"`` for error messages.
 
     Returns:
         The record's :class:`Layout`.
 
     Raises:
-        RecordDecodeError: any malformation of spec §10.
+        RecordDecodeError: Any malformation of spec §10.
     """
     size = len(rec)
     if size < 4:
@@ -352,10 +352,10 @@ def decode_molecule(buf, base: int, layout: Layout, where: str) -> Molecule:
     """Build a :class:`Molecule` from a record at ``buf[base:]`` using its layout.
 
     Args:
-        buf: buffer holding the record (mmap, bytes or bytearray).
-        base: offset of the record in ``buf``.
-        layout: the record's layout (already checked with :meth:`Layout.matches`).
-        where: ``"file: record i"`` for error messages.
+        buf: Buffer holding the record (mmap, bytes or bytearray).
+        base (int): Offset of the record in ``buf``.
+        layout (Layout): The record's layout (already checked with :meth:`Layout.matches`).
+        where (str): ``"file: record i"`` for error messages.
 
     Returns:
         The molecule; arrays are views of ``buf``.

@@ -18,12 +18,12 @@ class SchemaEntry:
     """One section key of the schema lock.
 
     Args:
-        kind: 0 builtin, 1 per-atom custom, 2 per-molecule custom.
-        key: section key.
-        tag: type tag.
-        per_atom: 0 or 1.
-        elem_bytes: element size of the tag.
-        slot_bytes: fixed payload size (see spec §4), 0 for variable ones.
+        kind (int): 0 builtin, 1 per-atom custom, 2 per-molecule custom.
+        key (str): Section key.
+        tag (int): Type tag.
+        per_atom (int): 0 or 1.
+        elem_bytes (int): Element size of the tag.
+        slot_bytes (int): Fixed payload size (see spec §4), 0 for variable ones.
     """
 
     kind: int
@@ -44,8 +44,10 @@ class Schema:
     """Positions type plus every section key ever written.
 
     Args:
-        positions_tag: 4 (f32), 7 (f64), 255 (unknown) or None (not yet known).
-        entries: ``(kind, key) -> SchemaEntry``.
+        positions_tag (int, optional): 4 (f32), 7 (f64), 255 (unknown) or None (not yet known).
+            (default: :obj:`None`)
+        entries (dict[tuple[int, str], SchemaEntry], optional): ``(kind, key) -> SchemaEntry``.
+            (default: :obj:`{}`)
     """
 
     positions_tag: int | None = None
@@ -59,11 +61,11 @@ class Schema:
         """Add ``entry`` or check it against the lock.
 
         Args:
-            entry: the section as written in one record.
-            where: context for the error message (file, record).
+            entry (SchemaEntry): The section as written in one record.
+            where (str): Context for the error message (file, record).
 
         Raises:
-            SchemaConflictError: the key exists with a different type or size.
+            SchemaConflictError: The key exists with a different type or size.
         """
         old = self.entries.get((entry.kind, entry.key))
         if old is None:
@@ -97,14 +99,14 @@ def decode_schema(buf, name: str) -> Schema:
     """Decode a schema block; it must be consumed exactly.
 
     Args:
-        buf: the block's bytes.
-        name: file name for error messages.
+        buf: The block's bytes.
+        name (str): File name for error messages.
 
     Returns:
         The decoded :class:`Schema`.
 
     Raises:
-        SchemaError: any malformation listed in spec §10.
+        SchemaError: Any malformation listed in spec §10.
     """
     buf = bytes(buf)
     if len(buf) < _HEAD.size:

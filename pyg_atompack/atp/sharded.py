@@ -24,7 +24,7 @@ def find_shards(root: str | os.PathLike) -> list[Path]:
     """Every ``*.atp`` below ``root``, ordered by POSIX relative path string.
 
     Args:
-        root: the dataset directory.
+        root (str | os.PathLike): The dataset directory.
 
     Returns:
         Absolute shard paths in global-index order.
@@ -50,12 +50,13 @@ class ShardedReader(ReadOnlyReader):
     Use :meth:`from_paths` for an explicit list of files.
 
     Args:
-        root: directory holding the shards (searched recursively).
-        access: ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every shard.
+        root (str | os.PathLike): Directory holding the shards (searched recursively).
+        access (str, optional): ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every shard.
+            (default: :obj:`"auto"`)
 
     Raises:
-        AtpValueError: the directory holds no ``.atp`` file.
-        AtpError: a shard is unreadable (the message names it).
+        AtpValueError: The directory holds no ``.atp`` file.
+        AtpError: A shard is unreadable (the message names it).
     """
 
     def __init__(self, root: str | os.PathLike, access: str = "auto") -> None:
@@ -72,8 +73,10 @@ class ShardedReader(ReadOnlyReader):
         """One logical dataset over an explicit list of files, in the given order.
 
         Args:
-            paths: the `.atp` files; molecule ``0`` is the first file's first record.
-            access: ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every file.
+            paths (Sequence[str | os.PathLike]): The `.atp` files; molecule ``0`` is the first
+                file's first record.
+            access (str, optional): ``"auto"``, ``"mmap"`` or ``"pread"``, passed to every file.
+                (default: :obj:`"auto"`)
 
         Returns:
             A reader indexing the files' molecules globally; its :attr:`path` is a
@@ -81,8 +84,8 @@ class ShardedReader(ReadOnlyReader):
 
         Raises:
             AtpValueError: ``paths`` is empty, a string, or ``access`` is unknown.
-            FileNotFoundError: a file does not exist (the message names it).
-            AtpError: a file is unreadable (the message names it).
+            FileNotFoundError: A file does not exist (the message names it).
+            AtpError: A file is unreadable (the message names it).
         """
         if isinstance(paths, (str, bytes, os.PathLike)):
             raise AtpValueError(f"from_paths needs a list of files, got the single path "
@@ -113,9 +116,9 @@ class ShardedReader(ReadOnlyReader):
         fetches all its records of the batch together).
 
         Args:
-            readers: Objects with the reader interface (``len``, ``[i]``,
+            readers (Sequence[Any]): Objects with the reader interface (``len``, ``[i]``,
                 ``read_batch``, ``n_atoms``, ``fields``, ``name``).
-            name: How messages name the dataset. (default: a bracketed list of the
+            name (str, optional): How messages name the dataset. (default: a bracketed list of the
                 shard names)
 
         Returns:

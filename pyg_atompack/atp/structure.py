@@ -59,15 +59,15 @@ class Structure:
     """Affine section positions shared by records of one structure, over one mapping.
 
     Args:
-        file_u8: the mapped file as uint8.
-        const: ``(a, b, expected byte)`` of every structural byte that does not
-            depend on the atom count.
-        counts: ``(a, b, multiplier)`` of every little-endian u32 equal to
-            ``multiplier * n`` (the record's atom count, per-atom payload lengths).
-        size: ``(a, b)`` of the record size.
-        fields: field name -> its :class:`_Gather` (positions and atomic numbers
-            under their own names).
-        stored: every field the structure's records carry (gatherable or not).
+        file_u8 (np.ndarray): The mapped file as uint8.
+        const (list[tuple[int, int, int]]): ``(a, b, expected byte)`` of every structural byte that
+            does not depend on the atom count.
+        counts (list[tuple[int, int, int]]): ``(a, b, multiplier)`` of every little-endian u32 equal
+            to ``multiplier * n`` (the record's atom count, per-atom payload lengths).
+        size (tuple[int, int]): ``(a, b)`` of the record size.
+        fields (dict[str, _Gather]): Field name -> its :class:`_Gather` (positions and atomic
+            numbers under their own names).
+        stored (frozenset[str]): Every field the structure's records carry (gatherable or not).
     """
 
     __slots__ = ("file_u8", "const_a", "const_b", "const_expected", "count_a", "count_b",
@@ -126,9 +126,9 @@ class Structure:
         here is inside its own record.
 
         Args:
-            offsets: file offsets of the records (int64).
-            raw: their raw sizes (int64).
-            n: their atom counts (int64).
+            offsets (np.ndarray): File offsets of the records (int64).
+            raw (np.ndarray): Their raw sizes (int64).
+            n (np.ndarray): Their atom counts (int64).
 
         Returns:
             A bool array, True where the record has this structure.
@@ -157,9 +157,9 @@ class Structure:
         """Fields ``names`` of every record: ``(sum(n), ...)`` per-atom, ``(B, ...)`` otherwise.
 
         Args:
-            names: fields of this structure.
-            offsets: file offsets of records that fit this structure (int64).
-            n: their atom counts (int64).
+            names (list[str]): Fields of this structure.
+            offsets (np.ndarray): File offsets of records that fit this structure (int64).
+            n (np.ndarray): Their atom counts (int64).
 
         Returns:
             One new array per name.
@@ -197,7 +197,7 @@ class StructureMemo:
     (e.g. built from layouts of different atom counts) share one id.
 
     Args:
-        count: the number of records of the file.
+        count (int): The number of records of the file.
     """
 
     __slots__ = ("count", "_ids", "structures", "_by_key")
@@ -221,7 +221,7 @@ class StructureMemo:
         """The registered structure equal to ``structure`` (registering it when new).
 
         Args:
-            structure: a structure over this memo's mapping.
+            structure (Structure): A structure over this memo's mapping.
 
         Returns:
             The shared equal structure; its ``memo_id`` is None once the ids ran out.
@@ -240,11 +240,11 @@ class StructureMemo:
         """Whether records ``idx`` all have ``structure``, checking only unverified ones.
 
         Args:
-            structure: a structure returned by :meth:`canonical`.
-            idx: record indices.
-            offsets: their file offsets (int64, inside the file with ``raw``).
-            raw: their raw sizes (int64).
-            n: their atom counts (int64).
+            structure (Structure): A structure returned by :meth:`canonical`.
+            idx (np.ndarray): Record indices.
+            offsets (np.ndarray): Their file offsets (int64, inside the file with ``raw``).
+            raw (np.ndarray): Their raw sizes (int64).
+            n (np.ndarray): Their atom counts (int64).
 
         Returns:
             True when every record fits; the ones that do are remembered either way.
@@ -281,8 +281,8 @@ def build_structure(layout: Layout, file_u8: np.ndarray) -> Structure | None:
     """The affine structure of a checked layout, or None when it has none.
 
     Args:
-        layout: a layout parsed from a real record (its structural bytes are known).
-        file_u8: the mapped file the structure will gather from.
+        layout (Layout): A layout parsed from a real record (its structural bytes are known).
+        file_u8 (np.ndarray): The mapped file the structure will gather from.
 
     Returns:
         The structure, or None when the layout has trailing bytes, a per-atom
@@ -339,10 +339,11 @@ def read_structured(structure: Structure, offsets: np.ndarray, n_atoms: np.ndarr
     """The ``read_batch`` dict (less ``n_atoms``) of records that fit ``structure``.
 
     Args:
-        structure: the structure every record was checked against (:meth:`Structure.fits`).
-        offsets: file offsets of the records (int64).
-        n_atoms: their atom counts (int64).
-        infos: the fields to decode.
+        structure (Structure): The structure every record was checked against
+            (:meth:`Structure.fits`).
+        offsets (np.ndarray): File offsets of the records (int64).
+        n_atoms (np.ndarray): Their atom counts (int64).
+        infos (dict[str, FieldInfo]): The fields to decode.
 
     Returns:
         The dict, or None when a requested field cannot be gathered this way

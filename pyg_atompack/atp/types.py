@@ -87,9 +87,9 @@ class BuiltinField:
             section key on disk and the ``read_batch`` key.
         attribute (str): The ``torch_geometric.data.Data`` attribute it becomes.
         per_atom (bool): Whether the value has one row per atom.
-        shape (tuple[int, ...], optional): Shape of one value (of one atom's, for a
+        shape (tuple[int, ...]): Shape of one value (of one atom's, for a
             per-atom field); :obj:`None` for a string.
-        tag (int, optional): The canonical type tag of its section; :obj:`None` for
+        tag (int): The canonical type tag of its section; :obj:`None` for
             positions and atomic numbers, which are part of every record's head.
         alternate_tag (int, optional): The second tag record format 3 allows
             (the other float width). (default: :obj:`None`)

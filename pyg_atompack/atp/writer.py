@@ -35,8 +35,8 @@ class Writer:
 
     Args:
         path (str or os.PathLike): File to create.
-        compression (str, optional): ``"none"``, ``"lz4"`` or ``"zstd"``. (default: ``"none"``)
-        level (int, optional): Zstd level (ignored otherwise). (default: ``3``)
+        compression (str, optional): ``"none"``, ``"lz4"`` or ``"zstd"``. (default: :obj:`"none"`)
+        level (int, optional): Zstd level (ignored otherwise). (default: :obj:`3`)
         overwrite (bool, optional): Replace an existing file instead of raising
             ``FileExistsError``. (default: :obj:`False`)
 
@@ -71,7 +71,7 @@ class Writer:
             A writer positioned after the committed data.
 
         Raises:
-            AtpError: the header, schema or index is invalid.
+            AtpError: The header, schema or index is invalid.
         """
         self = cls.__new__(cls)
         self._path = os.fspath(path)
@@ -154,9 +154,9 @@ class Writer:
                 n. (default: :obj:`None`)
 
         Raises:
-            AtpValueError: a value the format cannot hold (the message names the file,
+            AtpValueError: A value the format cannot hold (the message names the file,
                 the molecule number(s) and the field).
-            SchemaConflictError: a value that conflicts with what the file already holds.
+            SchemaConflictError: A value that conflicts with what the file already holds.
         """
         self._check_open()
         try:
@@ -196,9 +196,9 @@ class Writer:
                 (default: :obj:`None`)
 
         Raises:
-            AtpValueError: a value the format cannot hold (the message names the file,
+            AtpValueError: A value the format cannot hold (the message names the file,
                 the molecule number(s) and the field).
-            SchemaConflictError: a value that conflicts with what the file already holds.
+            SchemaConflictError: A value that conflicts with what the file already holds.
         """
         self._check_open()
         try:

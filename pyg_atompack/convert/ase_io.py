@@ -46,9 +46,10 @@ class AseReader(StructureReader):
     """Streams structures from any ASE-readable file or an ASE database.
 
     Args:
-        path: The file (``.xyz``, ``.extxyz``, ``.traj``, ``.db``, ...).
-        options: Key mapping and units.
-        format: ASE format name, when the suffix does not tell.
+        path (str | os.PathLike): The file (``.xyz``, ``.extxyz``, ``.traj``, ``.db``, ...).
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
+        format (str, optional): ASE format name, when the suffix does not tell.
+            (default: :obj:`None`)
     """
 
     format_name = "ase"
@@ -107,8 +108,9 @@ class AseReader(StructureReader):
         """Turn one ``ase.Atoms`` into a :class:`Structure` (key mapping applied).
 
         Args:
-            atoms: The ASE atoms object.
-            index: Its position in the source, for error messages.
+            atoms (Any): The ASE atoms object.
+            index (int, optional): Its position in the source, for error messages.
+                (default: :obj:`0`)
 
         Returns:
             The structure, in the source's units.
@@ -217,7 +219,7 @@ def structure_to_atoms(structure: Structure) -> Any:
     """Build an ``ase.Atoms`` (with a single-point calculator) from a structure.
 
     Args:
-        structure: The structure.
+        structure (Structure): The structure.
 
     Returns:
         ``ase.Atoms`` with energy, forces and stress on a
@@ -258,8 +260,8 @@ class ExtxyzWriter(StructureWriter):
     """Writes structures to one extended-XYZ file.
 
     Args:
-        path: The ``.xyz``/``.extxyz`` destination.
-        options: Only ``overwrite`` applies.
+        path (str | os.PathLike): The ``.xyz``/``.extxyz`` destination.
+        options (WriteOptions, optional): Only ``overwrite`` applies. (default: :obj:`None`)
     """
 
     format_name = "extxyz"

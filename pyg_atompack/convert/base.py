@@ -28,8 +28,8 @@ class StructureReader(ABC):
     applies the unit conversion of the options.
 
     Args:
-        path: The source file or directory.
-        options: Key mapping and units (default: :class:`ReadOptions`).
+        path (str | os.PathLike): The source file or directory.
+        options (ReadOptions, optional): Key mapping and units (default: :class:`ReadOptions`).
     """
 
     #: Registry name of the format, set by subclasses.
@@ -71,9 +71,9 @@ class StructureReader(ABC):
         """Build a :class:`ConvertError` about this source, for the caller to raise.
 
         Args:
-            problem: What is wrong, in words.
-            index: The structure index inside the source, when the problem is about one
-                structure. (default: :obj:`None`)
+            problem (str): What is wrong, in words.
+            index (int, optional): The structure index inside the source, when the problem is about
+                one structure. (default: :obj:`None`)
 
         Returns:
             The error; its message names this reader's path and, if given, the index.
@@ -91,8 +91,9 @@ class StructureWriter(ABC):
     discards it.
 
     Args:
-        path: The destination file or directory.
-        options: Codec, sharding and overwrite settings.
+        path (str | os.PathLike): The destination file or directory.
+        options (WriteOptions, optional): Codec, sharding and overwrite settings.
+            (default: :obj:`None`)
     """
 
     format_name = "?"
@@ -113,7 +114,7 @@ class StructureWriter(ABC):
         """Append one structure to the output.
 
         Args:
-            structure: The structure to write.
+            structure (Structure): The structure to write.
 
         Raises:
             ConvertError: The destination cannot store the structure (the message

@@ -54,8 +54,8 @@ class DiskDatasetReader(StructureReader):
     gradients is an error (they would be lost), as is a multi-block target.
 
     Args:
-        path: The ``.zip`` file.
-        options: Key mapping and units.
+        path (str | os.PathLike): The ``.zip`` file.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "diskdataset"

@@ -12,9 +12,10 @@ class ConvertError(ValueError):
     index and the field) so that the command line can print it as one line.
 
     Args:
-        path: The file or directory the problem is about.
-        problem: What is wrong, in words.
-        index: The structure index inside the source, when known.
+        path (str | os.PathLike): The file or directory the problem is about.
+        problem (str): What is wrong, in words.
+        index (int, optional): The structure index inside the source, when known.
+            (default: :obj:`None`)
     """
 
     def __init__(self, path: str | os.PathLike, problem: str, index: int | None = None) -> None:
@@ -38,7 +39,7 @@ def note(message: str) -> None:
     """Tell the user about a :class:`ConversionNote` (once per message).
 
     Args:
-        message: The note, naming the file and the key it is about.
+        message (str): The note, naming the file and the key it is about.
     """
     import warnings
 

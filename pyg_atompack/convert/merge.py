@@ -112,9 +112,9 @@ def merge_parts(out: str | os.PathLike, part_dirs: list[str | os.PathLike], *,
     """Merge converted parts into one shard directory with one manifest.
 
     Args:
-        out: The merged directory (must not exist unless ``overwrite``).
-        part_dirs: The part directories, in any order.
-        overwrite: Replace an existing ``out``. (default: :obj:`False`)
+        out (str | os.PathLike): The merged directory (must not exist unless ``overwrite``).
+        part_dirs (list[str | os.PathLike]): The part directories, in any order.
+        overwrite (bool, optional): Replace an existing ``out``. (default: :obj:`False`)
 
     Returns:
         int: The number of records in the merged directory.

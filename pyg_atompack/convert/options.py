@@ -30,19 +30,19 @@ class ReadOptions:
             (default: :obj:`None`)
         key_map (Mapping[str, str], optional): Further ``source key -> destination name`` renames.
             A destination that is a builtin name (``charges``, ``velocities``, ...) fills that
-            builtin; anything else renames a custom property.
+            builtin; anything else renames a custom property. (default: :obj:`{}`)
         units (UnitConversion, optional): Units of the source
             (default: eV and Å, nothing converted).
         virial_key (str, optional): Source key holding the virial (Voigt-6 or 3×3, energy units);
             it becomes ``stress = -virial / volume`` (ASE's sign). Periodic structures only.
             (default: :obj:`None`)
         drop_keys (tuple[str, ...], optional): Custom keys left out of the output on purpose, after
-            reading (default: ``()``).
+            reading (default: :obj:`()`).
         casts (Mapping[str, str], optional): ``key -> dtype`` (``float64``, ``float32``, ``int64``,
-            ``int32``) applied to custom keys before type promotion (default: ``{}``).
+            ``int32``) applied to custom keys before type promotion (default: :obj:`{}`).
         skip_targets (tuple[str, ...], optional): Targets of a DiskDataset zip, or file stems of a
             memmap directory, that are not read at all (e.g. a multi-block spherical target);
-            elsewhere the same as ``drop_keys`` (default: ``()``).
+            elsewhere the same as ``drop_keys`` (default: :obj:`()`).
     """
 
     energy_key: str | None = None
@@ -97,17 +97,17 @@ class WriteOptions:
 
     Args:
         compression (str, optional): `.atp` codec, ``"none"``, ``"lz4"`` or ``"zstd"``
-            (default: ``"none"``).
-        level (int, optional): zstd level (default: ``3``).
+            (default: :obj:`"none"`).
+        level (int, optional): zstd level (default: :obj:`3`).
         shard_size (int, optional): Records per shard for sharded outputs; ``None`` writes a single
-            `.atp` file (default: ``None``).
-        overwrite (bool, optional): Replace an existing destination (default: ``False``).
+            `.atp` file (default: :obj:`None`).
+        overwrite (bool, optional): Replace an existing destination (default: :obj:`False`).
         first_shard (int, optional): Number of the first shard a sharded writer writes
             (``shard_{first_shard:05d}...``), so that the parts of a partitioned conversion never
-            share a shard name (default: ``0``).
+            share a shard name (default: :obj:`0`).
         part (Mapping[str, int], optional): Written into a sharded output's manifest as ``"part"``:
             which part of a partitioned conversion it holds (see :mod:`.parallel`)
-            (default: ``None``).
+            (default: :obj:`None`).
     """
 
     compression: str = "none"
@@ -130,7 +130,7 @@ def parse_key_map(pairs: list[str] | str | None) -> dict[str, str]:
     """Parse ``SRC=DST`` pairs (comma-separated or repeated) into a dict.
 
     Args:
-        pairs (list[str] or str, optional): Strings such as
+        pairs (list[str] or str): Strings such as
             ``"REF_energy=energy,REF_force=forces"``.
 
     Returns:
@@ -159,7 +159,7 @@ def parse_casts(pairs: list[str] | str | None) -> dict[str, str]:
     """Parse ``KEY=DTYPE`` pairs (comma-separated or repeated) of ``--cast``.
 
     Args:
-        pairs (list[str] or str, optional): Strings such as ``"mu=float64,alpha=float32"``.
+        pairs (list[str] or str): Strings such as ``"mu=float64,alpha=float32"``.
 
     Returns:
         The ``key -> dtype`` mapping.

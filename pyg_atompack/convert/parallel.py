@@ -66,8 +66,8 @@ class Part:
     """Part ``index`` of ``count`` of a partitioned conversion (``--part I/N``).
 
     Args:
-        index: The part, ``0 <= index < count``.
-        count: The number of parts.
+        index (int): The part, ``0 <= index < count``.
+        count (int): The number of parts.
     """
 
     index: int
@@ -82,7 +82,7 @@ class Part:
         """Parse ``"I/N"``.
 
         Args:
-            text: The part, e.g. ``"0/3"``.
+            text (str): The part, e.g. ``"0/3"``.
 
         Returns:
             Part: The parsed part.
@@ -107,9 +107,9 @@ def plan_part(total: int, part: Part, shard_size: int) -> tuple[int, int, int]:
     shards only, so the parts' shards are exactly the whole conversion's.
 
     Args:
-        total: Structures in the source.
-        part: The part.
-        shard_size: Structures per shard.
+        total (int): Structures in the source.
+        part (Part): The part.
+        shard_size (int): Structures per shard.
 
     Returns:
         tuple[int, int, int]: ``(start, stop, first_shard)``: the part converts
@@ -153,10 +153,10 @@ class SourceRanges:
     """Reads given ranges of a source's structures (picklable, for worker processes).
 
     Args:
-        path: The source.
-        format: Its registry format name.
-        options: Key mapping and units.
-        total: Number of structures.
+        path (Path): The source.
+        format (str): Its registry format name.
+        options (ReadOptions): Key mapping and units.
+        total (int): Number of structures.
     """
 
     def __init__(self, path: Path, format: str, options: ReadOptions, total: int) -> None:
@@ -166,7 +166,8 @@ class SourceRanges:
         """The structures of each range in turn (ranges in increasing order).
 
         Args:
-            ranges: ``(start, stop)`` index ranges, increasing and disjoint.
+            ranges (Sequence[tuple[int, int]]): ``(start, stop)`` index ranges, increasing and
+                disjoint.
 
         Yields:
             list[Structure]: One list per range.
@@ -185,10 +186,10 @@ class ExtxyzRanges(SourceRanges):
     """Ranges of an extended-XYZ file, each read and parsed on its own.
 
     Args:
-        path: The source.
-        format: Its registry format name.
-        options: Key mapping and units.
-        offsets: Byte offset of every frame, plus the end of the last one.
+        path (Path): The source.
+        format (str): Its registry format name.
+        options (ReadOptions): Key mapping and units.
+        offsets (np.ndarray): Byte offset of every frame, plus the end of the last one.
     """
 
     def __init__(self, path: Path, format: str, options: ReadOptions,
@@ -213,7 +214,7 @@ def index_extxyz(path: str | os.PathLike) -> np.ndarray | None:
     blank line ends the file), without parsing them.
 
     Args:
-        path: The file.
+        path (str | os.PathLike): The file.
 
     Returns:
         np.ndarray or None: int64 offsets of every frame followed by the end of the
@@ -249,9 +250,9 @@ def source_ranges(path: str | os.PathLike, format: str | None,
     """Index a source so that ranges of it can be read on their own.
 
     Args:
-        path: The source.
-        format: Its registry format; :obj:`None` detects it.
-        options: Key mapping and units.
+        path (str | os.PathLike): The source.
+        format (str | None): Its registry format; :obj:`None` detects it.
+        options (ReadOptions | None): Key mapping and units.
 
     Returns:
         SourceRanges: The source's ranges (an :class:`ExtxyzRanges` for extxyz files).
@@ -296,11 +297,11 @@ class OrderedStructures:
     Iterate it once inside a ``with`` block (leaving the block stops the workers).
 
     Args:
-        ranges: The indexed source.
-        start: First structure. (default: :obj:`0`)
-        stop: End of the structures; :obj:`None` for all. (default: :obj:`None`)
-        workers: Reading processes; ``1`` reads in this process. (default: :obj:`1`)
-        range_size: Structures per range dealt to a worker.
+        ranges (SourceRanges): The indexed source.
+        start (int, optional): First structure. (default: :obj:`0`)
+        stop (int, optional): End of the structures; :obj:`None` for all. (default: :obj:`None`)
+        workers (int, optional): Reading processes; ``1`` reads in this process. (default: :obj:`1`)
+        range_size (int, optional): Structures per range dealt to a worker.
             (default: :data:`RANGE_SIZE`)
     """
 
@@ -412,13 +413,14 @@ def open_structures(src: str | os.PathLike, src_format: str | None = None,
     """Open a source's structures for a conversion, in order.
 
     Args:
-        src: The source.
-        src_format: Its registry format; :obj:`None` detects it. (default: :obj:`None`)
-        read_options: Key mapping and units. (default: :obj:`None`)
-        workers: Reading processes. (default: :obj:`1`)
-        part: Only this part of the source (see :func:`plan_part`).
+        src (str | os.PathLike): The source.
+        src_format (str, optional): Its registry format; :obj:`None` detects it.
             (default: :obj:`None`)
-        shard_size: Structures per shard of the destination, which parts are cut at.
+        read_options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
+        workers (int, optional): Reading processes. (default: :obj:`1`)
+        part (Part, optional): Only this part of the source (see :func:`plan_part`).
+            (default: :obj:`None`)
+        shard_size (int, optional): Structures per shard of the destination, which parts are cut at.
             (default: :obj:`1000`)
 
     Returns:
@@ -446,10 +448,10 @@ def part_write_options(structures: Any, dst: str | os.PathLike, dst_format: str 
     """The write options of one part: global shard numbers and the manifest's part entry.
 
     Args:
-        structures: What :func:`open_structures` returned for the part.
-        dst: The part's destination directory.
-        dst_format: Its format; :obj:`None` picks it from the path and shard size.
-        options: The conversion's write options.
+        structures (Any): What :func:`open_structures` returned for the part.
+        dst (str | os.PathLike): The part's destination directory.
+        dst_format (str | None): Its format; :obj:`None` picks it from the path and shard size.
+        options (Any): The conversion's write options.
 
     Returns:
         WriteOptions: ``options`` with ``first_shard`` and ``part`` set.

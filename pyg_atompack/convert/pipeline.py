@@ -41,16 +41,19 @@ def convert(
     and written in order by this one (:mod:`.parallel`): the output is the same.
 
     Args:
-        src: Source file or directory.
-        dst: Destination file or directory.
-        src_format: Source format name; ``None`` detects it (default: ``None``).
-        dst_format: Destination format name; ``None`` picks it from ``dst``
-            (default: ``None``).
-        read_options: Key mapping and units of the source.
-        write_options: Codec, shard size and overwrite of the destination.
-        progress: Factory of a progress bar, called with the total (or ``None``).
-        workers: Processes reading the source (default: ``1``).
-        part: Convert only this part of the source into a shard directory whose
+        src (str | os.PathLike): Source file or directory.
+        dst (str | os.PathLike): Destination file or directory.
+        src_format (str, optional): Source format name; ``None`` detects it (default: :obj:`None`).
+        dst_format (str, optional): Destination format name; ``None`` picks it from ``dst``
+            (default: :obj:`None`).
+        read_options (ReadOptions, optional): Key mapping and units of the source.
+            (default: :obj:`None`)
+        write_options (WriteOptions, optional): Codec, shard size and overwrite of the destination.
+            (default: :obj:`None`)
+        progress (ProgressFactory, optional): Factory of a progress bar, called with the total (or
+            ``None``). (default: :obj:`None`)
+        workers (int, optional): Processes reading the source (default: :obj:`1`).
+        part (Part, optional): Convert only this part of the source into a shard directory whose
             shards carry their global numbers, for :func:`~.merge.merge_parts`
             (default: ``None``, everything).
 
@@ -143,12 +146,13 @@ def shard(
     """Cut any readable dataset (typically `.atp`) into ``.pt`` shards for streaming.
 
     Args:
-        src: The source (an `.atp` file or shard directory, or any other format).
-        out_dir: The destination directory (``shard_00000.pt``, ... and
+        src (str | os.PathLike): The source (an `.atp` file or shard directory, or any other
+            format).
+        out_dir (str | os.PathLike): The destination directory (``shard_00000.pt``, ... and
             ``manifest.json``).
-        shard_size: Structures per shard.
-        overwrite: Replace an existing ``out_dir`` (default: ``False``).
-        progress: Factory of a progress bar.
+        shard_size (int): Structures per shard.
+        overwrite (bool, optional): Replace an existing ``out_dir`` (default: :obj:`False`).
+        progress (ProgressFactory, optional): Factory of a progress bar. (default: :obj:`None`)
 
     Returns:
         The number of structures written.

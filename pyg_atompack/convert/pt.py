@@ -55,7 +55,7 @@ def structure_to_data(structure: Structure) -> Data:
     """A self-contained ``Data`` (attribute names of the project's table).
 
     Args:
-        structure: The structure.
+        structure (Structure): The structure.
 
     Returns:
         ``Data`` whose tensors own their storage (safe to ``torch.save`` alone).
@@ -74,7 +74,7 @@ def load_pt(path: str | os.PathLike) -> Sequence[BaseData]:
     and pages are loaded as samples are taken.
 
     Args:
-        path: The file.
+        path (str | os.PathLike): The file.
 
     Returns:
         Its samples (``len`` and integer indexing).
@@ -110,10 +110,11 @@ def data_to_structure(data: Data, *, path: str | os.PathLike = "?", index: int =
     graph dimension of 1 is dropped).
 
     Args:
-        data: The graph.
-        path: Source file, for error messages.
-        index: Position in the source, for error messages.
-        options: Key mapping (``key_map``, ``energy_key``, ...).
+        data (Data): The graph.
+        path (str | os.PathLike, optional): Source file, for error messages. (default: :obj:`"?"`)
+        index (int, optional): Position in the source, for error messages. (default: :obj:`0`)
+        options (ReadOptions, optional): Key mapping (``key_map``, ``energy_key``, ...).
+            (default: :obj:`None`)
 
     Returns:
         The structure.
@@ -193,8 +194,8 @@ class PtReader(StructureReader):
     """Streams structures out of a ``.pt`` file or a directory of ``.pt`` shards.
 
     Args:
-        path: The file or shard directory.
-        options: Key mapping and units.
+        path (str | os.PathLike): The file or shard directory.
+        options (ReadOptions, optional): Key mapping and units. (default: :obj:`None`)
     """
 
     format_name = "pt"
@@ -243,8 +244,8 @@ class PtShardWriter(ShardedWriter):
     """Writes ``.pt`` shards (``list[Data]``) and their ``manifest.json``.
 
     Args:
-        path: The destination directory.
-        options: ``shard_size`` structures per shard (default: 1000).
+        path (str | os.PathLike): The destination directory.
+        options (WriteOptions, optional): ``shard_size`` structures per shard (default: 1000).
     """
 
     format_name = "pt-shards"

@@ -43,7 +43,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     """Load and check ``manifest.json`` of a shard directory.
 
     Args:
-        directory: The shard directory.
+        directory (str | os.PathLike): The shard directory.
 
     Returns:
         The manifest dict, or ``None`` when the directory has no manifest or
@@ -76,7 +76,7 @@ def check_manifest(directory: str | os.PathLike) -> list[str]:
     """Compare every shard on disk with its manifest entry.
 
     Args:
-        directory: A shard directory with a ``pyg_atompack-shards/1`` manifest.
+        directory (str | os.PathLike): A shard directory with a ``pyg_atompack-shards/1`` manifest.
 
     Returns:
         One line per problem (missing shard, size or checksum mismatch, wrong
@@ -115,8 +115,8 @@ class ShardedWriter(StructureWriter):
     Subclasses open, fill and close one shard file at a time.
 
     Args:
-        path: The destination directory.
-        options: ``shard_size`` records per shard (default: 1000).
+        path (str | os.PathLike): The destination directory.
+        options (WriteOptions, optional): ``shard_size`` records per shard (default: 1000).
     """
 
     shard_extension = ".bin"

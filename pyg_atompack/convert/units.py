@@ -66,9 +66,9 @@ def canonical_unit(name: str, table: dict[str, float], kind: str) -> str:
     """Return the canonical spelling of a unit name.
 
     Args:
-        name: A unit as the user typed it (case-insensitive).
-        table: The unit table it must belong to.
-        kind: ``"energy"`` or ``"length"``, for the error message.
+        name (str): A unit as the user typed it (case-insensitive).
+        table (dict[str, float]): The unit table it must belong to.
+        kind (str): ``"energy"`` or ``"length"``, for the error message.
 
     Returns:
         The key of ``table`` for this unit.
@@ -87,8 +87,8 @@ class UnitConversion:
     """Scale factors from a source's units into eV and Å.
 
     Args:
-        energy_unit: Unit of the source's energies (default: ``"eV"``).
-        length_unit: Unit of the source's lengths (default: ``"Angstrom"``).
+        energy_unit (str, optional): Unit of the source's energies (default: :obj:`"eV"`).
+        length_unit (str, optional): Unit of the source's lengths (default: :obj:`"Angstrom"`).
     """
 
     energy_unit: str = "eV"
@@ -123,7 +123,7 @@ class UnitConversion:
         Array dtypes are kept (a float32 force stays float32).
 
         Args:
-            structure: A structure in the source units.
+            structure (Structure): A structure in the source units.
 
         Returns:
             A converted copy (or ``structure`` itself when nothing changes).

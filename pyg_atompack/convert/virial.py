@@ -19,11 +19,11 @@ def virial_to_stress(structure: Structure, key: str, index: int, source: str) ->
     """Move the custom value ``key`` into ``structure.stress`` as ``-virial / volume``.
 
     Args:
-        structure: A structure in the source's units (the stress ends up in
+        structure (Structure): A structure in the source's units (the stress ends up in
             source energy / source length³, converted with the other fields).
-        key: The custom key holding the virial (Voigt-6 or 3×3).
-        index: The structure's index in the source, for errors.
-        source: The source path, for errors.
+        key (str): The custom key holding the virial (Voigt-6 or 3×3).
+        index (int): The structure's index in the source, for errors.
+        source (str): The source path, for errors.
 
     Returns:
         The same structure, the key removed and ``stress`` set.

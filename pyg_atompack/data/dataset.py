@@ -167,7 +167,7 @@ class AtompackDataset(Dataset):
             are read with concurrent positional reads), ``"mmap"`` (plain memory
             map, kernel read-ahead) or ``"pread"`` (owned copies via positional
             reads). :class:`AtompackLoader` reads through the dataset's reader, so
-            it uses the same mode. (default: ``"auto"``)
+            it uses the same mode. (default: :obj:`"auto"`)
         log (bool, optional): Show a progress bar while ``pre_filter`` scans a
             large source. (default: :obj:`True`)
         rename (Mapping[str, str], optional): Give attributes other names in every
@@ -269,7 +269,7 @@ class AtompackDataset(Dataset):
             endpoint (str, optional): The Hub URL; :obj:`None` uses
                 huggingface_hub's configured endpoint (``HF_ENDPOINT``).
                 (default: :obj:`None`)
-            **kwargs: Forwarded to :class:`AtompackDataset` (``fields``,
+            **kwargs (optional): Forwarded to :class:`AtompackDataset` (``fields``,
                 ``transform``, ``dtype``, ``access``, ``cache_bytes``, ...).
                 ``prefetch_shards=True`` downloads whole verified shards instead of
                 reading records through the page cache.

@@ -66,10 +66,10 @@ def plan_blocks(counts: Sequence[int], bounds: Sequence[Bounds] | None,
     alone, in blocks of shifts and rows. Graphs without atoms are skipped.
 
     Args:
-        counts: Number of atoms of every graph, in order.
-        bounds: Largest shift per axis of every graph (``(0, 0, 0)`` for a
+        counts (Sequence[int]): Number of atoms of every graph, in order.
+        bounds (Sequence[Bounds] | None): Largest shift per axis of every graph (``(0, 0, 0)`` for a
             molecule), or ``None`` when no graph is periodic.
-        max_pairs: Largest number of candidate pairs evaluated at once.
+        max_pairs (int): Largest number of candidate pairs evaluated at once.
 
     Returns:
         Blocks covering every (row, shift) of every non-empty graph exactly once.

@@ -31,10 +31,10 @@ def normalise_cell(cell: Tensor, pbc: Tensor | None, num_graphs: int,
     """Broadcasts ``cell`` and ``pbc`` to one entry per graph.
 
     Args:
-        cell: ``[3, 3]`` (shared) or ``[B, 3, 3]`` lattice vectors as rows.
-        pbc: ``[3]`` or ``[B, 3]`` periodic axes, or ``None`` for all periodic.
-        num_graphs: ``B``.
-        device: Device of the positions.
+        cell (Tensor): ``[3, 3]`` (shared) or ``[B, 3, 3]`` lattice vectors as rows.
+        pbc (Tensor | None): ``[3]`` or ``[B, 3]`` periodic axes, or ``None`` for all periodic.
+        num_graphs (int): ``B``.
+        device (torch.device): Device of the positions.
 
     Returns:
         ``cell`` as ``[B, 3, 3]`` (keeping its autograd history) and ``pbc`` as
@@ -88,8 +88,8 @@ def search_cells(cell: Tensor, pbc: Tensor) -> Tensor:
     coordinates defined.
 
     Args:
-        cell: ``[B, 3, 3]`` lattice vectors (detached).
-        pbc: ``[B, 3]`` periodic axes.
+        cell (Tensor): ``[B, 3, 3]`` lattice vectors (detached).
+        pbc (Tensor): ``[B, 3]`` periodic axes.
 
     Returns:
         ``[B, 3, 3]`` float64 invertible matrices.
@@ -121,11 +121,11 @@ def lattice_search_setup(pos: Tensor, batch: Tensor, cell: Tensor, pbc: Tensor,
     """Wraps atoms into their cells and bounds the shifts each graph needs.
 
     Args:
-        pos: ``[N, 3]`` detached positions.
-        batch: ``[N]`` graph index of every atom.
-        cell: ``[B, 3, 3]`` detached lattice vectors.
-        pbc: ``[B, 3]`` periodic axes.
-        cutoff: Neighbour cutoff.
+        pos (Tensor): ``[N, 3]`` detached positions.
+        batch (Tensor): ``[N]`` graph index of every atom.
+        cell (Tensor): ``[B, 3, 3]`` detached lattice vectors.
+        pbc (Tensor): ``[B, 3]`` periodic axes.
+        cutoff (float): Neighbour cutoff.
 
     Returns:
         ``bounds`` ``[B, 3]`` int64, the largest ``|S_k|`` to test per graph

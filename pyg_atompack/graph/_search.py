@@ -27,15 +27,16 @@ def search_pairs(pos: Tensor, counts: Tensor, starts: Tensor, cutoff: float, loo
     """Finds every (target, source, shift) closer than ``cutoff``, block by block.
 
     Args:
-        pos: ``[N, 3]`` detached positions (wrapped into their cells when periodic).
-        counts: ``[B]`` atoms per graph.
-        starts: ``[B]`` index of every graph's first atom.
-        cutoff: Neighbour cutoff (strict: ``d < cutoff``).
-        loop: Keep the zero-shift self pair ``(i, i)``.
-        max_pairs: Largest number of candidate pairs evaluated at once.
-        cell: ``[B, 3, 3]`` detached lattice vectors in ``pos.dtype``, with
-            non-periodic rows zeroed; ``None`` for a batch of molecules.
-        bounds: ``[B, 3]`` int64 largest shift per axis (required with ``cell``).
+        pos (Tensor): ``[N, 3]`` detached positions (wrapped into their cells when periodic).
+        counts (Tensor): ``[B]`` atoms per graph.
+        starts (Tensor): ``[B]`` index of every graph's first atom.
+        cutoff (float): Neighbour cutoff (strict: ``d < cutoff``).
+        loop (bool): Keep the zero-shift self pair ``(i, i)``.
+        max_pairs (int): Largest number of candidate pairs evaluated at once.
+        cell (Tensor, optional): ``[B, 3, 3]`` detached lattice vectors in ``pos.dtype``, with
+            non-periodic rows zeroed; ``None`` for a batch of molecules. (default: :obj:`None`)
+        bounds (Tensor, optional): ``[B, 3]`` int64 largest shift per axis (required with ``cell``).
+            (default: :obj:`None`)
 
     Returns:
         Global target and source indices, ``[E, 3]`` shifts (``None`` for

@@ -38,7 +38,7 @@ class InteractionGraph(torch.nn.Module):
         forces = -torch.autograd.grad(energy.sum(), batch.pos, create_graph=True)[0]
 
     Args:
-        cutoff (float, optional): Cutoff radius (strict). (default: ``10.0``)
+        cutoff (float, optional): Cutoff radius (strict). (default: :obj:`10.0`)
         max_num_neighbors (int, optional): Keep the closest ``k`` neighbours of
             every atom; ``None`` keeps all. (default: ``32``, as SchNet)
         cell (torch.Tensor, optional): ``[3, 3]`` or ``[B, 3, 3]`` lattice
@@ -47,7 +47,7 @@ class InteractionGraph(torch.nn.Module):
         pbc (torch.Tensor, optional): ``[3]`` or ``[B, 3]`` periodic axes for
             ``cell``. (default: :obj:`None`, all periodic when ``cell`` is set)
         max_pairs (int, optional): Block size of the search, see
-            :func:`radius_graph`. (default: ``2**20``)
+            :func:`radius_graph`. (default: :obj:`2**20`)
     """
 
     cell: Tensor | None
@@ -76,9 +76,9 @@ class InteractionGraph(torch.nn.Module):
         Not thread-safe: one model, one batch at a time.
 
         Args:
-            cell: ``[B, 3, 3]`` (or ``[3, 3]``) lattice vectors of the batch;
+            cell (Tensor | None): ``[B, 3, 3]`` (or ``[3, 3]``) lattice vectors of the batch;
                 ``None`` makes the block non-periodic.
-            pbc: ``[B, 3]`` (or ``[3]``) periodic axes. (default: all periodic)
+            pbc (Tensor, optional): ``[B, 3]`` (or ``[3]``) periodic axes. (default: all periodic)
         """
         previous = self._override
         self._override = (cell, pbc) if cell is not None else (None, None)
@@ -91,8 +91,9 @@ class InteractionGraph(torch.nn.Module):
         """Builds the graph.
 
         Args:
-            pos: ``[N, 3]`` positions.
-            batch: ``[N]`` sorted graph index of every atom.
+            pos (Tensor): ``[N, 3]`` positions.
+            batch (Tensor, optional): ``[N]`` sorted graph index of every atom.
+                (default: :obj:`None`)
 
         Returns:
             ``edge_index`` ``[2, E]`` (row 0 neighbour ``j``, row 1 centre ``i``)

@@ -113,9 +113,9 @@ def radius_graph(
             (default: :obj:`False`)
         backend (str, optional): ``"auto"`` uses ``torch_cluster`` when it is
             importable and no periodic graph is present, else pure torch;
-            ``"torch"`` or ``"torch_cluster"`` force one. (default: ``"auto"``)
+            ``"torch"`` or ``"torch_cluster"`` force one. (default: :obj:`"auto"`)
         max_pairs (int, optional): Largest number of candidate pairs evaluated
-            at once. (default: ``2**20``)
+            at once. (default: :obj:`2**20`)
 
     Returns:
         ``edge_index`` ``[2, E]`` (row 0 source ``j``, row 1 target ``i``,

@@ -84,19 +84,23 @@ class HubAtpReader(ShardedReader):
     so DataLoader workers neither re-list nor re-download what the cache already holds.
 
     Args:
-        shards: The shard files, in global order.
-        headers: Per shard, the header facts (``num_molecules``, ``index_offset``,
-            ``index_len``, ``schema_offset``, ``schema_len``).
-        path_in_repo: The listed directory or file, for ``repr`` and messages.
-        cache_dir: Download cache root (default: :func:`default_cache_dir`).
-        token: Hub token used for downloads.
-        verify: Verify each downloaded shard's sha256. (default: ``True``)
-        access: Passed to ``atp.open`` for downloaded shards. (default: ``"mmap"``)
-        policy: Retries and timeouts of range reads and downloads (a ``RetryPolicy``).
-            (default: the Hub default)
-        name: How messages and ``repr`` name the source (default: its ``hf://`` URI).
-        store: The object-store handle that listed the shards (object-store URLs only;
-            picklable, without secrets).
+        shards (list[RemoteFile]): The shard files, in global order.
+        headers (list[dict[str, int]]): Per shard, the header facts (``num_molecules``,
+            ``index_offset``, ``index_len``, ``schema_offset``, ``schema_len``).
+        path_in_repo (str, optional): The listed directory or file, for ``repr`` and messages.
+            (default: :obj:`""`)
+        cache_dir (str | os.PathLike, optional): Download cache root
+            (default: :func:`default_cache_dir`).
+        token (str | bool, optional): Hub token used for downloads. (default: :obj:`None`)
+        verify (bool, optional): Verify each downloaded shard's sha256. (default: :obj:`True`)
+        access (str, optional): Passed to ``atp.open`` for downloaded shards.
+            (default: :obj:`"mmap"`)
+        policy (Any, optional): Retries and timeouts of range reads and downloads (a
+            ``RetryPolicy``). (default: the Hub default)
+        name (str, optional): How messages and ``repr`` name the source
+            (default: its ``hf://`` URI).
+        store (Any, optional): The object-store handle that listed the shards (object-store URLs
+            only; picklable, without secrets). (default: :obj:`None`)
     """
 
     def __init__(
@@ -153,9 +157,9 @@ class HubAtpReader(ShardedReader):
         checked against the header and every record is checked by decoding it.
 
         Args:
-            cache_dir: Root of the metadata and page cache.
+            cache_dir (str | os.PathLike, optional): Root of the metadata and page cache.
                 (default: ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
-            cache_bytes: Bound on the page cache (LRU eviction). (default: 8 GiB)
+            cache_bytes (int, optional): Bound on the page cache (LRU eviction). (default: 8 GiB)
 
         Returns:
             A new :class:`HubAtpReader` over the same shards.
@@ -215,7 +219,7 @@ class HubAtpReader(ShardedReader):
         :meth:`by_record`, its :class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`.
 
         Args:
-            shard: Shard number in global order.
+            shard (int): Shard number in global order.
 
         Returns:
             The opened reader.
@@ -252,7 +256,7 @@ class HubAtpReader(ShardedReader):
         """Download (and verify) every shard now instead of on first read.
 
         Args:
-            max_workers: Shards downloaded in parallel. (default: ``4``)
+            max_workers (int, optional): Shards downloaded in parallel. (default: :obj:`4`)
 
         Returns:
             The local path of each shard, in shard order.
@@ -407,10 +411,11 @@ def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
     """The :class:`~pyg_atompack.transport.ranges.RangeReader` of a listed file.
 
     Args:
-        remote: A file of a Hub, URL or object-store listing.
-        token: Hub token (Hub files only).
-        policy: Retries and timeouts (a ``RetryPolicy``). (default: the source's)
-        store: The object-store handle that listed ``remote`` (object stores only).
+        remote (RemoteFile): A file of a Hub, URL or object-store listing.
+        token (str | bool, optional): Hub token (Hub files only). (default: :obj:`None`)
+        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the source's)
+        store (Any, optional): The object-store handle that listed ``remote`` (object stores only).
+            (default: :obj:`None`)
 
     Returns:
         Range reads of that file, named as messages name it.
@@ -444,19 +449,25 @@ def open_hub_atp(
     """Open a remote ``.atp`` file or directory of shards without downloading it.
 
     Args:
-        repo_id: ``owner/name`` of the repository.
-        path_in_repo: A ``.atp`` file or a directory searched recursively for
-            ``*.atp``; ``None``/``""`` is the repository root.
-        revision: Branch, tag or commit sha (default: the default branch). A
+        repo_id (str): ``owner/name`` of the repository.
+        path_in_repo (str, optional): A ``.atp`` file or a directory searched recursively for
+            ``*.atp``; ``None``/``""`` is the repository root. (default: :obj:`None`)
+        revision (str, optional): Branch, tag or commit sha (default: the default branch). A
             branch is resolved once and the reader is pinned to that commit.
-        cache_dir: Download cache root (default: :func:`default_cache_dir`).
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        endpoint: Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
-        repo_type: ``"dataset"`` (default), ``"model"`` or ``"space"``.
-        verify: Verify each shard's sha256 when it is downloaded. (default: ``True``)
-        access: ``atp.open`` access mode for downloaded shards. (default: ``"mmap"``)
-        max_workers: Parallel header range reads when opening. (default: ``8``)
-        policy: Retries and timeouts of every request (a ``RetryPolicy``).
+        cache_dir (str | os.PathLike, optional): Download cache root
+            (default: :func:`default_cache_dir`).
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
+            (default: :obj:`None`)
+        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+            (default: :obj:`"dataset"`)
+        verify (bool, optional): Verify each shard's sha256 when it is downloaded.
+            (default: :obj:`True`)
+        access (str, optional): ``atp.open`` access mode for downloaded shards.
+            (default: :obj:`"mmap"`)
+        max_workers (int, optional): Parallel header range reads when opening. (default: :obj:`8`)
+        policy (Any, optional): Retries and timeouts of every request (a ``RetryPolicy``).
             (default: the Hub default)
 
     With ``HF_HUB_OFFLINE=1`` nothing is asked of the Hub: a commit sha, or a branch or

@@ -60,11 +60,13 @@ def render_section(manifest: dict[str, Any], *, repo_id: str, path_in_repo: str,
     """The card section of one pushed path.
 
     Args:
-        manifest: The published manifest (with ``fields``, ``units``, ``elements``, ...).
-        repo_id: The repository.
-        path_in_repo: The pushed path (``""``: the repository root).
-        revision: The branch pushed to (named in the loading examples).
-        extra: Text of the user's ``--card-extra`` file (source, citation), as is.
+        manifest (dict[str, Any]): The published manifest (with ``fields``, ``units``, ``elements``,
+            ...).
+        repo_id (str): The repository.
+        path_in_repo (str): The pushed path (``""``: the repository root).
+        revision (str): The branch pushed to (named in the loading examples).
+        extra (str, optional): Text of the user's ``--card-extra`` file (source, citation), as is.
+            (default: :obj:`None`)
 
     Returns:
         Markdown, from the section's opening comment to its closing one.
@@ -136,13 +138,13 @@ def render_card(section: str, *, path_in_repo: str, repo_id: str, license: str |
     """A whole card: front matter, title, marker, and the sections.
 
     Args:
-        section: This push's section from :func:`render_section`.
-        path_in_repo: The path the section describes.
-        repo_id: The repository (its name becomes the title).
-        license: SPDX-style id for the front matter; ``None`` keeps the existing
+        section (str): This push's section from :func:`render_section`.
+        path_in_repo (str): The path the section describes.
+        repo_id (str): The repository (its name becomes the title).
+        license (str | None): SPDX-style id for the front matter; ``None`` keeps the existing
             card's, or ``"other"``.
-        existing: The current generated card, whose other sections are kept;
-            ``None`` for a new card.
+        existing (str, optional): The current generated card, whose other sections are kept;
+            ``None`` for a new card. (default: :obj:`None`)
 
     Returns:
         The card text.

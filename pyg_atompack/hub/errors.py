@@ -70,9 +70,9 @@ def describe_remote(repo_id: str | None, revision: str | None, path: str | None)
     """One-line description of a remote object for error messages.
 
     Args:
-        repo_id: The repository id (``owner/name``), if known.
-        revision: The revision (branch, tag or commit sha), if known.
-        path: The path inside the repository, if any.
+        repo_id (str | None): The repository id (``owner/name``), if known.
+        revision (str | None): The revision (branch, tag or commit sha), if known.
+        path (str | None): The path inside the repository, if any.
 
     Returns:
         A string such as ``"repo 'org/data' @ 'main', path 'train/part_0.atp'"``.

@@ -32,11 +32,11 @@ def listing_file(cache_dir: Path, repo_id: str, repo_type: str, sha: str, path: 
     """Where the listing of ``path`` at commit ``sha`` is cached.
 
     Args:
-        cache_dir: Cache root.
-        repo_id: ``owner/name``.
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
-        sha: The commit sha (never a branch name: branches move).
-        path: The listed path inside the repository.
+        cache_dir (Path): Cache root.
+        repo_id (str): ``owner/name``.
+        repo_type (str): ``"dataset"``, ``"model"`` or ``"space"``.
+        sha (str): The commit sha (never a branch name: branches move).
+        path (str): The listed path inside the repository.
 
     Returns:
         The JSON file path.
@@ -57,8 +57,8 @@ def load_listing(
     """Read a cached listing; ``None`` when absent, unreadable or made via another endpoint.
 
     Args:
-        file: From :func:`listing_file`.
-        endpoint: The endpoint the caller would list through (``None``: the
+        file (Path): From :func:`listing_file`.
+        endpoint (str | None): The endpoint the caller would list through (``None``: the
             client's default); a listing whose URLs point elsewhere is ignored.
 
     Returns:
@@ -83,9 +83,9 @@ def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, 
     """Write a listing atomically; failures (read-only cache) are ignored.
 
     Args:
-        file: From :func:`listing_file`.
-        shards: The listed shards.
-        headers: Per shard, the header facts.
+        file (Path): From :func:`listing_file`.
+        shards (list[RemoteFile]): The listed shards.
+        headers (list[dict[str, int]]): Per shard, the header facts.
     """
     payload = {"version": _VERSION, "shards": [asdict(s) for s in shards], "headers": headers}
     with contextlib.suppress(OSError):
@@ -106,12 +106,13 @@ def store_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | Non
     """Record that ``revision`` (``None``: the default branch) resolved to ``sha``.
 
     Args:
-        cache_dir: Cache root.
-        repo_id: ``owner/name``.
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
-        revision: The branch or tag that was resolved.
-        endpoint: The endpoint it was resolved through (``None``: the client's default).
-        sha: The commit.
+        cache_dir (Path): Cache root.
+        repo_id (str): ``owner/name``.
+        repo_type (str): ``"dataset"``, ``"model"`` or ``"space"``.
+        revision (str | None): The branch or tag that was resolved.
+        endpoint (str | None): The endpoint it was resolved through (``None``: the client's
+            default).
+        sha (str): The commit.
     """
     file = _ref_file(cache_dir, repo_id, repo_type, revision, endpoint)
     payload = {"revision": revision, "endpoint": _endpoint_prefix(endpoint), "sha": sha}
@@ -127,11 +128,11 @@ def load_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None
     """The commit ``revision`` resolved to when it was last resolved online, or ``None``.
 
     Args:
-        cache_dir: Cache root.
-        repo_id: ``owner/name``.
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
-        revision: The branch or tag (``None``: the default branch).
-        endpoint: The endpoint (``None``: the client's default).
+        cache_dir (Path): Cache root.
+        repo_id (str): ``owner/name``.
+        repo_type (str): ``"dataset"``, ``"model"`` or ``"space"``.
+        revision (str | None): The branch or tag (``None``: the default branch).
+        endpoint (str | None): The endpoint (``None``: the client's default).
 
     Returns:
         The commit sha, or ``None`` when never recorded.

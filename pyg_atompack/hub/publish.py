@@ -439,30 +439,43 @@ def push(
     """Publish a dataset as verified `.atp` (or ``.pt``) shards, a manifest and a card.
 
     Args:
-        source: An `.atp` file, a directory of `.atp` or ``.pt`` shards, or anything
-            :func:`pyg_atompack.convert.convert` reads (converted to `.atp` shards first).
-        repo_id: The dataset repository, ``owner/name``.
-        path_in_repo: Directory for the shards (``""``: the root). (default: ``""``)
-        revision: The branch to commit to. (default: ``"main"``)
-        private: Visibility of a repository created here. (default: :obj:`None`)
-        create: Create the dataset repository when it does not exist. (default: :obj:`False`)
-        message: Commit message. (default: a summary of what is published)
-        card_extra: A text file (source, citation, license notes) added to the card.
-        overwrite_card: Replace a ``README.md`` written by hand. (default: :obj:`False`)
-        license: License id for the card's front matter. (default: keep, or ``"other"``)
-        shard_size: Structures per shard. `.atp` and ``.pt`` sources are published
+        source (str | os.PathLike): An `.atp` file, a directory of `.atp` or ``.pt`` shards, or
+            anything :func:`pyg_atompack.convert.convert` reads (converted to `.atp` shards first).
+        repo_id (str): The dataset repository, ``owner/name``.
+        path_in_repo (str, optional): Directory for the shards (``""``: the root).
+            (default: :obj:`""`)
+        revision (str, optional): The branch to commit to. (default: :obj:`"main"`)
+        private (bool, optional): Visibility of a repository created here. (default: :obj:`None`)
+        create (bool, optional): Create the dataset repository when it does not exist.
+            (default: :obj:`False`)
+        message (str, optional): Commit message. (default: a summary of what is published)
+        card_extra (str | os.PathLike, optional): A text file (source, citation, license notes)
+            added to the card. (default: :obj:`None`)
+        overwrite_card (bool, optional): Replace a ``README.md`` written by hand.
+            (default: :obj:`False`)
+        license (str, optional): License id for the card's front matter.
+            (default: keep, or ``"other"``)
+        shard_size (int, optional): Structures per shard. `.atp` and ``.pt`` sources are published
             as they are unless ``shard_size`` or ``compression`` is given, which
             re-shards them; other sources are always converted. (default: ``1000``
             when converting)
-        compression: Codec of converted shards. (default: ``"zstd"`` when converting)
-        level: zstd level of converted shards. (default: ``3``)
-        read_options: :class:`pyg_atompack.convert.ReadOptions` for converting.
-        src_format: Source format name when the path does not tell.
-        token: Hub token (``None``: the saved login / ``HF_TOKEN``).
-        endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint).
-        work_dir: Where converted shards are written (default: a temporary directory).
-        progress: Factory of a byte progress bar for the upload, called with the total.
-        convert_progress: Factory of a structure progress bar for the conversion.
+        compression (str, optional): Codec of converted shards.
+            (default: ``"zstd"`` when converting)
+        level (int, optional): zstd level of converted shards. (default: :obj:`3`)
+        read_options (Any, optional): :class:`pyg_atompack.convert.ReadOptions` for converting.
+            (default: :obj:`None`)
+        src_format (str, optional): Source format name when the path does not tell.
+            (default: :obj:`None`)
+        token (str | bool, optional): Hub token (``None``: the saved login / ``HF_TOKEN``).
+            (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL (``None``: huggingface_hub's configured endpoint).
+            (default: :obj:`None`)
+        work_dir (str | os.PathLike, optional): Where converted shards are written
+            (default: a temporary directory).
+        progress (ProgressFactory, optional): Factory of a byte progress bar for the upload, called
+            with the total. (default: :obj:`None`)
+        convert_progress (Callable[[int | None], Any], optional): Factory of a structure progress
+            bar for the conversion. (default: :obj:`None`)
 
     Returns:
         A :class:`PushResult` with the commit and the pinned ``hf://`` URI.

@@ -38,7 +38,7 @@ def parse_pull_spec(spec: str) -> tuple[str, str, str | None]:
     """Split ``REPO_ID[/PATH][@REV]`` (or an ``hf://`` URI) into its parts.
 
     Args:
-        spec: E.g. ``"org/data/omat/train@main"`` or ``"hf://datasets/org/data@v1/x"``.
+        spec (str): E.g. ``"org/data/omat/train@main"`` or ``"hf://datasets/org/data@v1/x"``.
 
     Returns:
         ``(repo_id, path_in_repo, revision or None)``.
@@ -84,15 +84,19 @@ def pull(
     """Download every file under ``path_in_repo`` into ``dest`` and verify it.
 
     Args:
-        repo_id: The dataset repository.
-        dest: Local directory; files land at ``dest/<path in the repository>``.
-        path_in_repo: A directory or file in the repository (``""``: everything).
-        revision: Branch, tag or commit (``None``: the default branch); pinned first.
-        pattern: ``fnmatch`` pattern relative to ``path_in_repo``, as for
-            :func:`~pyg_atompack.hub.list_remote_files`. (default: ``"*"``)
-        token: Hub token (``None``: the saved login / ``HF_TOKEN``).
-        endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint).
-        max_workers: Parallel downloads. (default: ``8``)
+        repo_id (str): The dataset repository.
+        dest (str | os.PathLike): Local directory; files land at ``dest/<path in the repository>``.
+        path_in_repo (str, optional): A directory or file in the repository (``""``: everything).
+            (default: :obj:`""`)
+        revision (str, optional): Branch, tag or commit (``None``: the default branch); pinned
+            first. (default: :obj:`None`)
+        pattern (str, optional): ``fnmatch`` pattern relative to ``path_in_repo``, as for
+            :func:`~pyg_atompack.hub.list_remote_files`. (default: :obj:`"*"`)
+        token (str | bool, optional): Hub token (``None``: the saved login / ``HF_TOKEN``).
+            (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL (``None``: huggingface_hub's configured endpoint).
+            (default: :obj:`None`)
+        max_workers (int, optional): Parallel downloads. (default: :obj:`8`)
 
     Returns:
         A :class:`PullResult`.

@@ -98,7 +98,7 @@ def is_commit_sha(revision: str | None) -> bool:
     """Whether ``revision`` is a full 40-hex git commit id (already pinned).
 
     Args:
-        revision: A branch, tag or commit id, or :obj:`None` for the default branch.
+        revision (str | None): A branch, tag or commit id, or :obj:`None` for the default branch.
 
     Returns:
         :obj:`True` only for a 40-character lowercase hexadecimal string; branch names,
@@ -120,7 +120,7 @@ def endpoint_url(endpoint: str | None) -> str:
     """The Hub base URL: ``endpoint``, else huggingface_hub's ``HF_ENDPOINT`` setting.
 
     Args:
-        endpoint: Base URL, e.g. ``"http://127.0.0.1:8123"``, or ``None``.
+        endpoint (str | None): Base URL, e.g. ``"http://127.0.0.1:8123"``, or ``None``.
 
     Returns:
         The base URL without a trailing ``/``.
@@ -134,7 +134,8 @@ def hub_headers(token: str | bool | None) -> dict[str, str]:
     """Request headers for the Hub: user agent and, unless ``token=False``, the token.
 
     Args:
-        token: ``None``: the saved login / ``HF_TOKEN``; ``False``: none; a string: itself.
+        token (str | bool | None): ``None``: the saved login / ``HF_TOKEN``; ``False``: none; a
+            string: itself.
 
     Returns:
         The headers (the transport sends ``Authorization`` to the Hub's origin only).
@@ -157,9 +158,11 @@ def hub_error(error: TransportError, where: str, *, page: str | None = None) -> 
     """The Hub-layer error for a failed transport request about ``where``.
 
     Args:
-        error: What the transport raised (``error_code`` is the Hub's ``X-Error-Code``).
-        where: ``repo @ revision, path`` for the message.
-        page: The repository's web page, named in the message of a gated repository.
+        error (TransportError): What the transport raised (``error_code`` is the Hub's
+            ``X-Error-Code``).
+        where (str): ``repo @ revision, path`` for the message.
+        page (str, optional): The repository's web page, named in the message of a gated repository.
+            (default: :obj:`None`)
 
     Returns:
         A :class:`HubError` subclass, also a transport error of the matching kind.
@@ -203,7 +206,7 @@ def make_api(endpoint: str | None):
     Used for what the transport does not do itself: uploads (``hub.push``) and whoami.
 
     Args:
-        endpoint: Base URL of the Hub, e.g. ``"http://127.0.0.1:8123"``.
+        endpoint (str | None): Base URL of the Hub, e.g. ``"http://127.0.0.1:8123"``.
 
     Returns:
         The client object.
@@ -240,11 +243,13 @@ def translate_errors(repo_id: str, revision: str | None, path: str | None, *,
     """Turn transport errors into :class:`HubError` subclasses naming the remote object.
 
     Args:
-        repo_id: Repository named in messages.
-        revision: Revision named in messages.
-        path: Path inside the repository named in messages.
-        repo_type: For the repository page named when it is gated.
-        endpoint: For the repository page named when it is gated.
+        repo_id (str): Repository named in messages.
+        revision (str | None): Revision named in messages.
+        path (str | None): Path inside the repository named in messages.
+        repo_type (str, optional): For the repository page named when it is gated.
+            (default: :obj:`"dataset"`)
+        endpoint (str, optional): For the repository page named when it is gated.
+            (default: :obj:`None`)
     """
     where = describe_remote(repo_id, revision, path)
     page = repo_page(repo_id, repo_type, endpoint) if repo_id else None
@@ -280,13 +285,16 @@ def resolve_revision(
     a push to the branch during training cannot mix two versions of a dataset.
 
     Args:
-        repo_id: ``owner/name`` of the repository.
-        revision: Branch, tag or commit (default: ``"main"``; ``None`` means the
-            default branch).
-        repo_type: ``"dataset"`` (default), ``"model"`` or ``"space"``.
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        endpoint: Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
-        policy: Retries and timeouts. (default: :data:`HUB_POLICY`)
+        repo_id (str): ``owner/name`` of the repository.
+        revision (str | None, optional): Branch, tag or commit (default: ``"main"``; ``None`` means
+            the default branch).
+        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+            (default: :obj:`"dataset"`)
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
+            (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts. (default: :data:`HUB_POLICY`)
 
     Returns:
         The commit sha.
@@ -316,11 +324,11 @@ def file_url(repo_id: str, path: str, *, revision: str, repo_type: str,
     """The ``resolve`` URL of a file at a revision (what ``hf_hub_url`` builds).
 
     Args:
-        repo_id: ``owner/name``.
-        path: Path in the repository.
-        revision: Branch, tag or commit.
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
-        endpoint: Hub base URL, or ``None``.
+        repo_id (str): ``owner/name``.
+        path (str): Path in the repository.
+        revision (str): Branch, tag or commit.
+        repo_type (str): ``"dataset"``, ``"model"`` or ``"space"``.
+        endpoint (str | None): Hub base URL, or ``None``.
 
     Returns:
         ``{endpoint}/[datasets/|spaces/]{repo}/resolve/{revision}/{path}``.
@@ -373,20 +381,24 @@ def list_remote_files(
     """List the files under ``path_in_repo`` with sizes and checksums, in one listing call.
 
     Args:
-        repo_id: ``owner/name`` of the repository.
-        path_in_repo: A directory (listed recursively) or a single file;
+        repo_id (str): ``owner/name`` of the repository.
+        path_in_repo (str, optional): A directory (listed recursively) or a single file;
             ``""`` is the repository root. Leading/trailing ``/`` are ignored,
-            ``..`` is refused.
-        revision: The revision to list. Pass a commit sha from
+            ``..`` is refused. (default: :obj:`""`)
+        revision (str): The revision to list. Pass a commit sha from
             :func:`resolve_revision`; the returned files carry it in their URLs.
-        pattern: ``fnmatch`` pattern matched against each file's path relative
+        pattern (str, optional): ``fnmatch`` pattern matched against each file's path relative
             to ``path_in_repo`` (``*`` also crosses ``/``, so ``"*.atp"`` finds
-            nested shards). (default: ``"*"``)
-        repo_type: ``"dataset"`` (default), ``"model"`` or ``"space"``.
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        endpoint: Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
-        allow_empty: Return ``[]`` instead of raising when nothing matches.
-        policy: Retries and timeouts. (default: :data:`HUB_POLICY`)
+            nested shards). (default: :obj:`"*"`)
+        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+            (default: :obj:`"dataset"`)
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
+            (default: :obj:`None`)
+        allow_empty (bool, optional): Return ``[]`` instead of raising when nothing matches.
+            (default: :obj:`False`)
+        policy (RetryPolicy, optional): Retries and timeouts. (default: :data:`HUB_POLICY`)
 
     Returns:
         The matching files sorted by POSIX path string (the shard order of

@@ -85,14 +85,16 @@ def fetch_range(
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
     Args:
-        remote_file: A file from :func:`list_remote_files`.
-        start: First byte offset (``>= 0``).
-        length: Number of bytes (``>= 0``); ``start + length`` must not exceed
+        remote_file (RemoteFile): A file from :func:`list_remote_files`.
+        start (int): First byte offset (``>= 0``).
+        length (int): Number of bytes (``>= 0``); ``start + length`` must not exceed
             ``remote_file.size``.
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts.
+            (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
         store: For a file listed from an object store (``repo_type="object"``): the
-            backend's handle that listed it, which reads the range.
+            backend's handle that listed it, which reads the range. (default: :obj:`None`)
 
     Returns:
         Exactly ``length`` bytes.
@@ -131,11 +133,13 @@ def fetch_bytes(
     (nothing is written to disk). One ``GET`` of the file URL (resumed after a drop).
 
     Args:
-        remote_file: A file from :func:`list_remote_files`.
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        verify: Check the sha256 (LFS files) or git blob id (plain files); the
-            size is always checked. (default: ``True``)
-        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        remote_file (RemoteFile): A file from :func:`list_remote_files`.
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        verify (bool, optional): Check the sha256 (LFS files) or git blob id (plain files); the
+            size is always checked. (default: :obj:`True`)
+        policy (RetryPolicy, optional): Retries and timeouts.
+            (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
 
     Returns:
         The file's bytes.
@@ -155,9 +159,9 @@ def check_bytes(remote_file: RemoteFile, data, *, verify: bool = True) -> None:
     """Raise :class:`HubIntegrityError` unless ``data`` matches the listing of ``remote_file``.
 
     Args:
-        remote_file: The listed file.
+        remote_file (RemoteFile): The listed file.
         data: Its supposed content.
-        verify: Also compare hashes, not only the size. (default: ``True``)
+        verify (bool, optional): Also compare hashes, not only the size. (default: :obj:`True`)
     """
     problem = bytes_problem(data, size=remote_file.size, sha256=remote_file.sha256,
                             blob_id=remote_file.blob_id, verify=verify)
@@ -170,9 +174,9 @@ def repo_cache_folder(cache_dir: str | os.PathLike | None, repo_id: str, repo_ty
     """The cache folder of one repository: ``{cache_dir}/{repo_type}s--{owner}--{name}``.
 
     Args:
-        cache_dir: Cache root (default: :func:`default_cache_dir`).
-        repo_id: ``owner/name`` (``""`` for files not listed from a repository).
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``.
+        cache_dir (str | os.PathLike | None): Cache root (default: :func:`default_cache_dir`).
+        repo_id (str): ``owner/name`` (``""`` for files not listed from a repository).
+        repo_type (str): ``"dataset"``, ``"model"`` or ``"space"``.
 
     Returns:
         The folder path.
@@ -187,10 +191,10 @@ def cached_path(
     """Where :func:`download` stores ``remote_file`` (whether or not it is there yet).
 
     Args:
-        remote_file: A file from :func:`list_remote_files`.
-        cache_dir: Cache root (default: :func:`default_cache_dir`).
-        verified: The location of a checksum-verified copy (content-addressed)
-            rather than of an unverified one.
+        remote_file (RemoteFile): A file from :func:`list_remote_files`.
+        cache_dir (str | os.PathLike, optional): Cache root (default: :func:`default_cache_dir`).
+        verified (bool, optional): The location of a checksum-verified copy (content-addressed)
+            rather than of an unverified one. (default: :obj:`True`)
 
     Returns:
         The path.
@@ -227,14 +231,16 @@ def download(
     wait and then reuse the result.
 
     Args:
-        remote_file: A file from :func:`list_remote_files`.
-        cache_dir: Cache root (default: :func:`default_cache_dir`).
-        token: Hub token; ``None`` uses the locally saved token, ``False`` none.
-        verify: Check the sha256 (LFS files) or git blob id (plain files)
-            against the listing. The size is always checked. (default: ``True``)
-        policy: Retries and timeouts. (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
+        remote_file (RemoteFile): A file from :func:`list_remote_files`.
+        cache_dir (str | os.PathLike, optional): Cache root (default: :func:`default_cache_dir`).
+        token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
+            none. (default: :obj:`None`)
+        verify (bool, optional): Check the sha256 (LFS files) or git blob id (plain files)
+            against the listing. The size is always checked. (default: :obj:`True`)
+        policy (RetryPolicy, optional): Retries and timeouts.
+            (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
         store: For a file listed from an object store: the backend's handle, which keeps
-            its own verified cache (``verify`` is then always on).
+            its own verified cache (``verify`` is then always on). (default: :obj:`None`)
 
     Returns:
         Path of the local copy (treat it as read-only; it may be shared).

@@ -32,8 +32,9 @@ def normalize_path_in_repo(path: str | None, *, what: str = "path_in_repo") -> s
     """Strip leading/trailing ``/`` and refuse ``..`` or empty inner components.
 
     Args:
-        path: A POSIX path inside a repository, or ``None`` for the root.
-        what: How to call the value in error messages.
+        path (str | None): A POSIX path inside a repository, or ``None`` for the root.
+        what (str, optional): How to call the value in error messages.
+            (default: :obj:`"path_in_repo"`)
 
     Returns:
         The normalized path (``""`` for the repository root).
@@ -62,7 +63,7 @@ def parse_hf_uri(uri: str) -> HubLocation:
     only when written URL-encoded (``refs%2Fpr%2F1``), as in huggingface_hub.
 
     Args:
-        uri: The URI, e.g. ``"hf://datasets/org/data@main/omat/train"``.
+        uri (str): The URI, e.g. ``"hf://datasets/org/data@main/omat/train"``.
 
     Returns:
         The parsed :class:`HubLocation`.

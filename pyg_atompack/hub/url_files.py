@@ -51,12 +51,13 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
     """The files an ``http(s)://`` URL names, with sizes (and sha256 from a manifest).
 
     Args:
-        url: A ``.atp`` / ``.pt`` file, a ``manifest.json``, or a directory ending in ``/``
+        url (str): A ``.atp`` / ``.pt`` file, a ``manifest.json``, or a directory ending in ``/``
             holding a ``manifest.json``.
-        pattern_suffix: Keep only manifest entries with this suffix (``None``: all).
-            (default: ``".atp"``)
-        headers: Request headers (credentials stay at the URL's origin).
-        policy: Retries and timeouts. (default: the Hub default)
+        pattern_suffix (str | None, optional): Keep only manifest entries with this suffix
+            (``None``: all). (default: :obj:`".atp"`)
+        headers (Mapping[str, str], optional): Request headers (credentials stay at the URL's
+            origin). (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts. (default: the Hub default)
 
     Returns:
         The files, in manifest order (a single file: one entry).
@@ -118,13 +119,15 @@ def open_url_atp(url: str, *, cache_dir=None, verify: bool = True, access: str =
     read per shard; shards are downloaded, verified, into the cache on first use.
 
     Args:
-        url: See :func:`list_url_files`.
+        url (str): See :func:`list_url_files`.
         cache_dir: Download cache root
             (default: :func:`~pyg_atompack.hub.transfer.default_cache_dir`).
-        verify: Verify each download against the manifest's sha256. (default: ``True``)
-        access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
-        policy: Retries and timeouts. (default: the Hub default)
-        max_workers: Parallel header reads. (default: ``8``)
+        verify (bool, optional): Verify each download against the manifest's sha256.
+            (default: :obj:`True`)
+        access (str, optional): ``atp.open`` access mode of downloaded shards.
+            (default: :obj:`"mmap"`)
+        policy (RetryPolicy, optional): Retries and timeouts. (default: the Hub default)
+        max_workers (int, optional): Parallel header reads. (default: :obj:`8`)
 
     Returns:
         A :class:`~pyg_atompack.hub.HubAtpReader` named by the (redacted) URL.
@@ -152,8 +155,8 @@ def open_remote_atp(url: str, **options):
     (see :mod:`pyg_atompack.transport.urls`).
 
     Args:
-        url: The URL.
-        **options: ``cache_dir``, ``verify``, ``access``, ``policy`` and, for ``hf://``,
+        url (str): The URL.
+        **options (optional): ``cache_dir``, ``verify``, ``access``, ``policy`` and, for ``hf://``,
             ``token`` / ``endpoint``; object stores take their storage options.
 
     Returns:
@@ -189,14 +192,16 @@ def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
     verified downloads in its cache; its handle travels with the reader (no secrets).
 
     Args:
-        url: ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
+        url (str): ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
         cache_dir: Download cache root (default: the backend's).
-        verify: Kept for the signature of the other openers; the backend always verifies.
-        access: ``atp.open`` access mode of downloaded shards. (default: ``"mmap"``)
-        policy: Retries and timeouts of every request (the backend's ``retry``).
-            (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
-        max_workers: Parallel header reads. (default: ``8``)
-        **storage_options: The backend's options (``endpoint_url``, ``profile``, ...).
+        verify (bool, optional): Kept for the signature of the other openers; the backend always
+            verifies. (default: :obj:`True`)
+        access (str, optional): ``atp.open`` access mode of downloaded shards.
+            (default: :obj:`"mmap"`)
+        policy (RetryPolicy, optional): Retries and timeouts of every request (the backend's
+            ``retry``). (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
+        max_workers (int, optional): Parallel header reads. (default: :obj:`8`)
+        **storage_options (optional): The backend's options (``endpoint_url``, ``profile``, ...).
 
     Returns:
         A :class:`~pyg_atompack.hub.HubAtpReader` named by the URL.

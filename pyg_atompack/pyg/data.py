@@ -82,7 +82,7 @@ def record_to_data(
     whose value is :obj:`None`) are simply absent from the result.
 
     Args:
-        record: A molecule as returned by ``reader[i]`` (``positions``,
+        record (Any): A molecule as returned by ``reader[i]`` (``positions``,
             ``atomic_numbers``, optional builtins, ``properties`` and
             ``atom_properties`` dicts).
         fields (Iterable[str], optional): The `.atp` fields to materialise (see

@@ -62,7 +62,7 @@ def resolve_fields(
     Positions and atomic numbers are always included.
 
     Args:
-        requested (Iterable[str], optional): The selection, or :obj:`None` for all.
+        requested (Iterable[str]): The selection, or :obj:`None` for all.
         available (Iterable[str]): The optional fields the source can hold, in
             `.atp` naming (builtins by name, customs with their scope prefix).
         source (str, optional): How to name the source in error messages.

@@ -28,8 +28,9 @@ class AttributeNames:
     """Renames and dtype casts applied to every ``Data``/``Batch`` a dataset produces.
 
     Args:
-        rename (Mapping[str, str]): ``project attribute -> attribute in the output``.
-        float32 (frozenset[str]): Project attributes cast to ``torch.float32``.
+        rename (Mapping[str, str], optional): ``project attribute -> attribute in the output``.
+            (default: :obj:`{}`)
+        float32 (frozenset[str], optional): Project attributes cast to ``torch.float32``.
             (default: empty)
     """
 

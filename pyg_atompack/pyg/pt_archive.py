@@ -132,7 +132,7 @@ def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
     """Locate the records of a ``torch.save`` zip archive inside its bytes.
 
     Args:
-        buffer: The whole archive.
+        buffer (bytes | bytearray | memoryview): The whole archive.
 
     Returns:
         Where its pickle, byte order record and storages are.

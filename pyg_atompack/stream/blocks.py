@@ -102,8 +102,8 @@ def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
     :mod:`pyg_atompack.transport.ranges`. A size is needed (from the listing).
 
     Args:
-        source: The dataset's source.
-        info: One of its shards.
+        source (Source): The dataset's source.
+        info (ShardInfo): One of its shards.
 
     Returns:
         The reader, or :obj:`None`.
@@ -134,10 +134,10 @@ def wants_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,
     """Whether a dataset streams record blocks rather than whole shards.
 
     Args:
-        source: The dataset's source.
-        shards: Its listing.
-        block_bytes: Largest block span.
-        blocks: :obj:`True` / :obj:`False` to force; :obj:`None` (auto) chooses blocks
+        source (Source): The dataset's source.
+        shards (Sequence[ShardInfo]): Its listing.
+        block_bytes (int): Largest block span.
+        blocks (bool | None): :obj:`True` / :obj:`False` to force; :obj:`None` (auto) chooses blocks
             when every shard is an ``.atp`` file of known size that the source can read
             by range (:func:`range_reader`) and at least one is larger than
             ``block_bytes`` (so a dataset of small shards keeps whole-file reads).
@@ -157,10 +157,10 @@ def plan_source_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes:
     """Every block of every shard, in source order (fetches or reuses cached metadata).
 
     Args:
-        source: The dataset's source.
-        shards: Its listing.
-        block_bytes: Largest block span.
-        cache_dir: Metadata cache root.
+        source (Source): The dataset's source.
+        shards (Sequence[ShardInfo]): Its listing.
+        block_bytes (int): Largest block span.
+        cache_dir (str | Path | None): Metadata cache root.
 
     Returns:
         The blocks.
@@ -199,11 +199,11 @@ def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: boo
     """The pieces of ``slot`` this epoch (see the module docstring for the split).
 
     Args:
-        blocks: Every block of the source.
-        slot: The stream being planned.
-        shuffle: Permute the block order per epoch.
-        seed: Shared seed.
-        epoch: Epoch number.
+        blocks (Sequence[Block]): Every block of the source.
+        slot (StreamSlot): The stream being planned.
+        shuffle (bool): Permute the block order per epoch.
+        seed (int): Shared seed.
+        epoch (int): Epoch number.
 
     Returns:
         The :class:`BlockPlan`.
@@ -240,12 +240,13 @@ class BlockLoader:
     """Fetches and decodes the pieces of a :class:`BlockPlan` (one job per piece).
 
     Args:
-        source: The dataset's source.
-        shards: Its listing.
-        plan: The stream's plan; job ``position`` is ``plan.blocks[position]``.
-        cache_dir: Metadata cache root.
-        on_error: ``"raise"`` or ``"skip"``.
-        metas_kept: Shard metadata kept in memory (most recently used).
+        source (Source): The dataset's source.
+        shards (Sequence[ShardInfo]): Its listing.
+        plan (BlockPlan): The stream's plan; job ``position`` is ``plan.blocks[position]``.
+        cache_dir (str | Path | None): Metadata cache root.
+        on_error (str): ``"raise"`` or ``"skip"``.
+        metas_kept (int, optional): Shard metadata kept in memory (most recently used).
+            (default: :obj:`4`)
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], plan: BlockPlan, *,
@@ -277,12 +278,12 @@ class BlockLoader:
         """Fetch piece ``position`` with one range request and decode it in place.
 
         Args:
-            position: Position of the piece in the stream.
-            number: Its block's number (for the trace).
-            cancel: Cancellation of the iteration.
-            recorder: Receives the download / decode times.
-            parts: Range requests the block is fetched over at once (the first block of
-                an iteration, which nothing overlaps, uses every connection).
+            position (int): Position of the piece in the stream.
+            number (int): Its block's number (for the trace).
+            cancel (CancelToken): Cancellation of the iteration.
+            recorder (TraceRecorder): Receives the download / decode times.
+            parts (int, optional): Range requests the block is fetched over at once (the first block
+                of an iteration, which nothing overlaps, uses every connection). (default: :obj:`1`)
 
         Returns:
             The decoded piece (no samples when it failed and ``on_error="skip"``).

@@ -90,51 +90,53 @@ class ShardStreamDataset(IterableDataset):
     the main process merges the files of the current epoch.
 
     Args:
-        source: Where shards come from (:class:`~pyg_atompack.stream.LocalSource`,
-            :class:`~pyg_atompack.stream.HTTPSource`, :class:`~pyg_atompack.stream.HubSource`
-            or any :class:`~pyg_atompack.stream.Source`), or a URL or path that
-            :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
+        source (Source | str | os.PathLike): Where shards come from
+            (:class:`~pyg_atompack.stream.LocalSource`, :class:`~pyg_atompack.stream.HTTPSource`,
+            :class:`~pyg_atompack.stream.HubSource` or any :class:`~pyg_atompack.stream.Source`), or
+            a URL or path that :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
             ``http(s)://``, object stores, a local directory). Listed once, here.
-        prefetch: Shards retrieved and decoded ahead of the one being consumed; ``0``
-            loads each shard on demand in the consumer's thread. A budget per rank:
+        prefetch (int, optional): Shards retrieved and decoded ahead of the one being consumed;
+            ``0`` loads each shard on demand in the consumer's thread. A budget per rank:
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
-        concurrency: Maximum downloads in flight (effective up to ``prefetch``), per
+        concurrency (int, optional): Maximum downloads in flight (effective up to ``prefetch``), per
             rank like ``prefetch`` (each worker gets at least one connection).
             (default: :obj:`1`)
-        shuffle: Permute shard order per epoch and samples within each shard.
+        shuffle (bool, optional): Permute shard order per epoch and samples within each shard.
             (default: :obj:`False`)
-        seed: Base seed of every permutation. (default: :obj:`0`)
-        shuffle_buffer: Size of a buffer mixing samples across shards (``0``: off).
+        seed (int, optional): Base seed of every permutation. (default: :obj:`0`)
+        shuffle_buffer (int, optional): Size of a buffer mixing samples across shards (``0``: off).
             (default: :obj:`0`)
-        batch_size: Yield :class:`~torch_geometric.data.Batch` objects of this many
+        batch_size (int, optional): Yield :class:`~torch_geometric.data.Batch` objects of this many
             samples instead of single samples. (default: :obj:`None`)
-        transform: Function applied to every sample before batching. (default: :obj:`None`)
-        trusted: Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
+        transform (Callable[[BaseData], BaseData], optional): Function applied to every sample
+            before batching. (default: :obj:`None`)
+        trusted (bool, optional): Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
             ``weights_only=False``). Only for sources you trust. The usual layouts
             are indexed without unpickling either way; the safe default reads any
             other layout with ``torch.load(weights_only=True)`` and the PyG allow-list
             (:func:`pyg_atompack.pyg.decode_pt`). (default: :obj:`False`)
-        retries: Retries of transient transfer failures (timeouts, resets, HTTP 429/5xx);
-            replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
+        retries (int, optional): Retries of transient transfer failures (timeouts, resets, HTTP
+            429/5xx); replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
             (default: :obj:`None`, the source's policy)
-        verify: Check each shard's size and sha256 against the listing; a mismatch is
-            retried once, then raises :class:`~pyg_atompack.stream.ShardIntegrityError`.
+        verify (bool, optional): Check each shard's size and sha256 against the listing; a mismatch
+            is retried once, then raises :class:`~pyg_atompack.stream.ShardIntegrityError`.
             (default: :obj:`True`)
-        on_error: ``"raise"`` stops iteration at a shard that cannot be fetched or
+        on_error (str, optional): ``"raise"`` stops iteration at a shard that cannot be fetched or
             decoded, naming it; ``"skip"`` logs a warning and continues.
             (default: :obj:`"raise"`)
-        rank: DDP rank (default: from :mod:`torch.distributed` when initialised, else 0).
-        world_size: Number of DDP ranks (default: as for ``rank``, else 1).
-        trace_dir: Directory for worker trace files. (default: a temporary directory
-            removed with the dataset)
-        trim_memory: Hand freed heap memory back to the operating system (glibc
+        rank (int, optional): DDP rank
+            (default: from :mod:`torch.distributed` when initialised, else 0).
+        world_size (int, optional): Number of DDP ranks (default: as for ``rank``, else 1).
+        trace_dir (str | os.PathLike, optional): Directory for worker trace files. (default: a
+            temporary directory removed with the dataset)
+        trim_memory (bool, optional): Hand freed heap memory back to the operating system (glibc
             ``malloc_trim``; a no-op elsewhere) after a consumed shard, once at least
             :data:`TRIM_AFTER_BYTES` of shards were consumed since the last trim.
             Without it the resident set keeps the high-water mark of the prefetch
             threads' malloc arenas, several shards above what is alive; see
             :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
-        lazy_decode: Decode a ``.pt`` shard without unpickling it when it holds a
+        lazy_decode (bool, optional): Decode a ``.pt`` shard without unpickling it when it holds a
             list of ``Data`` (tensors of their own, or views of storages the samples
             share: list slices of an ``InMemoryDataset``) or a collated
             ``(data, slices)`` tuple: :mod:`pyg_atompack.pyg.pt_index` indexes the
@@ -146,20 +148,20 @@ class ShardStreamDataset(IterableDataset):
             out, so a consumer holding on to them never pins a whole shard. ``False``
             unpickles every ``.pt`` shard with ``torch.load(weights_only=True)``. Other
             layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
-        split_first: Fetch the first shard of each iteration over ``concurrency``
+        split_first (bool, optional): Fetch the first shard of each iteration over ``concurrency``
             connections at once (byte ranges, for sources with ``fetch_in_parts`` such
             as :class:`~pyg_atompack.stream.HTTPSource` and
             :class:`~pyg_atompack.stream.HubSource`), and start the other downloads
             once it has arrived. Nothing can overlap the first download, and servers
             often cap the bandwidth of each connection, so this shortens the wait for
             the first sample up to ``concurrency`` times. (default: :obj:`True`)
-        rename: Give sample attributes other names, e.g. ``{"forces": "force"}``,
-            before ``transform`` and batching (see :class:`~pyg_atompack.AtompackDataset`).
-            (default: :obj:`None`)
-        names: A naming preset such as ``"pyg-md17"`` (``force``, float32 ``energy``).
-            (default: :obj:`None`)
-        blocks: Stream ``.atp`` shards as *record blocks* of consecutive records instead
-            of whole files (see :mod:`pyg_atompack.stream.blocks`): each block is one
+        rename (Mapping[str, str], optional): Give sample attributes other names, e.g. ``{"forces":
+            "force"}``, before ``transform`` and batching (see
+            :class:`~pyg_atompack.AtompackDataset`). (default: :obj:`None`)
+        names (str, optional): A naming preset such as ``"pyg-md17"`` (``force``, float32
+            ``energy``). (default: :obj:`None`)
+        blocks (bool, optional): Stream ``.atp`` shards as *record blocks* of consecutive records
+            instead of whole files (see :mod:`pyg_atompack.stream.blocks`): each block is one
             range request of at most ``block_bytes``, decoded in place, and blocks take
             the place of shards in ordering, prefetch (``prefetch`` and ``concurrency``
             count blocks), splitting (exact, at record granularity), traces, retries and
@@ -170,13 +172,13 @@ class ShardStreamDataset(IterableDataset):
             ``range_reader(shard)`` method) and one is larger than ``block_bytes``;
             small shards keep whole-file reads.
             (default: :obj:`None`)
-        block_bytes: Largest file span of a block. (default: 64 MiB)
-        interleave: Shards (or blocks) consumed at once, each next sample drawn from
+        block_bytes (int, optional): Largest file span of a block. (default: 64 MiB)
+        interleave (int, optional): Shards (or blocks) consumed at once, each next sample drawn from
             one of them at random (:func:`~pyg_atompack.stream.ordering.interleave_shards`),
             before the ``shuffle_buffer``. Up to ``prefetch + interleave`` decoded
             shards are alive. (default: :obj:`1`)
-        cache_dir: Where the metadata (header, schema, index) of block-streamed shards
-            is cached, shared by workers, ranks and later runs. (default:
+        cache_dir (str | os.PathLike, optional): Where the metadata (header, schema, index) of
+            block-streamed shards is cached, shared by workers, ranks and later runs. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
         read_ahead (int, optional): Samples of each lazily decoded shard being consumed
             that a background thread builds ahead of the consumer
@@ -267,7 +269,7 @@ class ShardStreamDataset(IterableDataset):
         workers started afterwards inherit it.
 
         Args:
-            epoch: The epoch number, mixed into every permutation's seed.
+            epoch (int): The epoch number, mixed into every permutation's seed.
         """
         self.epoch = int(epoch)
 
@@ -290,8 +292,8 @@ class ShardStreamDataset(IterableDataset):
         """The shards and sample quota of ``slot`` (default: this process) this epoch.
 
         Args:
-            slot: The (rank, worker) stream to plan for. (default: :obj:`None`, the
-                stream of the calling process, see :meth:`slot`)
+            slot (StreamSlot, optional): The (rank, worker) stream to plan for. (default:
+                :obj:`None`, the stream of the calling process, see :meth:`slot`)
 
         Returns:
             The shards, in reading order, assigned to the slot for the current
@@ -327,7 +329,7 @@ class ShardStreamDataset(IterableDataset):
         Also sets the epoch to the saved one.
 
         Args:
-            state: Output of :meth:`state_dict`, from a dataset with the same source,
+            state (dict): Output of :meth:`state_dict`, from a dataset with the same source,
                 seed and shuffle settings.
         """
         if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:

@@ -141,7 +141,7 @@ def reduce_packed(obj: Any) -> tuple:
     """``ForkingPickler`` reducer sending ``obj`` with all its tensors in one buffer.
 
     Args:
-        obj: A ``Data``, ``HeteroData`` or ``Batch`` (any picklable object works).
+        obj (Any): A ``Data``, ``HeteroData`` or ``Batch`` (any picklable object works).
 
     Returns:
         A reduce tuple: the rebuild function and its arguments (the buffer inline up to

@@ -31,8 +31,8 @@ def shard_error(name: str, error: TransportError) -> ShardFetchError:
     """The streaming error for a failed transfer of shard ``name``.
 
     Args:
-        name: The shard.
-        error: What the transport raised (its message names the redacted URL).
+        name (str): The shard.
+        error (TransportError): What the transport raised (its message names the redacted URL).
 
     Returns:
         A :class:`ShardFetchError` with the transport error's ``url`` and ``status``.
@@ -45,11 +45,12 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
     """Download ``url`` completely, retrying transient failures and resuming partial bodies.
 
     Args:
-        url: The address to fetch.
-        name: Shard name for messages.
-        policy: Retry and timeout settings.
-        cancel: Stops the transfer (and any backoff wait) when cancelled.
-        headers: Extra request headers (credentials go to the origin of ``url`` only).
+        url (str): The address to fetch.
+        name (str): Shard name for messages.
+        policy (RetryPolicy): Retry and timeout settings.
+        cancel (CancelToken): Stops the transfer (and any backoff wait) when cancelled.
+        headers (Mapping[str, str], optional): Extra request headers (credentials go to the origin
+            of ``url`` only). (default: :obj:`None`)
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
@@ -73,13 +74,13 @@ def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: Re
     See :func:`pyg_atompack.transport.http.fetch_in_parts`.
 
     Args:
-        url: The address to fetch.
-        size: The body's length in bytes (from the listing).
-        parts: Concurrent connections.
-        name: Shard name for messages.
-        policy: Retry and timeout settings, for each part.
-        cancel: Stops every part (and any backoff wait) when cancelled.
-        headers: Extra request headers.
+        url (str): The address to fetch.
+        size (int): The body's length in bytes (from the listing).
+        parts (int): Concurrent connections.
+        name (str): Shard name for messages.
+        policy (RetryPolicy): Retry and timeout settings, for each part.
+        cancel (CancelToken): Stops every part (and any backoff wait) when cancelled.
+        headers (Mapping[str, str], optional): Extra request headers. (default: :obj:`None`)
 
     Returns:
         The body, in an anonymous memory map.
@@ -123,8 +124,8 @@ class URLShardSource:
         received when the server supports ranges.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Stops the transfer, and any backoff wait, when cancelled.
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Stops the transfer, and any backoff wait, when cancelled.
 
         Returns:
             The shard's bytes.
@@ -145,9 +146,9 @@ class URLShardSource:
         :func:`fetch_url_in_parts`). Without a known size it is one plain download.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Stops every part, and any backoff wait, when cancelled.
-            parts: Concurrent connections.
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Stops every part, and any backoff wait, when cancelled.
+            parts (int): Concurrent connections.
 
         Returns:
             The shard's bytes.
@@ -163,13 +164,14 @@ class HTTPSource(URLShardSource):
     """Shards fetched over HTTP(S).
 
     Args:
-        urls_or_manifest: Either a list of shard URLs, or the URL of a ``manifest.json``
-            written by the converter. The manifest has the shape
+        urls_or_manifest (str | Sequence[str]): Either a list of shard URLs, or the URL of a
+            ``manifest.json`` written by the converter. The manifest has the shape
             ``{"shards": [{"name": "train-00000.pt", "records": 1000, "bytes": 123456,
             "sha256": "..."}, ...]}``; names are resolved relative to the manifest URL,
             and sizes, record counts and checksums come from it.
-        headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``.
-        retry: Retry and timeout policy. (default: :class:`RetryPolicy()`)
+        headers (Mapping[str, str], optional): Extra request headers, e.g. ``{"Authorization":
+            "Bearer ..."}``. (default: :obj:`None`)
+        retry (RetryPolicy, optional): Retry and timeout policy. (default: :class:`RetryPolicy()`)
 
     Interrupted transfers are resumed with ``Range`` requests; 429 and 5xx answers,
     timeouts and connection resets are retried with exponential backoff and jitter.

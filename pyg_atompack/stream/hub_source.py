@@ -30,19 +30,22 @@ class HubSource(URLShardSource):
     behaviour as :class:`~pyg_atompack.stream.HTTPSource`.
 
     Args:
-        repo_id: ``owner/name``.
-        path_in_repo: Directory of the shards (``""``: repository root).
-        revision: Branch, tag or commit sha. (default: :obj:`"main"`)
-        pattern: ``fnmatch`` pattern for shard paths relative to ``path_in_repo``.
+        repo_id (str): ``owner/name``.
+        path_in_repo (str, optional): Directory of the shards (``""``: repository root).
+            (default: :obj:`""`)
+        revision (str, optional): Branch, tag or commit sha. (default: :obj:`"main"`)
+        pattern (str, optional): ``fnmatch`` pattern for shard paths relative to ``path_in_repo``.
             (default: :obj:`"*.pt"`)
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``. (default: :obj:`"dataset"`)
-        token: Hub token (``None``: the saved token, ``False``: none).
-        endpoint: Hub base URL (``None``: huggingface_hub's configured endpoint, i.e.
-            ``HF_ENDPOINT``).
-        retry: Retry and timeout policy for downloads, and for the listing and the revision
-            lookup. (default: :class:`RetryPolicy()`)
-        suffixes: Keep only shard paths ending in one of these (``None``: every match of
-            ``pattern``). (default: :obj:`None`)
+        repo_type (str, optional): ``"dataset"``, ``"model"`` or ``"space"``.
+            (default: :obj:`"dataset"`)
+        token (str | bool, optional): Hub token (``None``: the saved token, ``False``: none).
+            (default: :obj:`None`)
+        endpoint (str, optional): Hub base URL (``None``: huggingface_hub's configured endpoint,
+            i.e. ``HF_ENDPOINT``). (default: :obj:`None`)
+        retry (RetryPolicy, optional): Retry and timeout policy for downloads, and for the listing
+            and the revision lookup. (default: :class:`RetryPolicy()`)
+        suffixes (tuple[str, ...], optional): Keep only shard paths ending in one of these
+            (``None``: every match of ``pattern``). (default: :obj:`None`)
     """
 
     def __init__(self, repo_id: str, path_in_repo: str = "", *, revision: str = "main",

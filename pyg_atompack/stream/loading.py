@@ -29,7 +29,7 @@ def check_on_error(on_error: str) -> str:
     """Return ``on_error`` if it is one of :data:`ON_ERROR_CHOICES`.
 
     Args:
-        on_error: The requested failure policy.
+        on_error (str): The requested failure policy.
 
     Returns:
         The same value.
@@ -46,11 +46,11 @@ class LoadedShard:
     """A decoded shard held by the pipeline; its lifetime is counted in the trace.
 
     Args:
-        position: Position in the stream's shard list.
-        index: Index of the shard in the source listing.
-        info: The shard's listing entry.
-        samples: Decoded samples (empty for a skipped shard).
-        recorder: Trace recorder counting live shards.
+        position (int): Position in the stream's shard list.
+        index (int): Index of the shard in the source listing.
+        info (ShardInfo): The shard's listing entry.
+        samples (Sequence[BaseData]): Decoded samples (empty for a skipped shard).
+        recorder (TraceRecorder): Trace recorder counting live shards.
     """
 
     def __init__(self, position: int, index: int, info: ShardInfo,
@@ -68,8 +68,8 @@ def integrity_problem(info: ShardInfo, data: bytes | bytearray) -> str | None:
     """What is wrong with a shard's bytes given its listing entry, or None if nothing.
 
     Args:
-        info: The listing entry; its ``size`` and ``sha256`` are checked when known.
-        data: The fetched bytes.
+        info (ShardInfo): The listing entry; its ``size`` and ``sha256`` are checked when known.
+        data (bytes | bytearray): The fetched bytes.
 
     Returns:
         A short description of the first mismatch, or :obj:`None`.
@@ -81,13 +81,14 @@ class ShardLoader:
     """Fetches, verifies and decodes shards of one source, recording each step.
 
     Args:
-        source: Where the bytes come from.
-        shards: The source's listing; jobs refer to shards by their index in it.
-        trusted: Allow arbitrary pickles in ``.pt`` shards.
-        verify: Check size and sha256 against the listing (one re-download on mismatch).
-        on_error: ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
-        lazy_decode: Index ``.pt`` shards in place
-            (:mod:`pyg_atompack.pyg.pt_index`) instead of unpickling them.
+        source (Source): Where the bytes come from.
+        shards (Sequence[ShardInfo]): The source's listing; jobs refer to shards by their index in
+            it.
+        trusted (bool): Allow arbitrary pickles in ``.pt`` shards.
+        verify (bool): Check size and sha256 against the listing (one re-download on mismatch).
+        on_error (str): ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
+        lazy_decode (bool, optional): Index ``.pt`` shards in place
+            (:mod:`pyg_atompack.pyg.pt_index`) instead of unpickling them. (default: :obj:`True`)
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
@@ -104,9 +105,10 @@ class ShardLoader:
         """Fetch one shard, downloading it once more if it fails verification.
 
         Args:
-            info: The shard.
-            cancel: Cancellation of the iteration.
-            parts: Concurrent range requests, for sources that offer ``fetch_in_parts``.
+            info (ShardInfo): The shard.
+            cancel (CancelToken): Cancellation of the iteration.
+            parts (int, optional): Concurrent range requests, for sources that offer
+                ``fetch_in_parts``. (default: :obj:`1`)
 
         Returns:
             The shard's bytes.
@@ -143,12 +145,12 @@ class ShardLoader:
         """Fetch and decode one shard; the pipeline drops its bytes once it is decoded.
 
         Args:
-            position: Position of the shard in the stream's shard list.
-            shard_index: Index of the shard in the listing.
-            cancel: Cancellation of the iteration.
-            recorder: Receives the download / deserialise times and the outcome.
-            parts: Concurrent range requests for the download (see
-                :meth:`fetch_verified`).
+            position (int): Position of the shard in the stream's shard list.
+            shard_index (int): Index of the shard in the listing.
+            cancel (CancelToken): Cancellation of the iteration.
+            recorder (TraceRecorder): Receives the download / deserialise times and the outcome.
+            parts (int, optional): Concurrent range requests for the download (see
+                :meth:`fetch_verified`). (default: :obj:`1`)
 
         Returns:
             The decoded shard (no samples when it failed and ``on_error="skip"``).
@@ -203,7 +205,7 @@ def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInf
         cancel (CancelToken): Cancellation of the iteration.
         on_error (str): ``"raise"`` or ``"skip"``.
         index (int, optional): :attr:`LoadedShard.index` (a block's first record in
-            the whole dataset). (default: ``key``)
+            the whole dataset). (default: :obj:`key`)
         unit (str, optional): What messages call the job. (default: :obj:`"shard"`)
         fetch (Callable[[], tuple[Any, int]]): Downloads the job's bytes; returns them
             and the byte count to record.

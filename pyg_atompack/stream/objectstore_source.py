@@ -30,14 +30,14 @@ class ObjectStoreSource:
     """``.pt`` / ``.atp`` shards below an object-store prefix, or named by a manifest.
 
     Args:
-        url: ``s3://bucket/prefix/`` (every ``.pt`` / ``.atp`` object below it, in POSIX
+        url (str): ``s3://bucket/prefix/`` (every ``.pt`` / ``.atp`` object below it, in POSIX
             path order), ``s3://bucket/prefix/manifest.json`` (the shards it names) or
             one object's URL. A ``manifest.json`` below the prefix supplies sha256
             digests and record counts.
-        **storage_options: Options of :class:`~pyg_atompack.transport.objectstore.ObjectStore`
-            (``anon``, ``profile``, ``endpoint_url``, ``retry`` (a
-            :class:`~pyg_atompack.transport.RetryPolicy`), and fsspec options such as
-            ``key`` / ``secret``, which are never pickled).
+        **storage_options (optional): Options of
+            :class:`~pyg_atompack.transport.objectstore.ObjectStore` (``anon``, ``profile``,
+            ``endpoint_url``, ``retry`` (a :class:`~pyg_atompack.transport.RetryPolicy`), and fsspec
+            options such as ``key`` / ``secret``, which are never pickled).
 
     The listing happens once, here; DataLoader workers get it pickled (or inherited
     across ``fork``) and each makes its own client on its first fetch.
@@ -86,7 +86,7 @@ class ObjectStoreSource:
         """Range reads of one shard (record blocks of ``.atp`` shards use them).
 
         Args:
-            shard: One entry of :meth:`list_shards`.
+            shard (ShardInfo): One entry of :meth:`list_shards`.
 
         Returns:
             A picklable, fork-safe reader pinned to the listed ETag.
@@ -97,8 +97,9 @@ class ObjectStoreSource:
         """Download one shard into an anonymous memory map of its listed size.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Aborts the request in flight, and any backoff wait, when cancelled.
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Aborts the request in flight, and any backoff wait, when
+                cancelled.
 
         Returns:
             The shard's bytes.
@@ -122,9 +123,9 @@ class ObjectStoreSource:
         part resumes on its own; one failed part cancels the others.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Aborts every part when cancelled.
-            parts: Concurrent requests; fewer when parts would be smaller than
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Aborts every part when cancelled.
+            parts (int): Concurrent requests; fewer when parts would be smaller than
                 :data:`MIN_PART_BYTES`.
 
         Returns:

@@ -23,14 +23,14 @@ def open_source(url: str | os.PathLike | Source, **storage_options: Any) -> Sour
     """The shard source ``url`` names.
 
     Args:
-        url: ``hf://datasets/{repo}[@{revision}]/{path}`` (a directory of shards, or one
-            ``.pt`` / ``.atp`` file), ``http(s)://.../manifest.json``, a directory URL
-            ending in ``/`` (its ``manifest.json``) or one ``.pt`` / ``.atp`` file URL, an
+        url (str | os.PathLike | Source): ``hf://datasets/{repo}[@{revision}]/{path}`` (a directory
+            of shards, or one ``.pt`` / ``.atp`` file), ``http(s)://.../manifest.json``, a directory
+            URL ending in ``/`` (its ``manifest.json``) or one ``.pt`` / ``.atp`` file URL, an
             object-store URL (``s3://bucket/prefix/``, ``gs://``, ``az://`` where the
             backend is installed), a local directory or glob, or a :class:`Source`
             (returned as it is).
-        **storage_options: Passed to the source: ``retry``, ``headers`` (HTTP), ``token``,
-            ``endpoint``, ``pattern`` (Hub), the object store's options.
+        **storage_options (optional): Passed to the source: ``retry``, ``headers`` (HTTP),
+            ``token``, ``endpoint``, ``pattern`` (Hub), the object store's options.
 
     Returns:
         The source (listed once, here).

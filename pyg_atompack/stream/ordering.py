@@ -27,11 +27,11 @@ def shard_sample_order(count: int, *, shuffle: bool, seed: int, epoch: int,
     """The order in which the samples of one shard are handed out this epoch.
 
     Args:
-        count: Number of samples in the shard.
-        shuffle: Permute (else keep the stored order).
-        seed: Base seed of the dataset.
-        epoch: Current epoch.
-        shard_index: The shard's index in the source listing (not its position in the
+        count (int): Number of samples in the shard.
+        shuffle (bool): Permute (else keep the stored order).
+        seed (int): Base seed of the dataset.
+        epoch (int): Current epoch.
+        shard_index (int): The shard's index in the source listing (not its position in the
             epoch), so a shard is permuted the same way whichever stream reads it.
 
     Returns:
@@ -50,19 +50,21 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
     """The samples of each shard in turn, skipping those ``progress`` already handed out.
 
     Args:
-        shards: Decoded shards in stream order.
-        progress: Resume state; samples it has seen are left out and a shard with
+        shards (Iterable[LoadedShard]): Decoded shards in stream order.
+        progress (StreamProgress): Resume state; samples it has seen are left out and a shard with
             nothing left is marked complete.
-        pending: Filled with the number of samples still to hand out per shard position.
-        shuffle: Permute the samples within each shard.
-        seed: Base seed of the dataset.
-        epoch: Current epoch.
-        transform: Applied to each sample as it is taken.
-        detach: Copy every sample of a lazily decoded shard out of the shard's buffer
-            (when samples are held beyond their shard, e.g. in a mixing buffer); the
-            last sample of each shard is always copied.
-        ahead: Builds the samples of lazily decoded shards ahead of the consumer, on
-            its thread; :obj:`None` builds each one here, when it is taken.
+        pending (dict[int, int]): Filled with the number of samples still to hand out per shard
+            position.
+        shuffle (bool): Permute the samples within each shard.
+        seed (int): Base seed of the dataset.
+        epoch (int): Current epoch.
+        transform (Callable[[BaseData], BaseData] | None): Applied to each sample as it is taken.
+        detach (bool, optional): Copy every sample of a lazily decoded shard out of the shard's
+            buffer (when samples are held beyond their shard, e.g. in a mixing buffer); the
+            last sample of each shard is always copied. (default: :obj:`False`)
+        ahead (ReadAhead, optional): Builds the samples of lazily decoded shards ahead of the
+            consumer, on its thread; :obj:`None` builds each one here, when it is taken.
+            (default: :obj:`None`)
 
     Yields:
         ``(position, index in shard, sample)``.
@@ -117,12 +119,12 @@ def interleave_shards(shards: Iterable[LoadedShard], width: int, rng: np.random.
     of the dataset, at the cost of holding ``width`` decoded shards instead of one.
 
     Args:
-        shards: Decoded shards in stream order.
-        width: Shards open at once; ``1`` is :func:`shard_samples` unchanged.
-        rng: Picks the shard each sample comes from.
-        progress: Resume state (see :func:`shard_samples`).
-        pending: Filled as by :func:`shard_samples`.
-        **options: ``shuffle``, ``seed``, ``epoch``, ``transform``, ``detach`` and
+        shards (Iterable[LoadedShard]): Decoded shards in stream order.
+        width (int): Shards open at once; ``1`` is :func:`shard_samples` unchanged.
+        rng (np.random.Generator): Picks the shard each sample comes from.
+        progress (StreamProgress): Resume state (see :func:`shard_samples`).
+        pending (dict[int, int]): Filled as by :func:`shard_samples`.
+        **options (optional): ``shuffle``, ``seed``, ``epoch``, ``transform``, ``detach`` and
             ``ahead`` of :func:`shard_samples`.
 
     Yields:
@@ -156,9 +158,9 @@ def mix_across_shards(items: Iterable[Item], buffer_size: int,
     """Mix items from neighbouring shards through a buffer of ``buffer_size`` items.
 
     Args:
-        items: Items in shard order.
-        buffer_size: Items held back; ``0`` passes the items through unchanged.
-        rng: Picks which buffered item leaves next.
+        items (Iterable[Item]): Items in shard order.
+        buffer_size (int): Items held back; ``0`` passes the items through unchanged.
+        rng (np.random.Generator): Picks which buffered item leaves next.
 
     Yields:
         The same items, in a mixed order.
@@ -182,8 +184,8 @@ def group_items(items: Iterable[Item], batch_size: int | None) -> Iterator[list[
     """Group items into the units the dataset yields.
 
     Args:
-        items: The items.
-        batch_size: Items per group (the last one may be smaller); :obj:`None` makes
+        items (Iterable[Item]): The items.
+        batch_size (int | None): Items per group (the last one may be smaller); :obj:`None` makes
             every item its own unit.
 
     Yields:

@@ -46,7 +46,7 @@ class AtpShardSamples(BufferViewSamples):
     where a list of ``Data`` costs about three times its ``.pt`` file.
 
     Args:
-        reader: An in-memory reader over the shard's bytes.
+        reader (Any): An in-memory reader over the shard's bytes.
     """
 
     def __init__(self, reader: Any) -> None:
@@ -79,8 +79,8 @@ def is_atp_shard(name: str, buffer: bytes | bytearray) -> bool:
     """Whether a shard is an ``.atp`` image (by its name's suffix or its magic bytes).
 
     Args:
-        name: The shard's name.
-        buffer: Its bytes.
+        name (str): The shard's name.
+        buffer (bytes | bytearray): Its bytes.
 
     Returns:
         :obj:`True` for ``.atp`` shards, :obj:`False` for everything read as ``.pt``.
@@ -96,16 +96,16 @@ def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False,
     an ``.atp`` payload is also recognised by its magic bytes.
 
     Args:
-        buffer: The complete shard bytes. An ``.atp`` shard, and an indexed ``.pt``
-            layout passed as a :class:`bytearray` or :class:`mmap.mmap`, decode to a
+        buffer (bytes | bytearray): The complete shard bytes. An ``.atp`` shard, and an indexed
+            ``.pt`` layout passed as a :class:`bytearray` or :class:`mmap.mmap`, decode to a
             lazy view over them (see :class:`AtpShardSamples` and
             :func:`pyg_atompack.pyg.pt.decode_pt`): do not modify the buffer
             afterwards. Other ``.pt`` layouts are unpickled and do not reference it.
-        name: Shard name (its URL or file name), used in error messages.
-        trusted: Allow arbitrary pickles in ``.pt`` shards (plain ``weights_only=False``).
-            (default: :obj:`False`)
-        lazy: Index a ``.pt`` shard in place when ``buffer`` is writable, instead of
-            unpickling it. (default: :obj:`True`)
+        name (str): Shard name (its URL or file name), used in error messages.
+        trusted (bool, optional): Allow arbitrary pickles in ``.pt`` shards (plain
+            ``weights_only=False``). (default: :obj:`False`)
+        lazy (bool, optional): Index a ``.pt`` shard in place when ``buffer`` is writable, instead
+            of unpickling it. (default: :obj:`True`)
 
     Returns:
         A sequence of ``Data`` (``len`` and integer indexing).

@@ -32,12 +32,14 @@ class Prefetcher(Generic[JobT, ResultT]):
     interrupts blocking socket reads) and joins every thread.
 
     Args:
-        jobs: Work items, in delivery order.
-        load: ``load(job, cancel) -> result``; runs on a background thread.
-        depth: Prefetch depth ``k``.
-        concurrency: Maximum jobs running at once.
-        first_alone: Start no other job until the first has finished (it uses all
+        jobs (Sequence[JobT]): Work items, in delivery order.
+        load (Callable[[JobT, CancelToken], ResultT]): ``load(job, cancel) -> result``; runs on a
+            background thread.
+        depth (int): Prefetch depth ``k``.
+        concurrency (int, optional): Maximum jobs running at once. (default: :obj:`1`)
+        first_alone (bool, optional): Start no other job until the first has finished (it uses all
             ``concurrency`` connections itself, see ``ShardStreamDataset(split_first=)``).
+            (default: :obj:`False`)
     """
 
     def __init__(self, jobs: Sequence[JobT], load: Callable[[JobT, CancelToken], ResultT], *,

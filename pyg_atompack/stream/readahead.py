@@ -62,7 +62,7 @@ class ReadAhead(Generic[SampleT]):
     to be safe only against builds of other shards.
 
     Args:
-        window (int): Samples built ahead per shard; ``0`` builds every sample in the
+        window (int, optional): Samples built ahead per shard; ``0`` builds every sample in the
             consumer's thread, when it is taken, and starts no thread.
             (default: :data:`DEFAULT_READ_AHEAD`)
     """

@@ -125,7 +125,7 @@ class CancelToken:
         """Register ``callback`` to run on cancellation (at once if already cancelled).
 
         Args:
-            callback: Function without arguments.
+            callback (Callable[[], None]): Function without arguments.
 
         Returns:
             A function that unregisters the callback.
@@ -151,7 +151,7 @@ class CancelToken:
         backoff to run out.
 
         Args:
-            seconds: How long to wait; negative values are treated as zero.
+            seconds (float): How long to wait; negative values are treated as zero.
 
         Raises:
             StreamCancelled: The token was (or becomes) cancelled during the wait.
@@ -180,8 +180,8 @@ class Source(Protocol):
         """Return the complete bytes of ``shard``.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Cancellation of the iteration that asked for the shard; check it
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Cancellation of the iteration that asked for the shard; check it
                 between chunks, or register an interrupt with :meth:`CancelToken.on_cancel`.
 
         Returns:
@@ -202,8 +202,8 @@ def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
     :func:`pyg_atompack.transport.manifest.read_manifest_records`).
 
     Args:
-        document: The parsed JSON document.
-        origin: Where it came from, for error messages.
+        document (dict): The parsed JSON document.
+        origin (str): Where it came from, for error messages.
 
     Returns:
         ``{name: entry}`` for every listed shard.
@@ -233,10 +233,10 @@ class LocalSource:
     """Shards from a local directory or glob pattern.
 
     Args:
-        directory_or_glob: A directory (every ``*.pt`` / ``*.atp`` file in it, sorted) or a
-            glob pattern such as ``"shards/train-*.pt"``.
-        checksums: Compute each shard's sha256 while listing (reads every file once).
-            (default: :obj:`False`; sizes are always verified)
+        directory_or_glob (str | os.PathLike): A directory (every ``*.pt`` / ``*.atp`` file in it,
+            sorted) or a glob pattern such as ``"shards/train-*.pt"``.
+        checksums (bool, optional): Compute each shard's sha256 while listing (reads every file
+            once). (default: :obj:`False`; sizes are always verified)
 
     Record counts come from a ``manifest.json`` next to the shards when present, and
     otherwise from the index of ``.atp`` shards.
@@ -286,8 +286,8 @@ class LocalSource:
         """Read one shard in 1 MiB chunks, stopping early when cancelled.
 
         Args:
-            shard: One entry of :meth:`list_shards`.
-            cancel: Checked between chunks.
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Checked between chunks.
 
         Returns:
             The file's bytes, in an anonymous memory map of the file's size (see

@@ -67,10 +67,10 @@ def epoch_shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) 
     """Shard indices in the order they are dealt out this epoch.
 
     Args:
-        num_shards: Number of shards in the source.
-        shuffle: Permute the order (else the source order).
-        seed: Base seed shared by all processes.
-        epoch: Epoch number (see ``set_epoch``).
+        num_shards (int): Number of shards in the source.
+        shuffle (bool): Permute the order (else the source order).
+        seed (int): Base seed shared by all processes.
+        epoch (int): Epoch number (see ``set_epoch``).
 
     Returns:
         A permutation of ``range(num_shards)``.
@@ -119,9 +119,9 @@ def worker_share(budget: int, slot: StreamSlot, *, minimum: int = 1) -> int:
     ``budget + num_workers - 1``.
 
     Args:
-        budget: The rank's total (``prefetch`` or ``concurrency``).
-        slot: The stream (its ``num_workers`` count; ranks do not share).
-        minimum: The least any worker gets. (default: :obj:`1`)
+        budget (int): The rank's total (``prefetch`` or ``concurrency``).
+        slot (StreamSlot): The stream (its ``num_workers`` count; ranks do not share).
+        minimum (int, optional): The least any worker gets. (default: :obj:`1`)
 
     Returns:
         ``max(minimum, ceil(budget / num_workers))``.
@@ -149,13 +149,14 @@ def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: boo
     """Compute the shards and sample quota of ``slot`` for ``epoch``.
 
     Args:
-        records: Record count of every shard in source order (``None`` when unknown).
-        slot: The stream being planned.
-        shuffle: Permute shard order per epoch.
-        seed: Shared seed.
-        epoch: Epoch number.
-        batch_size: When set, quotas are whole batches so every rank yields the same
-            number of full batches.
+        records (Sequence[int | None]): Record count of every shard in source order (``None`` when
+            unknown).
+        slot (StreamSlot): The stream being planned.
+        shuffle (bool): Permute shard order per epoch.
+        seed (int): Shared seed.
+        epoch (int): Epoch number.
+        batch_size (int, optional): When set, quotas are whole batches so every rank yields the same
+            number of full batches. (default: :obj:`None`)
 
     Returns:
         The :class:`StreamPlan`.

@@ -60,8 +60,8 @@ class TraceRecorder:
     """Thread-safe collector of :class:`ShardTrace` records for one iteration.
 
     Args:
-        rank: DDP rank stamped on records.
-        worker: Worker id stamped on records.
+        rank (int, optional): DDP rank stamped on records. (default: :obj:`0`)
+        worker (int, optional): Worker id stamped on records. (default: :obj:`0`)
     """
 
     def __init__(self, rank: int = 0, worker: int = 0):
@@ -117,7 +117,7 @@ def merge_traces(snapshots: Iterable[Mapping]) -> dict:
     """Merge per-process snapshots (from :meth:`TraceRecorder.to_dict`) onto one clock.
 
     Args:
-        snapshots: Snapshots of processes that ran the same epoch.
+        snapshots (Iterable[Mapping]): Snapshots of processes that ran the same epoch.
 
     Returns:
         ``{"origin", "wait_s", "peak_live_shards", "records"}`` with every time rebased
@@ -152,7 +152,7 @@ def summarize(merged: Mapping) -> dict:
     """Summary figures of a (merged) trace.
 
     Args:
-        merged: Output of :func:`merge_traces` (or one snapshot).
+        merged (Mapping): Output of :func:`merge_traces` (or one snapshot).
 
     Returns:
         ``total_s`` (latest event), ``io_s`` (summed download time), ``deserialize_s``,

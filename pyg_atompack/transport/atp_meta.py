@@ -49,9 +49,9 @@ def meta_path(cache_dir: str | os.PathLike, identity: str, size: int) -> Path:
     """Where the metadata of the file with this content identity is cached.
 
     Args:
-        cache_dir: Cache root.
-        identity: The file's content identity (see :class:`RangeReader`).
-        size: Its length.
+        cache_dir (str | os.PathLike): Cache root.
+        identity (str): The file's content identity (see :class:`RangeReader`).
+        size (int): Its length.
 
     Returns:
         The path (whether or not it exists).
@@ -85,8 +85,8 @@ def fetch_meta(reader: RangeReader, *, workers: int = 4) -> FileMeta:
     """Fetch and check a file's metadata by range reads (no cache).
 
     Args:
-        reader: The file.
-        workers: Range requests in flight for a large index. (default: ``4``)
+        reader (RangeReader): The file.
+        workers (int, optional): Range requests in flight for a large index. (default: :obj:`4`)
 
     Returns:
         The :class:`~pyg_atompack.atp.images.FileMeta`.
@@ -156,11 +156,12 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
     """A file's metadata from the disk cache, fetching (once per machine) when absent.
 
     Args:
-        reader: The file.
-        cache_dir: Cache root (default: :func:`default_cache_dir`).
-        workers: Range requests in flight for a large index. (default: ``4``)
-        stats: When given, ``stats["fetched"]`` is incremented when this call fetched
-            the metadata over the network (for tests and traces).
+        reader (RangeReader): The file.
+        cache_dir (str | os.PathLike, optional): Cache root (default: :func:`default_cache_dir`).
+        workers (int, optional): Range requests in flight for a large index. (default: :obj:`4`)
+        stats (dict[str, Any], optional): When given, ``stats["fetched"]`` is incremented when this
+            call fetched the metadata over the network (for tests and traces).
+            (default: :obj:`None`)
 
     Returns:
         The :class:`~pyg_atompack.atp.images.FileMeta` (its ``name`` is the reader's).

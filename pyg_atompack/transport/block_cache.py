@@ -55,13 +55,13 @@ class BlockCache:
     """Pages of remote files on local disk, bounded by ``cache_bytes``.
 
     Args:
-        directory: The cache directory (shared by every process using it).
-        cache_bytes: Largest total size of the page files. ``0`` stores nothing
+        directory (str | os.PathLike): The cache directory (shared by every process using it).
+        cache_bytes (int, optional): Largest total size of the page files. ``0`` stores nothing
             (every read is fetched). (default: 8 GiB)
-        page_bytes: Page size. (default: 256 KiB)
-        max_request_bytes: Largest range request for a run of missing pages.
+        page_bytes (int, optional): Page size. (default: 256 KiB)
+        max_request_bytes (int, optional): Largest range request for a run of missing pages.
             (default: 16 MiB)
-        workers: Range requests in flight. (default: ``8``)
+        workers (int, optional): Range requests in flight. (default: :obj:`8`)
     """
 
     def __init__(self, directory: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -194,9 +194,10 @@ class BlockCache:
         """The pages covering ``ranges`` of ``reader``'s file, from disk or fetched.
 
         Args:
-            reader: The file.
-            ranges: ``(start, stop)`` byte ranges.
-            cancel: An optional cancellation token for the fetches.
+            reader (RangeReader): The file.
+            ranges (Sequence[tuple[int, int]]): ``(start, stop)`` byte ranges.
+            cancel (Any, optional): An optional cancellation token for the fetches.
+                (default: :obj:`None`)
 
         Returns:
             ``page number -> bytes``.
@@ -228,9 +229,10 @@ class BlockCache:
         """The bytes of each range of ``reader``'s file (see :meth:`pages`).
 
         Args:
-            reader: The file.
-            ranges: ``(start, stop)`` byte ranges.
-            cancel: An optional cancellation token for the fetches.
+            reader (RangeReader): The file.
+            ranges (Sequence[tuple[int, int]]): ``(start, stop)`` byte ranges.
+            cancel (Any, optional): An optional cancellation token for the fetches.
+                (default: :obj:`None`)
 
         Returns:
             One ``bytes`` per range.
@@ -243,9 +245,9 @@ def slice_pages(pages: dict[int, bytes], page_bytes: int,
     """Cut byte ranges out of a set of pages that covers them.
 
     Args:
-        pages: ``page number -> bytes``.
-        page_bytes: Page size.
-        ranges: ``(start, stop)`` byte ranges.
+        pages (dict[int, bytes]): ``page number -> bytes``.
+        page_bytes (int): Page size.
+        ranges (Sequence[tuple[int, int]]): ``(start, stop)`` byte ranges.
 
     Returns:
         One ``bytes`` per range.

@@ -27,7 +27,7 @@ def allocate(size: int) -> WritableBuffer:
     """A zero-filled writable buffer of exactly ``size`` bytes, outside the C heap.
 
     Args:
-        size: Its length.
+        size (int): Its length.
 
     Returns:
         An anonymous :class:`mmap.mmap` (a :class:`bytearray` when ``size`` is 0, which
@@ -77,7 +77,7 @@ class ShardBuffer(_ResumableBody):
         return buffer.take()
 
     Args:
-        name: Shard name for messages.
+        name (str): Shard name for messages.
     """
 
     def __init__(self, name: str) -> None:
@@ -89,7 +89,7 @@ class ShardBuffer(_ResumableBody):
         """The server sends the whole body (again): start over.
 
         Args:
-            size: Its announced length, if any (see :meth:`restart`).
+            size (int | None): Its announced length, if any (see :meth:`restart`).
         """
         self.restart(size)
 
@@ -97,7 +97,7 @@ class ShardBuffer(_ResumableBody):
         """Drop what was received and expect a body of ``size`` bytes.
 
         Args:
-            size: The announced length: the bytes go to an anonymous memory map of
+            size (int | None): The announced length: the bytes go to an anonymous memory map of
                 exactly this size. :obj:`None` (or 0) collects them in a bytearray.
         """
         self._data = allocate(size) if size else bytearray()
@@ -107,7 +107,7 @@ class ShardBuffer(_ResumableBody):
         """Add the next bytes of the body.
 
         Args:
-            chunk: The bytes; more than announced switch to a growable buffer.
+            chunk (bytes): The bytes; more than announced switch to a growable buffer.
         """
         end = self._filled + len(chunk)
         if isinstance(self._data, mmap.mmap):
@@ -145,11 +145,11 @@ class ShardPart:
     a broken part resumes where it stopped.
 
     Args:
-        buffer: The whole shard's buffer, shared by all its parts.
-        start: First byte of the part.
-        end: One past its last byte.
-        base: The file offset of ``buffer[0]`` (``start`` for a buffer holding only
-            this range). (default: ``0``)
+        buffer (WritableBuffer): The whole shard's buffer, shared by all its parts.
+        start (int): First byte of the part.
+        end (int): One past its last byte.
+        base (int, optional): The file offset of ``buffer[0]`` (``start`` for a buffer holding only
+            this range). (default: :obj:`0`)
     """
 
     def __init__(self, buffer: WritableBuffer, start: int, end: int, *, base: int = 0) -> None:
@@ -180,7 +180,7 @@ class ShardPart:
         """A range request answered with the whole body: the server ignores ranges.
 
         Args:
-            size: The announced length (unused: the part gives up).
+            size (int | None): The announced length (unused: the part gives up).
 
         Raises:
             RangeIgnoredError: Always; the caller downloads the shard in one piece.
@@ -191,7 +191,7 @@ class ShardPart:
         """Drop what this part received.
 
         Args:
-            size: Ignored (a part's size is fixed).
+            size (int | None): Ignored (a part's size is fixed).
         """
         self._filled = 0
 

@@ -12,9 +12,9 @@ class TransportError(OSError):
     """Base class of every error raised by :mod:`pyg_atompack.transport`.
 
     Args:
-        message: What failed, naming the (redacted) URL and the cause.
-        url: The redacted URL of the remote object, if any. (default: :obj:`None`)
-        status: The HTTP status of the last answer, if any. (default: :obj:`None`)
+        message (str): What failed, naming the (redacted) URL and the cause.
+        url (str, optional): The redacted URL of the remote object, if any. (default: :obj:`None`)
+        status (int, optional): The HTTP status of the last answer, if any. (default: :obj:`None`)
     """
 
     def __init__(self, message: str, *, url: str | None = None, status: int | None = None):

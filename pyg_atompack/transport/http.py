@@ -110,7 +110,7 @@ def origin(url: str) -> tuple[str, str, int]:
     """``(scheme, host, port)`` of a URL, with the scheme's default port filled in.
 
     Args:
-        url: An absolute URL.
+        url (str): An absolute URL.
 
     Returns:
         The origin triple.
@@ -182,9 +182,9 @@ def permanent_error(status: int, headers: Mapping[str, str], url: str) -> Transp
     (``GatedRepo``) and a missing repository, revision or file apart.
 
     Args:
-        status: The HTTP status.
-        headers: The response headers.
-        url: The redacted URL.
+        status (int): The HTTP status.
+        headers (Mapping[str, str]): The response headers.
+        url (str): The redacted URL.
 
     Returns:
         A :class:`RemoteNotFoundError` (404, 410), :class:`RemoteAuthError` (401, 403) or
@@ -223,13 +223,14 @@ def open_response(url: str, *, method: str = "GET", headers: Mapping[str, str] |
     been read when it is yielded.
 
     Args:
-        url: The address.
-        method: ``"GET"``, ``"HEAD"`` or ``"POST"``. (default: ``"GET"``)
-        headers: Request headers. (default: none)
-        range_header: A ``Range`` header value, sent to every hop. (default: none)
-        form: Form fields for a ``POST`` (kept on 307/308, dropped on 301-303).
-        policy: Timeouts.
-        cancel: Shuts the connection down when cancelled.
+        url (str): The address.
+        method (str, optional): ``"GET"``, ``"HEAD"`` or ``"POST"``. (default: :obj:`"GET"`)
+        headers (Mapping[str, str], optional): Request headers. (default: none)
+        range_header (str, optional): A ``Range`` header value, sent to every hop. (default: none)
+        form (Mapping[str, Any], optional): Form fields for a ``POST`` (kept on 307/308, dropped on
+            301-303). (default: :obj:`None`)
+        policy (RetryPolicy): Timeouts.
+        cancel (Cancel, optional): Shuts the connection down when cancelled. (default: :obj:`NEVER`)
 
     Yields:
         The final :class:`httpx2.Response` (any status but a redirect).
@@ -385,11 +386,14 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
     """Fill ``sink`` with the body at ``url``, retrying and resuming transient failures.
 
     Args:
-        url: The address.
-        sink: A :class:`ShardBuffer`, :class:`ShardPart` or :class:`FileSink`.
-        policy: Retries and timeouts.
-        cancel: Stops the transfer (and any backoff wait) when cancelled.
-        headers: Request headers (credentials stay at the origin of ``url``).
+        url (str): The address.
+        sink (ShardBuffer | ShardPart | FileSink): A :class:`ShardBuffer`, :class:`ShardPart` or
+            :class:`FileSink`.
+        policy (RetryPolicy): Retries and timeouts.
+        cancel (Cancel, optional): Stops the transfer (and any backoff wait) when cancelled.
+            (default: :obj:`NEVER`)
+        headers (Mapping[str, str], optional): Request headers (credentials stay at the origin of
+            ``url``). (default: :obj:`None`)
         validator (str, optional): The version the bytes must come from (a
             :func:`response_validator` value); an answer naming another is a
             :class:`RemoteIntegrityError`. (default: :obj:`None`: any version)
@@ -414,11 +418,11 @@ def fetch(url: str, *, policy: RetryPolicy, cancel: Cancel = NEVER,
     """Download ``url`` completely into memory.
 
     Args:
-        url: The address.
-        policy: Retries and timeouts.
-        cancel: Stops the transfer when cancelled.
-        headers: Request headers.
-        size: The expected size, if known (only preallocates). (default: unknown)
+        url (str): The address.
+        policy (RetryPolicy): Retries and timeouts.
+        cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
+        size (int, optional): The expected size, if known (only preallocates). (default: unknown)
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
@@ -434,11 +438,11 @@ def fetch_to_file(url: str, handle, *, policy: RetryPolicy, cancel: Cancel = NEV
     """Download ``url`` into an open binary file (resumed in place after a drop).
 
     Args:
-        url: The address.
+        url (str): The address.
         handle: A file opened ``"wb"`` (or ``"w+b"``).
-        policy: Retries and timeouts.
-        cancel: Stops the transfer when cancelled.
-        headers: Request headers.
+        policy (RetryPolicy): Retries and timeouts.
+        cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
 
     Returns:
         The number of bytes written.
@@ -457,12 +461,12 @@ def fetch_range(url: str, start: int, length: int, *, policy: RetryPolicy,
     end of the wanted range and the connection closed.
 
     Args:
-        url: The address.
-        start: First byte.
-        length: Number of bytes (``> 0``).
-        policy: Retries and timeouts.
-        cancel: Stops the transfer when cancelled.
-        headers: Request headers.
+        url (str): The address.
+        start (int): First byte.
+        length (int): Number of bytes (``> 0``).
+        policy (RetryPolicy): Retries and timeouts.
+        cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
 
     Returns:
         Exactly ``length`` bytes.
@@ -504,14 +508,15 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
     requests gets one plain download instead.
 
     Args:
-        url: The address.
-        size: The body's length in bytes (from the listing).
-        parts: Concurrent connections; fewer when parts would be smaller than
+        url (str): The address.
+        size (int): The body's length in bytes (from the listing).
+        parts (int): Concurrent connections; fewer when parts would be smaller than
             :data:`MIN_PART_BYTES`.
-        policy: Retries and timeouts, for each part.
-        cancel: Stops every part (and any backoff wait) when cancelled.
-        headers: Request headers.
-        make_token: Creates the token shared by the parts (the caller's token class).
+        policy (RetryPolicy): Retries and timeouts, for each part.
+        cancel (Any): Stops every part (and any backoff wait) when cancelled.
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
+        make_token (Callable[[], Any]): Creates the token shared by the parts (the caller's token
+            class).
 
     Returns:
         The body, in an anonymous memory map.
@@ -622,12 +627,13 @@ def request_json(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
     """A JSON API call (Hub listings, revision lookups), retried like every transfer.
 
     Args:
-        url: The address.
-        method: ``"GET"`` or ``"POST"``. (default: ``"GET"``)
-        headers: Request headers.
-        form: Form fields for a ``POST``.
-        policy: Retries and timeouts.
-        on_error: Turns a permanent :class:`TransportError` into the caller's error.
+        url (str): The address.
+        method (str, optional): ``"GET"`` or ``"POST"``. (default: :obj:`"GET"`)
+        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
+        form (Mapping[str, Any], optional): Form fields for a ``POST``. (default: :obj:`None`)
+        policy (RetryPolicy): Retries and timeouts.
+        on_error (Callable[[TransportError], BaseException], optional): Turns a permanent
+            :class:`TransportError` into the caller's error. (default: :obj:`None`)
 
     Returns:
         ``(document, response headers)``.

@@ -44,10 +44,11 @@ def bytes_problem(data, *, size: int | None, sha256: str | None = None,
 
     Args:
         data: The received bytes (any buffer).
-        size: The announced size, or ``None`` when unknown.
-        sha256: The announced hex sha256, or ``None``.
-        blob_id: The announced git blob id, used when no sha256 is known.
-        verify: Also compare the hash, not only the size. (default: :obj:`True`)
+        size (int | None): The announced size, or ``None`` when unknown.
+        sha256 (str, optional): The announced hex sha256, or ``None``. (default: :obj:`None`)
+        blob_id (str, optional): The announced git blob id, used when no sha256 is known.
+            (default: :obj:`None`)
+        verify (bool, optional): Also compare the hash, not only the size. (default: :obj:`True`)
 
     Returns:
         A short description of the first mismatch (``"size 11 bytes, expected 12"``,
@@ -63,11 +64,12 @@ def file_problem(path: str | os.PathLike, *, size: int | None, sha256: str | Non
     """:func:`bytes_problem` for a file on disk, read in 8 MiB chunks.
 
     Args:
-        path: The file.
-        size: The announced size, or ``None``.
-        sha256: The announced hex sha256, or ``None``.
-        blob_id: The announced git blob id, used when no sha256 is known.
-        verify: Also compare the hash. (default: :obj:`True`)
+        path (str | os.PathLike): The file.
+        size (int | None): The announced size, or ``None``.
+        sha256 (str, optional): The announced hex sha256, or ``None``. (default: :obj:`None`)
+        blob_id (str, optional): The announced git blob id, used when no sha256 is known.
+            (default: :obj:`None`)
+        verify (bool, optional): Also compare the hash. (default: :obj:`True`)
 
     Returns:
         A short description of the first mismatch, or :obj:`None`.

@@ -20,8 +20,8 @@ def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
     an empty mapping.
 
     Args:
-        document: The parsed JSON document.
-        origin: Where it came from, for error messages.
+        document (dict): The parsed JSON document.
+        origin (str): Where it came from, for error messages.
 
     Returns:
         ``{name: entry}`` for every listed shard.

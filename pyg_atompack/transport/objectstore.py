@@ -292,23 +292,23 @@ class ObjectStore:
     """A fork-safe, picklable handle on one object-store prefix, object or manifest.
 
     Args:
-        url: ``s3://bucket/prefix/`` (every object below it), ``s3://bucket/key``
+        url (str): ``s3://bucket/prefix/`` (every object below it), ``s3://bucket/key``
             (one object) or ``s3://bucket/prefix/manifest.json`` (the shards it names);
             ``gs://`` and ``az://`` likewise when gcsfs / adlfs are installed.
-        anon: Unsigned requests, for public buckets. (default: :obj:`False`)
-        profile: A named profile of the AWS config files (``s3://`` only).
-            (default: ``AWS_PROFILE``)
-        endpoint_url: An S3-compatible endpoint (MinIO, Ceph, R2, ...), or for ``gs://``
-            a GCS endpoint such as an emulator's. ``az://`` takes its endpoint from the
+        anon (bool, optional): Unsigned requests, for public buckets. (default: :obj:`False`)
+        profile (str, optional): A named profile of the AWS config files (``s3://`` only).
+            (default: :obj:`AWS_PROFILE`)
+        endpoint_url (str, optional): An S3-compatible endpoint (MinIO, Ceph, R2, ...), or for
+            ``gs://`` a GCS endpoint such as an emulator's. ``az://`` takes its endpoint from the
             connection string (``BlobEndpoint=``).
             (default: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS;
             ``STORAGE_EMULATOR_HOST``, else Google's for ``gs://``)
-        retry: Retries, backoff and timeouts of every request (``timeout`` is the read
-            timeout, ``connect_timeout`` the connect timeout): transient failures
+        retry (RetryPolicy, optional): Retries, backoff and timeouts of every request (``timeout``
+            is the read timeout, ``connect_timeout`` the connect timeout): transient failures
             (connection, timeout, 408, 429, 5xx, throttling) are retried, and a
             retried transfer resumes where it stopped.
             (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
-        **storage_options: Further options of the fsspec filesystem (e.g. ``key``,
+        **storage_options (optional): Further options of the fsspec filesystem (e.g. ``key``,
             ``secret``, ``client_kwargs`` for s3fs; ``token``, ``project`` for gcsfs;
             ``connection_string``, ``account_name``, ``account_key``, ``sas_token``,
             ``credential`` for adlfs); credentials among them are never pickled.
@@ -386,7 +386,7 @@ class ObjectStore:
         """A copy of this handle with another retry policy (and a client of its own).
 
         Args:
-            retry: The policy.
+            retry (RetryPolicy): The policy.
 
         Returns:
             The new handle (secrets given to this one are kept, in memory only).
@@ -490,8 +490,8 @@ class ObjectStore:
         size. With a manifest URL, exactly the shards it names are returned.
 
         Args:
-            suffixes: Keep names ending with one of these; :obj:`None` keeps every
-                object. (default: ``(".pt", ".atp")``)
+            suffixes (Sequence[str] | None, optional): Keep names ending with one of these;
+                :obj:`None` keeps every object. (default: :obj:`(".pt", ".atp")`)
 
         Returns:
             The objects.
@@ -576,9 +576,9 @@ class ObjectStore:
         """Read ``length`` bytes of ``obj`` from byte ``start`` (:obj:`None`: to the end).
 
         Args:
-            obj: A listed object.
-            start: First byte.
-            length: Number of bytes, or :obj:`None` for the rest of the object.
+            obj (ObjectInfo): A listed object.
+            start (int): First byte.
+            length (int | None): Number of bytes, or :obj:`None` for the rest of the object.
 
         Returns:
             Exactly the bytes asked for.
@@ -605,15 +605,17 @@ class ObjectStore:
         in flight at once (the request task is cancelled, not waited for).
 
         Args:
-            obj: A listed object.
-            buffer: A writable buffer (``bytearray``, ``mmap``, ``memoryview``) holding
+            obj (ObjectInfo): A listed object.
+            buffer (Any): A writable buffer (``bytearray``, ``mmap``, ``memoryview``) holding
                 at least ``offset + end - start`` bytes.
-            start: First byte of the object. (default: 0)
-            end: One past the last byte. (default: the object's size)
-            offset: Where byte ``start`` goes in ``buffer``. (default: ``start``
+            start (int, optional): First byte of the object. (default: 0)
+            end (int, optional): One past the last byte. (default: the object's size)
+            offset (int, optional): Where byte ``start`` goes in ``buffer``. (default: ``start``
                 when the buffer holds the whole object, else 0)
-            cancel: Stops the transfer and any backoff wait. (default: :obj:`None`)
-            progress: Called with the byte count of every chunk received.
+            cancel (CancelLike, optional): Stops the transfer and any backoff wait.
+                (default: :obj:`None`)
+            progress (Callable[[int], None], optional): Called with the byte count of every chunk
+                received. (default: :obj:`None`)
 
         Raises:
             RemoteIntegrityError: The object changed since it was listed.
@@ -676,8 +678,9 @@ class ObjectStore:
         """Where :meth:`download` keeps ``obj`` (content-addressed when sha256 is known).
 
         Args:
-            obj: A listed object.
-            cache_dir: Cache root. (default: :func:`default_cache_dir`)
+            obj (ObjectInfo): A listed object.
+            cache_dir (str | os.PathLike, optional): Cache root.
+                (default: :func:`default_cache_dir`)
 
         Returns:
             ``{cache}/{scheme}--{bucket}/blobs/sha256-{digest}/{file name}``, or
@@ -702,9 +705,10 @@ class ObjectStore:
         download once.
 
         Args:
-            obj: A listed object.
-            cache_dir: Cache root. (default: :func:`default_cache_dir`)
-            cancel: Stops the transfer. (default: :obj:`None`)
+            obj (ObjectInfo): A listed object.
+            cache_dir (str | os.PathLike, optional): Cache root.
+                (default: :func:`default_cache_dir`)
+            cancel (CancelLike, optional): Stops the transfer. (default: :obj:`None`)
 
         Returns:
             The local path (read-only by convention: it may be shared).
@@ -804,8 +808,8 @@ def parse_manifest(document: Any, url: str) -> dict[str, dict]:
     """``{name: entry}`` from a shard manifest (``docs/architecture.md``, "Shard manifests").
 
     Args:
-        document: The parsed JSON.
-        url: Where it came from, for messages.
+        document (Any): The parsed JSON.
+        url (str): Where it came from, for messages.
 
     Returns:
         Every listed shard's entry (``name``, optional ``records``, ``bytes``,
@@ -837,8 +841,8 @@ def verify_file(obj: ObjectInfo, path: str | os.PathLike) -> None:
     """Raise unless the file at ``path`` has ``obj``'s size (and sha256 when known).
 
     Args:
-        obj: The listed object.
-        path: The local copy.
+        obj (ObjectInfo): The listed object.
+        path (str | os.PathLike): The local copy.
 
     Raises:
         RemoteIntegrityError: The size or digest differs (the message names the URL).
@@ -863,9 +867,9 @@ def list_objects(url: str, *, suffixes: Sequence[str] | None = SHARD_SUFFIXES,
     """List ``url`` (see :meth:`ObjectStore.list`) and return the handle with the listing.
 
     Args:
-        url: A prefix, object or manifest URL.
-        suffixes: Names to keep. (default: ``(".pt", ".atp")``)
-        **options: :class:`ObjectStore` options.
+        url (str): A prefix, object or manifest URL.
+        suffixes (Sequence[str] | None, optional): Names to keep. (default: :obj:`(".pt", ".atp")`)
+        **options (optional): :class:`ObjectStore` options.
 
     Returns:
         ``(store, objects)``.
@@ -879,9 +883,9 @@ def object_range_readers(url: str, *, suffixes: Sequence[str] = (".atp",),
     """Range readers for the objects an object-store URL names (one listing request).
 
     Args:
-        url: A prefix, object or ``manifest.json`` URL (see :meth:`ObjectStore.list`).
-        suffixes: Names to keep. (default: ``(".atp",)``)
-        **options: :class:`ObjectStore` options (``anon``, ``profile``, ``endpoint_url``,
+        url (str): A prefix, object or ``manifest.json`` URL (see :meth:`ObjectStore.list`).
+        suffixes (Sequence[str], optional): Names to keep. (default: :obj:`(".atp",)`)
+        **options (optional): :class:`ObjectStore` options (``anon``, ``profile``, ``endpoint_url``,
             ``retry``, fsspec options).
 
     Returns:
@@ -902,9 +906,9 @@ def download(store: ObjectStore, obj: ObjectInfo,
     """Verified local copy of ``obj`` (see :meth:`ObjectStore.download`).
 
     Args:
-        store: The handle that listed ``obj``.
-        obj: A listed object.
-        cache_dir: Cache root. (default: :func:`default_cache_dir`)
+        store (ObjectStore): The handle that listed ``obj``.
+        obj (ObjectInfo): A listed object.
+        cache_dir (str | os.PathLike, optional): Cache root. (default: :func:`default_cache_dir`)
 
     Returns:
         The local path.

@@ -48,9 +48,10 @@ class RangeReader(Protocol):
         """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
 
         Args:
-            start: First byte.
-            out: Writable buffer; its length is the number of bytes to read.
-            cancel: An optional :class:`~pyg_atompack.stream.CancelToken`.
+            start (int): First byte.
+            out (memoryview): Writable buffer; its length is the number of bytes to read.
+            cancel (Any, optional): An optional :class:`~pyg_atompack.stream.CancelToken`.
+                (default: :obj:`None`)
 
         Raises:
             OSError: The bytes cannot be read (after the adapter's retries).
@@ -62,10 +63,10 @@ def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -
     """The bytes ``[start, stop)`` of ``reader``'s file, in a new buffer.
 
     Args:
-        reader: The file.
-        start: First byte.
-        stop: One past the last byte.
-        cancel: An optional cancellation token.
+        reader (RangeReader): The file.
+        start (int): First byte.
+        stop (int): One past the last byte.
+        cancel (Any, optional): An optional cancellation token. (default: :obj:`None`)
 
     Returns:
         The bytes.
@@ -122,7 +123,7 @@ class FileRangeReader(_Adapter):
     """Range reads of a local file.
 
     Args:
-        path: The file.
+        path (str | os.PathLike): The file.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -223,9 +224,10 @@ class HubRangeReader(_Adapter):
     """Range reads of a listed Hub file.
 
     Args:
-        remote_file: A :class:`~pyg_atompack.hub.RemoteFile`.
-        token: Hub token (``None``: the saved login, ``False``: none).
-        policy: Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
+        remote_file (Any): A :class:`~pyg_atompack.hub.RemoteFile`.
+        token (str | bool, optional): Hub token (``None``: the saved login, ``False``: none).
+            (default: :obj:`None`)
+        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
     """
 
     def __init__(self, remote_file: Any, *, token: str | bool | None = None,

@@ -24,7 +24,7 @@ def redact_url(url: str) -> str:
     """``url`` with user info and credential-bearing query values removed.
 
     Args:
-        url: Any URL (or a plain string, returned unchanged).
+        url (str): Any URL (or a plain string, returned unchanged).
 
     Returns:
         The redacted URL.

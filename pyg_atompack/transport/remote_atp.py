@@ -46,12 +46,12 @@ class RemoteAtpReader:
     """Read-only view of one remote `.atp` file, reading records through a disk cache.
 
     Args:
-        reader: The file's range reads.
-        cache_dir: Cache root: metadata under ``atp-meta/``, pages under ``pages/``.
-            (default: ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
-        cache_bytes: Bound on the page cache (metadata not included); ``0`` caches no
-            page. (default: 8 GiB)
-        page_bytes: Cache page size. (default: 256 KiB)
+        reader (RangeReader): The file's range reads.
+        cache_dir (str | os.PathLike, optional): Cache root: metadata under ``atp-meta/``, pages
+            under ``pages/``. (default: ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        cache_bytes (int, optional): Bound on the page cache (metadata not included); ``0`` caches
+            no page. (default: 8 GiB)
+        page_bytes (int, optional): Cache page size. (default: 256 KiB)
     """
 
     def __init__(self, reader: RangeReader, *, cache_dir: str | os.PathLike | None = None,
@@ -144,8 +144,10 @@ class RemoteAtpReader:
         """Decode several molecules, fetching only their records.
 
         Args:
-            indices: Molecule indices (negative allowed, any order, repeats allowed).
-            fields: As for :meth:`pyg_atompack.atp.Reader.read_batch`. (default: all)
+            indices (Sequence[int] | np.ndarray): Molecule indices (negative allowed, any order,
+                repeats allowed).
+            fields (Sequence[str], optional): As for :meth:`pyg_atompack.atp.Reader.read_batch`.
+                (default: all)
 
         Returns:
             The flat dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
@@ -156,8 +158,8 @@ class RemoteAtpReader:
         """``read_batch`` with fields already resolved (what ``ShardedReader`` calls).
 
         Args:
-            indices: Molecule indices.
-            infos: ``name -> FieldInfo`` to decode.
+            indices (Sequence[int] | np.ndarray): Molecule indices.
+            infos (dict): ``name -> FieldInfo`` to decode.
 
         Returns:
             The flat dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
@@ -213,11 +215,12 @@ def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
     """One reader over remote `.atp` files (a :class:`RemoteAtpReader` for one file).
 
     Args:
-        readers: The files' range readers, in global order.
-        cache_dir: Cache root shared by the files. (default: see :class:`RemoteAtpReader`)
-        cache_bytes: Bound on the page cache, shared by the files. (default: 8 GiB)
-        page_bytes: Cache page size. (default: 256 KiB)
-        name: How messages name the dataset. (default: the file names)
+        readers (Sequence[RangeReader] | RangeReader): The files' range readers, in global order.
+        cache_dir (str | os.PathLike, optional): Cache root shared by the files.
+            (default: see :class:`RemoteAtpReader`)
+        cache_bytes (int, optional): Bound on the page cache, shared by the files. (default: 8 GiB)
+        page_bytes (int, optional): Cache page size. (default: 256 KiB)
+        name (str, optional): How messages name the dataset. (default: the file names)
 
     Returns:
         A :class:`RemoteAtpReader`, or a :class:`pyg_atompack.atp.ShardedReader` over them.
@@ -250,10 +253,11 @@ def url_range_readers(source: str | Sequence[str], *,
     """Range readers for ``http(s)://`` `.atp` files.
 
     Args:
-        source: The URL of a ``manifest.json`` (the converter's: names, bytes, sha256 of
-            the shards, relative to it; its `.atp` shards are used), of one `.atp` file,
+        source (str | Sequence[str]): The URL of a ``manifest.json`` (the converter's: names, bytes,
+            sha256 of the shards, relative to it; its `.atp` shards are used), of one `.atp` file,
             or a list of `.atp` URLs.
-        headers: Extra request headers (e.g. ``Authorization``).
+        headers (dict[str, str], optional): Extra request headers (e.g. ``Authorization``).
+            (default: :obj:`None`)
 
     Returns:
         One :class:`~pyg_atompack.transport.ranges.URLRangeReader` per file, in order.

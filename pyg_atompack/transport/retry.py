@@ -33,8 +33,9 @@ class TransientError(Exception):
     """A failure that a later attempt may not see (timeout, reset, 429, 5xx).
 
     Args:
-        message: What happened.
-        retry_after: Seconds the server asked us to wait, if it said so.
+        message (str): What happened.
+        retry_after (float, optional): Seconds the server asked us to wait, if it said so.
+            (default: :obj:`None`)
     """
 
     def __init__(self, message: str, retry_after: float | None = None):
@@ -52,15 +53,17 @@ class RetryPolicy:
     honoured: the wait is never shorter than it (capped at ``max_retry_after``).
 
     Args:
-        retries: Retries after the first attempt; ``0`` disables retrying. (default: 5)
-        backoff: First backoff in seconds. (default: 0.5)
-        max_backoff: Cap of the exponential backoff in seconds. (default: 30.0)
-        jitter: Relative random stretch of each wait. (default: 0.5)
-        max_retry_after: Cap on a server's ``Retry-After`` in seconds. (default: 300.0)
-        timeout: Read timeout in seconds: the longest silence tolerated while waiting for
-            an answer or for the next bytes of a body. (default: 30.0)
-        connect_timeout: Seconds to establish a connection (TCP and TLS, or the proxy's
-            tunnel). (default: 10.0)
+        retries (int, optional): Retries after the first attempt; ``0`` disables retrying.
+            (default: 5)
+        backoff (float, optional): First backoff in seconds. (default: 0.5)
+        max_backoff (float, optional): Cap of the exponential backoff in seconds. (default: 30.0)
+        jitter (float, optional): Relative random stretch of each wait. (default: 0.5)
+        max_retry_after (float, optional): Cap on a server's ``Retry-After`` in seconds.
+            (default: 300.0)
+        timeout (float, optional): Read timeout in seconds: the longest silence tolerated while
+            waiting for an answer or for the next bytes of a body. (default: 30.0)
+        connect_timeout (float, optional): Seconds to establish a connection (TCP and TLS, or the
+            proxy's tunnel). (default: 10.0)
     """
 
     retries: int = 5
@@ -81,9 +84,11 @@ class RetryPolicy:
         """Seconds to wait before retry number ``retry_number`` (counted from 0).
 
         Args:
-            retry_number: How many retries happened before this one.
-            retry_after: The server's ``Retry-After`` in seconds, if any.
-            rng: Random generator for the jitter. (default: module generator)
+            retry_number (int): How many retries happened before this one.
+            retry_after (float, optional): The server's ``Retry-After`` in seconds, if any.
+                (default: :obj:`None`)
+            rng (random.Random, optional): Random generator for the jitter.
+                (default: module generator)
 
         Returns:
             The wait in seconds.
@@ -99,7 +104,7 @@ def parse_retry_after(value: str | None) -> float | None:
     """Parse a ``Retry-After`` header: delay seconds or an HTTP date.
 
     Args:
-        value: The header value, or ``None``.
+        value (str | None): The header value, or ``None``.
 
     Returns:
         Seconds to wait (``>= 0``), or ``None`` when absent or unreadable.
@@ -126,7 +131,7 @@ def parse_ratelimit_reset(value: str | None) -> float | None:
     ``t``: seconds to the reset) and not necessarily with ``Retry-After``.
 
     Args:
-        value: The header value, or ``None``.
+        value (str | None): The header value, or ``None``.
 
     Returns:
         ``t`` when ``r`` is 0, else ``None`` (the limit is not what failed).
@@ -159,13 +164,15 @@ def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
     Any other exception ends the loop at once (permanent causes are never retried).
 
     Args:
-        attempt: One try; raises :class:`TransientError` for causes worth retrying.
-        url: For messages (redacted here).
-        policy: Retries and backoff.
-        cancel: Interrupts backoff waits: an object with ``sleep(seconds)`` that raises
-            when cancelled (:class:`~pyg_atompack.stream.CancelToken`).
+        attempt (Callable[[], Any]): One try; raises :class:`TransientError` for causes worth
+            retrying.
+        url (str): For messages (redacted here).
+        policy (RetryPolicy): Retries and backoff.
+        cancel (Any, optional): Interrupts backoff waits: an object with ``sleep(seconds)`` that
+            raises when cancelled (:class:`~pyg_atompack.stream.CancelToken`).
             (default: :obj:`None`, plain sleeps)
-        position: Where a resumed transfer continues, for the log. (default: none)
+        position (Callable[[], int], optional): Where a resumed transfer continues, for the log.
+            (default: none)
 
     Returns:
         What ``attempt`` returned.

@@ -55,7 +55,7 @@ def url_scheme(value: object) -> str | None:
     """The lower-case scheme of a ``scheme://...`` string, else ``None`` (a local path).
 
     Args:
-        value: Anything a user passed as a source.
+        value (object): Anything a user passed as a source.
 
     Returns:
         The scheme, or ``None`` for non-strings and strings without ``://``.
@@ -75,7 +75,7 @@ def check_scheme(url: str) -> str:
     """The scheme of ``url``, if some backend knows it.
 
     Args:
-        url: A ``scheme://`` URL.
+        url (str): A ``scheme://`` URL.
 
     Returns:
         The lower-case scheme.
@@ -95,7 +95,7 @@ def object_store(url: str):
     """The module serving an object-store URL.
 
     Args:
-        url: An ``s3://``, ``gs://`` or ``az://`` URL.
+        url (str): An ``s3://``, ``gs://`` or ``az://`` URL.
 
     Returns:
         The imported backend module.
