@@ -43,9 +43,9 @@ def open(  # noqa: A001
     """Open an `.atp` file, a directory of shards, or a list of files, read-only.
 
     Args:
-        path (str | os.PathLike | list[str | os.PathLike] | tuple[str | os.PathLike, ...]): A file,
-            a directory searched recursively for ``*.atp`` shards, or a list/tuple of files read as
-            one dataset in the given order.
+        path (str or os.PathLike or list or tuple): A file, a directory searched
+            recursively for ``*.atp`` shards, or a list/tuple of files read as one
+            dataset in the given order.
         access (str, optional): ``"auto"`` (zero-copy views of a mapping advised for random access;
             batches of records not in the page cache are read with concurrent
             ``pread``), ``"mmap"`` (zero-copy views, the kernel's read-ahead) or

@@ -55,7 +55,7 @@ def decompress(codec: int, data, raw: int, where: str) -> bytes:
 
     Args:
         codec (int): Codec byte of the file.
-        data: The stored bytes.
+        data (bytes-like): The stored bytes.
         raw (int): The uncompressed size from the index.
         where (str): ``"file: record i"`` for error messages.
 

@@ -209,7 +209,7 @@ def complete_block(image, meta: FileMeta, first: int, stop: int) -> None:
     ``j`` is record ``first + j`` of the file.
 
     Args:
-        image: A writable buffer of the size :func:`block_span` gave, holding the span
+        image (writable buffer): Of the size :func:`block_span` gave, holding the span
             at byte 8192.
         meta (FileMeta): The file's metadata.
         first (int): First record of the block.

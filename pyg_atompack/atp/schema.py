@@ -99,7 +99,7 @@ def decode_schema(buf, name: str) -> Schema:
     """Decode a schema block; it must be consumed exactly.
 
     Args:
-        buf: The block's bytes.
+        buf (bytes-like): The block's bytes.
         name (str): File name for error messages.
 
     Returns:

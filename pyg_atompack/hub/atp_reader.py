@@ -460,7 +460,7 @@ def open_hub_atp(
             none. (default: :obj:`None`)
         endpoint (str, optional): Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
             (default: :obj:`None`)
-        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+        repo_type (str, optional): ``"dataset"``, ``"model"`` or ``"space"``.
             (default: :obj:`"dataset"`)
         verify (bool, optional): Verify each shard's sha256 when it is downloaded.
             (default: :obj:`True`)

@@ -288,7 +288,7 @@ def resolve_revision(
         repo_id (str): ``owner/name`` of the repository.
         revision (str | None, optional): Branch, tag or commit (default: ``"main"``; ``None`` means
             the default branch).
-        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+        repo_type (str, optional): ``"dataset"``, ``"model"`` or ``"space"``.
             (default: :obj:`"dataset"`)
         token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
             none. (default: :obj:`None`)
@@ -390,7 +390,7 @@ def list_remote_files(
         pattern (str, optional): ``fnmatch`` pattern matched against each file's path relative
             to ``path_in_repo`` (``*`` also crosses ``/``, so ``"*.atp"`` finds
             nested shards). (default: :obj:`"*"`)
-        repo_type (str, optional): ``"dataset"`` (default), ``"model"`` or ``"space"``.
+        repo_type (str, optional): ``"dataset"``, ``"model"`` or ``"space"``.
             (default: :obj:`"dataset"`)
         token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
             none. (default: :obj:`None`)

@@ -8,7 +8,7 @@ is the format layer's (:mod:`pyg_atompack.atp`); this module only fetches.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,6 +17,10 @@ from pyg_atompack.atp.header import select_header
 from pyg_atompack.atp.index import index_n_atoms
 from pyg_atompack.hub.remote import RemoteFile
 from pyg_atompack.hub.transfer import fetch_range
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.objectstore import ObjectStore
+    from pyg_atompack.transport.retry import RetryPolicy
 
 HEADER_BYTES = 8192  # both header slots (spec §2)
 
@@ -36,7 +40,8 @@ def shard_uri(shard: RemoteFile) -> str:
 
 
 def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
-                      policy=None, store=None) -> dict[str, int]:
+                      policy: RetryPolicy | None = None,
+                      store: ObjectStore | None = None) -> dict[str, int]:
     """Header facts of a remote shard from one range read of its first 8192 bytes.
 
     Args:
@@ -61,14 +66,19 @@ def read_shard_header(shard: RemoteFile, *, token: str | bool | None = None,
 
 def remote_n_atoms(
     shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None,
-    policy=None, store=None,
+    policy: RetryPolicy | None = None, store: ObjectStore | None = None,
 ) -> np.ndarray:
     """Atoms per molecule of a remote shard, from one range read of its index block.
 
     Args:
         shard (RemoteFile): The remote ``.atp`` file.
         header (dict[str, int]): Its facts from :func:`read_shard_header`.
-        token, policy, store: As for :func:`read_shard_header`.
+        token (str or bool, optional): Hub token of the index read (see
+            :func:`read_shard_header`). (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts of the index read.
+            (default: :obj:`None`)
+        store (ObjectStore, optional): The object-store handle that reads the index
+            block (object-store URLs only). (default: :obj:`None`)
 
     Returns:
         int64 array ``(num_molecules,)``.
@@ -83,14 +93,19 @@ def remote_n_atoms(
 
 def remote_fields(
     shard: RemoteFile, header: dict[str, int], *, token: str | bool | None = None,
-    policy=None, store=None,
+    policy: RetryPolicy | None = None, store: ObjectStore | None = None,
 ) -> dict | None:
     """A remote shard's fields from one range read of its schema block.
 
     Args:
         shard (RemoteFile): The remote ``.atp`` file.
         header (dict[str, int]): Its facts from :func:`read_shard_header`.
-        token, policy, store: As for :func:`read_shard_header`.
+        token (str or bool, optional): Hub token of the schema read (see
+            :func:`read_shard_header`). (default: :obj:`None`)
+        policy (RetryPolicy, optional): Retries and timeouts of the schema read.
+            (default: :obj:`None`)
+        store (ObjectStore, optional): The object-store handle that reads the schema
+            block (object-store URLs only). (default: :obj:`None`)
 
     Returns:
         ``name -> atp.FieldInfo``, or ``None`` when the file has no schema block

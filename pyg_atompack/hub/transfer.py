@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pyg_atompack.hub.errors import HubIntegrityError
 from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile, hub_headers, translate_errors
@@ -42,6 +43,9 @@ from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.errors import RemoteRangeError
 from pyg_atompack.transport.integrity import bytes_problem, file_problem
 from pyg_atompack.transport.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.objectstore import ObjectStore
 
 _CACHE_ENV = "PYG_ATOMPACK_HUB_CACHE"
 
@@ -80,7 +84,7 @@ def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str
 
 def fetch_range(
     remote_file: RemoteFile, start: int, length: int, *, token: str | bool | None = None,
-    policy: RetryPolicy | None = None, store=None,
+    policy: RetryPolicy | None = None, store: ObjectStore | None = None,
 ) -> bytes:
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
@@ -93,8 +97,9 @@ def fetch_range(
             none. (default: :obj:`None`)
         policy (RetryPolicy, optional): Retries and timeouts.
             (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
-        store: For a file listed from an object store (``repo_type="object"``): the
-            backend's handle that listed it, which reads the range. (default: :obj:`None`)
+        store (ObjectStore, optional): For a file listed from an object store
+            (``repo_type="object"``): the backend's handle that listed it, which reads
+            the range. (default: :obj:`None`)
 
     Returns:
         Exactly ``length`` bytes.
@@ -155,12 +160,13 @@ def fetch_bytes(
     return bytes(data)
 
 
-def check_bytes(remote_file: RemoteFile, data, *, verify: bool = True) -> None:
+def check_bytes(remote_file: RemoteFile, data: bytes | memoryview, *,
+                verify: bool = True) -> None:
     """Raise :class:`HubIntegrityError` unless ``data`` matches the listing of ``remote_file``.
 
     Args:
         remote_file (RemoteFile): The listed file.
-        data: Its supposed content.
+        data (bytes | memoryview): Its supposed content.
         verify (bool, optional): Also compare hashes, not only the size. (default: :obj:`True`)
     """
     problem = bytes_problem(data, size=remote_file.size, sha256=remote_file.sha256,
@@ -222,7 +228,7 @@ def download(
     token: str | bool | None = None,
     verify: bool = True,
     policy: RetryPolicy | None = None,
-    store=None,
+    store: ObjectStore | None = None,
 ) -> Path:
     """Download a remote file into the cache, verified, and return its local path.
 
@@ -239,8 +245,9 @@ def download(
             against the listing. The size is always checked. (default: :obj:`True`)
         policy (RetryPolicy, optional): Retries and timeouts.
             (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
-        store: For a file listed from an object store: the backend's handle, which keeps
-            its own verified cache (``verify`` is then always on). (default: :obj:`None`)
+        store (ObjectStore, optional): For a file listed from an object store: the
+            backend's handle, which keeps its own verified cache (``verify`` is then
+            always on). (default: :obj:`None`)
 
     Returns:
         Path of the local copy (treat it as read-only; it may be shared).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 from collections.abc import Mapping
 from urllib.parse import unquote, urljoin, urlsplit
@@ -111,8 +112,8 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
     return files
 
 
-def open_url_atp(url: str, *, cache_dir=None, verify: bool = True, access: str = "mmap",
-                 policy: RetryPolicy | None = None, max_workers: int = 8):
+def open_url_atp(url: str, *, cache_dir: str | os.PathLike | None = None, verify: bool = True,
+                 access: str = "mmap", policy: RetryPolicy | None = None, max_workers: int = 8):
     """Open the ``.atp`` file(s) an ``http(s)://`` URL names, without downloading them.
 
     One manifest read (or one size probe of a single file) and one 8192-byte header range
@@ -120,7 +121,7 @@ def open_url_atp(url: str, *, cache_dir=None, verify: bool = True, access: str =
 
     Args:
         url (str): See :func:`list_url_files`.
-        cache_dir: Download cache root
+        cache_dir (str | os.PathLike, optional): Download cache root
             (default: :func:`~pyg_atompack.hub.transfer.default_cache_dir`).
         verify (bool, optional): Verify each download against the manifest's sha256.
             (default: :obj:`True`)
@@ -182,9 +183,10 @@ def open_remote_atp(url: str, **options):
     return open_object_store_atp(url, **options)
 
 
-def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
-                          access: str = "mmap", policy: RetryPolicy | None = None,
-                          max_workers: int = 8, **storage_options):
+def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = None,
+                          verify: bool = True, access: str = "mmap",
+                          policy: RetryPolicy | None = None, max_workers: int = 8,
+                          **storage_options):
     """Open the ``.atp`` objects below an object-store URL, without downloading them.
 
     The backend (:mod:`pyg_atompack.transport.objectstore`) lists them (sizes, ETags, and
@@ -193,7 +195,7 @@ def open_object_store_atp(url: str, *, cache_dir=None, verify: bool = True,
 
     Args:
         url (str): ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
-        cache_dir: Download cache root (default: the backend's).
+        cache_dir (str | os.PathLike, optional): Download cache root (default: the backend's).
         verify (bool, optional): Kept for the signature of the other openers; the backend always
             verifies. (default: :obj:`True`)
         access (str, optional): ``atp.open`` access mode of downloaded shards.
