@@ -233,15 +233,24 @@ def molecule_value(key: str, value: Any, n: int, atom_scope: bool) -> Section:
     if atom_scope and (arr.ndim == 0 or arr.shape[0] != n):
         raise AtpValueError(f"field {field!r}: first dimension must be n_atoms={n}, got shape "
                             f"{arr.shape}")
-    if arr.ndim == 1:
-        tag = _ARRAY_TAG[arr.dtype]
-    elif arr.ndim == 2 and arr.shape[1] == 3 and arr.dtype in _VEC3_TAG:
-        tag = _VEC3_TAG[arr.dtype]
-    else:
-        tag = tensor_tag_for(arr.dtype)
-        return Section(kind, key, tag, tensor_payload(arr), 0)
+    tag = _array_tag(arr.dtype, arr.shape)
+    if tag is None:
+        return Section(kind, key, tensor_tag_for(arr.dtype), tensor_payload(arr), 0)
     payload = arr.tobytes()
     return Section(kind, key, tag, payload, slot_bytes(kind, key, tag, len(payload), n))
+
+
+def _array_tag(dtype: np.dtype, shape: tuple[int, ...]) -> int | None:
+    """The tag of one molecule's array value of ``shape``, or None when it is a tensor.
+
+    One dimension is a plain array; ``(rows, 3)`` of a float dtype is vec3 rows;
+    anything else is stored as a tensor (with its shape).
+    """
+    if len(shape) == 1:
+        return _ARRAY_TAG[dtype]
+    if len(shape) == 2 and shape[1] == 3 and dtype in _VEC3_TAG:
+        return _VEC3_TAG[dtype]
+    return None
 
 
 def molecule_sections(n: int, builtins: dict[str, Any], properties: dict[str, Any] | None,
@@ -286,27 +295,18 @@ def _column(key: str, value: Any, batch: int, n: int, atom_scope: bool) -> Secti
     if arr.ndim == 0 or arr.shape[0] != batch:
         raise AtpValueError(f"field {field!r}: leading dimension must be the batch size "
                             f"{batch}, got shape {arr.shape}")
-    if atom_scope:
-        if arr.ndim < 2 or arr.shape[1] != n:
-            raise AtpValueError(f"field {field!r}: expected shape ({batch}, {n}, ...), got "
-                                f"{arr.shape}")
-        if arr.ndim == 2:
-            tag = _ARRAY_TAG[arr.dtype]
-        elif arr.ndim == 3 and arr.shape[2] == 3 and arr.dtype in _VEC3_TAG:
-            tag = _VEC3_TAG[arr.dtype]
-        else:
-            return _tensor_column(kind, key, arr)
-    elif arr.ndim == 1:
+    if atom_scope and (arr.ndim < 2 or arr.shape[1] != n):
+        raise AtpValueError(f"field {field!r}: expected shape ({batch}, {n}, ...), got "
+                            f"{arr.shape}")
+    if not atom_scope and arr.ndim == 1:  # one scalar per molecule
         if arr.dtype.kind == "f":
             arr, tag = arr.astype("<f8"), TAG_F64
         else:
             arr, tag = arr.astype("<i8"), TAG_I64
-    elif arr.ndim == 2:
-        tag = _ARRAY_TAG[arr.dtype]
-    elif arr.ndim == 3 and arr.shape[2] == 3 and arr.dtype in _VEC3_TAG:
-        tag = _VEC3_TAG[arr.dtype]
     else:
-        return _tensor_column(kind, key, arr)
+        tag = _array_tag(arr.dtype, arr.shape[1:])  # the shape of one molecule's value
+        if tag is None:
+            return _tensor_column(kind, key, arr)
     payload = np.ascontiguousarray(arr).reshape(batch, -1).view(np.uint8)
     return Section(kind, key, tag, payload, slot_bytes(kind, key, tag, payload.shape[1], n))
 

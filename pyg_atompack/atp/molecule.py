@@ -77,22 +77,10 @@ class Molecule:
         d = self.__dict__
         d["positions"] = positions
         d["atomic_numbers"] = atomic_numbers
-        if energy is not None:
-            d["energy"] = energy
-        if forces is not None:
-            d["forces"] = forces
-        if charges is not None:
-            d["charges"] = charges
-        if velocities is not None:
-            d["velocities"] = velocities
-        if cell is not None:
-            d["cell"] = cell
-        if stress is not None:
-            d["stress"] = stress
-        if pbc is not None:
-            d["pbc"] = as_pbc(pbc)
-        if name is not None:
-            d["name"] = name
+        optional = {"energy": energy, "forces": forces, "charges": charges,
+                    "velocities": velocities, "cell": cell, "stress": stress,
+                    "pbc": None if pbc is None else as_pbc(pbc), "name": name}
+        d.update((key, value) for key, value in optional.items() if value is not None)
         d["properties"] = {} if properties is None else properties
         d["atom_properties"] = {} if atom_properties is None else atom_properties
 

@@ -158,16 +158,11 @@ class Writer:
                 the molecule number(s) and the field).
             SchemaConflictError: A value that conflicts with what the file already holds.
         """
-        self._check_open()
-        try:
-            pos, z = check_positions(positions, atomic_numbers, batch=False)
-            n = len(z)
-            builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
-                            cell=cell, stress=stress, pbc=pbc, name=name)
-            sections = molecule_sections(n, builtins, properties, atom_properties)
-        except AtpValueError as exc:
-            raise AtpValueError(f"{self._path}: molecule {len(self)}: {exc}") from None
-        self._admit(pos.dtype, sections, n)
+        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                        cell=cell, stress=stress, pbc=pbc, name=name)
+        pos, z, sections = self._encode(positions, atomic_numbers, builtins, properties,
+                                        atom_properties, batch=False)
+        n = len(z)
         parts = [struct.pack("<I", n), pos.tobytes(), z.tobytes(),
                  struct.pack("<H", len(sections)), *map(encode_section, sections)]
         self._write_records([b"".join(parts)], [n])
@@ -200,19 +195,39 @@ class Writer:
                 the molecule number(s) and the field).
             SchemaConflictError: A value that conflicts with what the file already holds.
         """
+        builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
+                        cell=cell, stress=stress, pbc=pbc, name=name)
+        pos, z, sections = self._encode(positions, atomic_numbers, builtins, properties,
+                                        atom_properties, batch=True)
+        count, n = z.shape
+        if count == 0:
+            return
+        self._write_records(_assemble_batch(count, n, pos, z, sections), [n] * count)
+
+    def _encode(self, positions: Any, atomic_numbers: Any, builtins: dict[str, Any],
+                properties: dict[str, Any] | None, atom_properties: dict[str, Any] | None,
+                batch: bool) -> tuple[np.ndarray, np.ndarray, list[Section]]:
+        """Check and encode what :meth:`add` or :meth:`add_batch` was given.
+
+        Both raise the same errors, naming the file and the molecule(s); the
+        sections are admitted against the file's schema. An empty batch gives no
+        sections and is not admitted.
+
+        Returns:
+            The checked positions and atomic numbers and the sections.
+        """
         self._check_open()
         try:
-            pos, z = check_positions(positions, atomic_numbers, batch=True)
-            count, n = z.shape
-            if count == 0:
-                return
-            builtins = dict(energy=energy, forces=forces, charges=charges, velocities=velocities,
-                            cell=cell, stress=stress, pbc=pbc, name=name)
-            sections = batch_columns(count, n, builtins, properties, atom_properties)
+            pos, z = check_positions(positions, atomic_numbers, batch=batch)
+            if batch and len(z) == 0:
+                return pos, z, []
+            sections = (batch_columns(*z.shape, builtins, properties, atom_properties) if batch
+                        else molecule_sections(len(z), builtins, properties, atom_properties))
         except AtpValueError as exc:
-            raise AtpValueError(f"{self._path}: {self._batch_span(positions)}: {exc}") from None
-        self._admit(pos.dtype, sections, n)
-        self._write_records(_assemble_batch(count, n, pos, z, sections), [n] * count)
+            where = self._batch_span(positions) if batch else f"molecule {len(self)}"
+            raise AtpValueError(f"{self._path}: {where}: {exc}") from None
+        self._admit(pos.dtype, sections, z.shape[-1])
+        return pos, z, sections
 
     def _batch_span(self, positions: Any) -> str:
         """``molecules a..b`` a rejected batch would have taken (its size when known)."""
