@@ -128,6 +128,21 @@ def add_structure(writer: Any, structure: Structure) -> None:
     )
 
 
+def _open_writer(path: str | os.PathLike, options: WriteOptions) -> atp.Writer:
+    """A new `.atp` file with the codec and level of ``options``."""
+    return atp.Writer(path, compression=options.compression, level=options.level)
+
+
+def _add_checked(writer: atp.Writer, structure: Structure, destination: Path,
+                 record: int) -> None:
+    """:func:`add_structure`, with a value the format cannot hold reported as a
+    :class:`ConvertError` naming the user's ``destination`` and ``record``."""
+    try:
+        add_structure(writer, structure)
+    except (atp.AtpError, ValueError, TypeError) as exc:
+        raise ConvertError(destination, writer_problem(exc), record) from exc
+
+
 class AtpWriter(StructureWriter):
     """Writes one `.atp` file.
 
@@ -140,15 +155,10 @@ class AtpWriter(StructureWriter):
 
     def __init__(self, path: str | os.PathLike, options: WriteOptions | None = None) -> None:
         super().__init__(path, options)
-        self._writer = atp.Writer(
-            self.tmp_path, compression=self.options.compression, level=self.options.level
-        )
+        self._writer = _open_writer(self.tmp_path, self.options)
 
     def _add(self, structure: Structure) -> None:
-        try:
-            add_structure(self._writer, structure)
-        except (atp.AtpError, ValueError, TypeError) as exc:
-            raise ConvertError(self.path, writer_problem(exc), self.count) from exc
+        _add_checked(self._writer, structure, self.path, self.count)
 
     def _finish(self) -> None:
         self._writer.flush()
@@ -176,15 +186,10 @@ class AtpShardWriter(ShardedWriter):
         self._writer: Any = None
 
     def _open_shard(self, path: Path) -> None:
-        self._writer = atp.Writer(
-            path, compression=self.options.compression, level=self.options.level
-        )
+        self._writer = _open_writer(path, self.options)
 
     def _add_to_shard(self, structure: Structure) -> None:
-        try:
-            add_structure(self._writer, structure)
-        except (atp.AtpError, ValueError, TypeError) as exc:
-            raise ConvertError(self.path, writer_problem(exc), self.count) from exc
+        _add_checked(self._writer, structure, self.path, self.count)
 
     def _close_shard(self) -> None:
         self._writer.flush()

@@ -79,6 +79,15 @@ def load_listing(
     return shards, headers
 
 
+def _write_json(file: Path, payload: dict) -> None:
+    """Write ``payload`` to ``file`` atomically; failures (a read-only cache) are ignored."""
+    with contextlib.suppress(OSError):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(payload), encoding="utf-8")
+        os.replace(temp, file)
+
+
 def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, int]]) -> None:
     """Write a listing atomically; failures (read-only cache) are ignored.
 
@@ -88,11 +97,7 @@ def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, 
         headers (list[dict[str, int]]): Per shard, the header facts.
     """
     payload = {"version": _VERSION, "shards": [asdict(s) for s in shards], "headers": headers}
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps(payload), encoding="utf-8")
-        os.replace(temp, file)
+    _write_json(file, payload)
 
 
 def _ref_file(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
@@ -116,11 +121,7 @@ def store_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | Non
     """
     file = _ref_file(cache_dir, repo_id, repo_type, revision, endpoint)
     payload = {"revision": revision, "endpoint": _endpoint_prefix(endpoint), "sha": sha}
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps(payload), encoding="utf-8")
-        os.replace(temp, file)
+    _write_json(file, payload)
 
 
 def load_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
