@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,21 @@ class _Fail(Exception):
         self.code = code
 
 
-def _progress_factory(quiet: bool):
-    """tqdm bars on stderr, off when ``--quiet`` or stderr is not a terminal."""
+def _progress_factory(quiet: bool, unit: str = "structure", **options: Any):
+    """tqdm bars on stderr, off when ``--quiet`` or stderr is not a terminal.
+
+    Args:
+        quiet (bool): ``--quiet`` was given.
+        unit (str, optional): What the bar counts. (default: :obj:`"structure"`)
+        **options (optional): More ``tqdm`` arguments (``unit_scale``, ``desc``).
+    """
     disabled = quiet or not sys.stderr.isatty()
 
     def factory(total: int | None) -> Any:
         from tqdm import tqdm
 
-        return tqdm(total=total, unit="structure", disable=disabled, file=sys.stderr,
-                    dynamic_ncols=True)
+        return tqdm(total=total, unit=unit, disable=disabled, file=sys.stderr,
+                    dynamic_ncols=True, **options)
 
     return factory
 
@@ -156,24 +163,23 @@ def _open_remote(url: str) -> Any:
     return hub.open_remote_atp(url)
 
 
-def _remote_head(args: argparse.Namespace) -> int:
-    """The first structures of a remote source: only the shards holding them are fetched."""
-    from pyg_atompack.convert import open_reader
+def _print_head(structures: Iterable[Any], n: int) -> int:
+    """Print one line for each of the first ``n`` structures (``head``)."""
     from pyg_atompack.convert.summary import summarize_structure
 
-    remote = _open_remote(args.path)
-    index = 0
+    for index, structure in enumerate(itertools.islice(structures, max(n, 0))):
+        print(summarize_structure(index, structure))
+    return EXIT_OK
+
+
+def _remote_structures(remote: Any, args: argparse.Namespace) -> Iterator[Any]:
+    """The structures of a remote source in order; a shard is fetched when first read."""
+    from pyg_atompack.convert import open_reader
+
     for shard in range(len(remote.shards)):
-        if index >= args.n:
-            break
         local = remote.shard_reader(shard).path
         with open_reader(local, "atp", _read_options(args)) as reader:
-            for structure in reader:
-                if index >= args.n:
-                    break
-                print(summarize_structure(index, structure))
-                index += 1
-    return EXIT_OK
+            yield from reader
 
 
 def _remote_info(args: argparse.Namespace) -> int:
@@ -226,16 +232,14 @@ def _verify_report(path: str, count: int, problems: list[str]) -> int:
 
 def _cmd_head(args: argparse.Namespace) -> int:
     from pyg_atompack.convert import open_reader
-    from pyg_atompack.convert.summary import summarize_structure
 
     if _is_url(args.path):
-        return _remote_head(args)
+        # closing() ends the shard reader left open when the first n are printed
+        remote = _open_remote(args.path)
+        with contextlib.closing(_remote_structures(remote, args)) as structures:
+            return _print_head(structures, args.n)
     with open_reader(args.path, args.src_format, _read_options(args)) as reader:
-        for index, structure in enumerate(reader):
-            if index >= args.n:
-                break
-            print(summarize_structure(index, structure))
-    return EXIT_OK
+        return _print_head(reader, args.n)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -302,13 +306,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
     from pyg_atompack.hub import HubError, push
 
     disable_progress_bars()  # one bar for the whole upload instead of the client's per file
-
-    def byte_bar(total: int) -> Any:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="B", unit_scale=True, desc="upload", file=sys.stderr,
-                    disable=args.quiet or not sys.stderr.isatty(), dynamic_ncols=True)
-
+    byte_bar = _progress_factory(args.quiet, unit="B", unit_scale=True, desc="upload")
     try:
         result = push(args.source, args.repo_id, path_in_repo=args.path_in_repo or "",
                       revision=args.revision, private=args.private or None, create=args.create,
