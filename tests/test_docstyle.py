@@ -17,45 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import docstyle  # noqa: E402
 
-# Findings --fix cannot repair (a parameter without annotation), in modules other
-# sessions own. A ratchet: a new finding fails, and so does a fixed one left here.
-KNOWN_FINDINGS: set[str] = {
-    "pyg_atompack/atp/batch.py: read_batch: Args entry 'st' has no type, and the "
-    "parameter no annotation",
-    *(f"pyg_atompack/atp/cache.py: {where}: Args entry {name!r} has no type, and the "
-      "parameter no annotation"
-      for where, name in [("DecodeCache.layout", "st"), ("DecodeCache.layout", "rec"),
-                          ("record", "st"), ("molecule", "st")]),
-    *(f"pyg_atompack/atp/gather.py: {where}: Args entry 'st' has no type, and the "
-      "parameter no annotation" for where in ("read_mapped", "read_single")),
-    *(f"pyg_atompack/atp/records.py: {where}: Args entry {name!r} has no type, and the "
-      "parameter no annotation"
-      for where, names in [
-          ("Slot", "kind key tag offset length op dtype count single"),
-          ("Layout", "n_atoms pos_dtype z_offset spans expected slots trailing"),
-          ("build_layout", "rec"), ("decode_molecule", "buf")]
-      for name in names.split()),
-    "pyg_atompack/transport/buffers.py: FileSink: Args entry 'handle' has no type, and the "
-    "parameter no annotation",
-    "pyg_atompack/transport/http.py: fetch_to_file: Args entry 'handle' has no type, and the "
-    "parameter no annotation",
-    "pyg_atompack/transport/integrity.py: bytes_problem: Args entry 'data' has no type, and "
-    "the parameter no annotation",
-    "pyg_atompack/transport/retry.py: server_wait: Args entry 'headers' has no type, and the "
-    "parameter no annotation",
-}
-
 
 def test_package_docstrings_follow_the_dialect():
     result = subprocess.run([sys.executable, str(ROOT / "docs" / "docstyle.py"), "--check"],
                             capture_output=True, text=True, cwd=ROOT)
     findings = {re.sub(r":\d+: ", ": ", line).removesuffix(" [needs a human]")
                 for line in result.stdout.splitlines() if line.startswith("pyg_atompack/")}
-    new = sorted(findings - KNOWN_FINDINGS)
-    fixed = sorted(KNOWN_FINDINGS - findings)
-    assert not new, ("docstrings outside PyG's dialect (python docs/docstyle.py --fix "
-                     "repairs most):\n" + "\n".join(new) + result.stderr)
-    assert not fixed, "fixed (remove from KNOWN_FINDINGS):\n" + "\n".join(fixed)
+    assert not findings, ("docstrings outside PyG's dialect (python docs/docstyle.py --fix "
+                          "repairs most):\n" + "\n".join(sorted(findings)) + result.stderr)
     assert result.returncode == (1 if findings else 0), result.stdout + result.stderr
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from .preads import CACHED_READ_SECONDS, read_ranges
 from .records import Layout, decode_slot
 from .structure import read_structured
 from .types import SECTION_BUILTINS
+
+if TYPE_CHECKING:
+    from .filestate import FileState
 
 ALWAYS = ("n_atoms", "positions", "atomic_numbers")
 _U8 = np.dtype("u1")
@@ -184,11 +187,11 @@ def _timed(st, count: int, gather, *args) -> dict[str, Any]:
     return out
 
 
-def read_batch(st, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
+def read_batch(st: FileState, indices: Any, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """Decode ``indices`` of an open file into the flat batch dict (see module docstring).
 
     Args:
-        st: The file's :class:`~pyg_atompack.atp.filestate.FileState` (its decode cache
+        st (FileState): The file's :class:`~pyg_atompack.atp.filestate.FileState` (its decode cache
             is read and filled).
         indices (Any): Molecule indices (negative allowed), any order, repeats allowed.
         infos (dict[str, FieldInfo]): The resolved fields to decode (:func:`resolve_fields`).

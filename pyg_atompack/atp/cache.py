@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from .molecule import Molecule
 from .preads import CACHED_READ_SECONDS
 from .records import Layout, build_layout, decode_molecule
 from .structure import StructureMemo
+
+if TYPE_CHECKING:
+    from .filestate import FileState
 
 # bound on cached layouts; a crafted file with endless distinct layouts only costs re-parsing
 MAX_LAYOUTS = 4096
@@ -138,12 +141,12 @@ class DecodeCache:
         if lid is not None:
             self.memo[i] = lid
 
-    def layout(self, st, rec, raw: int, n: int, i: int) -> Layout:
+    def layout(self, st: FileState, rec: memoryview, raw: int, n: int, i: int) -> Layout:
         """The checked layout of record ``i`` (its bytes ``rec``), parsing it when new.
 
         Args:
-            st: The file state.
-            rec: The record's uncompressed bytes.
+            st (FileState): The file state.
+            rec (memoryview): The record's uncompressed bytes.
             raw (int): Its raw size (from the index).
             n (int): Its atom count (from the index).
             i (int): Its index (for error messages).
@@ -240,11 +243,11 @@ def entry(st, i: int) -> tuple[int, int, int, int]:
     return off, stored, raw, n
 
 
-def record(st, i: int) -> tuple[Any, int, Layout]:
+def record(st: FileState, i: int) -> tuple[Any, int, Layout]:
     """The buffer holding record ``i``, its offset there, and its checked layout.
 
     Args:
-        st: The file state.
+        st (FileState): The file state.
         i (int): The record index (in range).
 
     Returns:
@@ -329,7 +332,7 @@ def first_touch(st, i: int) -> Molecule | None:
     return mol
 
 
-def molecule(st, i: int) -> Molecule:
+def molecule(st: FileState, i: int) -> Molecule:
     """Decode record ``i`` (in range), checking it when it was not checked before.
 
     ``reader[i]`` takes a shortcut for records already remembered; this is the
@@ -338,7 +341,7 @@ def molecule(st, i: int) -> Molecule:
     read of a compressed or ``pread`` file.
 
     Args:
-        st: The file state.
+        st (FileState): The file state.
         i (int): The record index (in range).
 
     Returns:

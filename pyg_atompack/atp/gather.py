@@ -15,7 +15,7 @@ into the output.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from .assemble import all_present, assemble, store
 from .fields import FieldInfo
 from .records import Layout, Slot, decode_slot
 from .structure import Structure, build_structure
+
+if TYPE_CHECKING:
+    from .filestate import FileState
 
 _U8 = np.dtype("u1")
 
@@ -188,12 +191,12 @@ def plan_of(layout: Layout, file_u8: np.ndarray) -> GatherPlan:
     return layout.gather
 
 
-def read_mapped(st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray,
+def read_mapped(st: FileState, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray,
                 n_atoms: np.ndarray, infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """The ``read_batch`` dict of checked records of a mapped uncompressed file.
 
     Args:
-        st: The open file state (mapping, name, decode cache).
+        st (FileState): The open file state (mapping, name, decode cache).
         idx (np.ndarray): Record indices.
         offsets (np.ndarray): Their file offsets.
         layout_ids (np.ndarray): Their checked layout ids (``st.cache.memo_layouts``).
@@ -229,12 +232,12 @@ def read_mapped(st, idx: np.ndarray, offsets: np.ndarray, layout_ids: np.ndarray
     return out
 
 
-def read_single(st, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
+def read_single(st: FileState, idx: np.ndarray, offsets: np.ndarray, layout_id: int,
                 infos: dict[str, FieldInfo]) -> dict[str, Any]:
     """:func:`read_mapped` of records that all have the checked layout ``layout_id``.
 
     Args:
-        st: The open file state (mapping, name, decode cache).
+        st (FileState): The open file state (mapping, name, decode cache).
         idx (np.ndarray): Record indices.
         offsets (np.ndarray): Their file offsets (int64).
         layout_id (int): Their layout's id (``st.cache.memo_layouts``).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,23 +64,24 @@ class Slot:
     ``to_bool`` (pbc bytes become booleans).
 
     Args:
-        kind: Section kind (0 builtin, 1 atom, 2 molecule).
-        key: Section key.
-        tag: Type tag.
-        offset: Payload offset from the record start.
-        length: Payload length in bytes.
-        op: Decode operation (``OP_*``).
-        dtype: numpy dtype for array/tensor payloads. (default: :obj:`None`)
-        count: Element count for ``OP_ARRAY`` (rows for vec3 / mat3 subarray dtypes).
-            (default: :obj:`0`)
-        single: The value is one element of a subarray ``dtype`` (3x3 cell/stress).
+        kind (int): Section kind (0 builtin, 1 atom, 2 molecule).
+        key (str): Section key.
+        tag (int): Type tag.
+        offset (int): Payload offset from the record start.
+        length (int): Payload length in bytes.
+        op (int): Decode operation (``OP_*``).
+        dtype (np.dtype, optional): numpy dtype for array/tensor payloads. (default: :obj:`None`)
+        count (int, optional): Element count for ``OP_ARRAY`` (rows for vec3 / mat3 subarray
+            dtypes). (default: :obj:`0`)
+        single (bool, optional): The value is one element of a subarray ``dtype`` (3x3 cell/stress).
             (default: :obj:`False`)
     """
 
     __slots__ = ("kind", "key", "tag", "offset", "length", "op", "dtype", "count", "single",
                  "field", "elem", "value_shape", "per_atom", "to_bool")
 
-    def __init__(self, kind, key, tag, offset, length, op, dtype=None, count=0, single=False):
+    def __init__(self, kind: int, key: str, tag: int, offset: int, length: int, op: int,
+                 dtype: np.dtype | None = None, count: int = 0, single: bool = False) -> None:
         self.kind = kind
         self.key = key
         self.tag = tag
@@ -114,20 +116,24 @@ class Layout:
     """Section offsets shared by records with the same size and atom count.
 
     Args:
-        n_atoms: Atom count.
-        pos_dtype: Positions element dtype (``<f4`` / ``<f8``).
-        z_offset: Offset of the atomic numbers.
-        spans: ``(start, end)`` byte ranges holding the structural bytes.
-        expected: The structural bytes of the record the layout was built from.
-        slots: Decodable sections in record order.
-        trailing: Bytes after the last section (writers never leave any).
+        n_atoms (int): Atom count.
+        pos_dtype (np.dtype): Positions element dtype (``<f4`` / ``<f8``).
+        z_offset (int): Offset of the atomic numbers.
+        spans (tuple[tuple[int, int], ...]): ``(start, end)`` byte ranges holding the structural
+            bytes.
+        expected (tuple[bytes, ...]): The structural bytes of the record the layout was built from.
+        slots (Sequence[Slot]): Decodable sections in record order.
+        trailing (int): Bytes after the last section (writers never leave any).
     """
 
     __slots__ = ("n_atoms", "pos_dtype", "pos_rows", "z_offset", "spans", "check", "expected",
                  "slots", "memo_id", "plan", "gather", "by_field", "trailing", "builtins",
                  "customs", "_check_arrays", "check_at", "shared")
 
-    def __init__(self, n_atoms, pos_dtype, z_offset, spans, expected, slots, trailing):
+    def __init__(self, n_atoms: int, pos_dtype: np.dtype, z_offset: int,
+                 spans: tuple[tuple[int, int], ...], expected: tuple[bytes, ...],
+                 slots: Sequence[Slot],
+                 trailing: int) -> None:
         self.n_atoms = n_atoms
         self.pos_dtype = pos_dtype
         self.pos_rows = np.dtype((pos_dtype, (3,)))  # one (x, y, z) row per element
@@ -193,12 +199,12 @@ def _fail(where, msg: str) -> RecordDecodeError:
     return RecordDecodeError(f"{describe_where(where)}: {msg}")
 
 
-def build_layout(rec, n_atoms: int, pos_dtype: np.dtype, record_format: int,
+def build_layout(rec: memoryview, n_atoms: int, pos_dtype: np.dtype, record_format: int,
                  where: str) -> Layout:
     """Parse one record's structure (slow path, run once per layout).
 
     Args:
-        rec: The uncompressed record bytes.
+        rec (memoryview): The uncompressed record bytes.
         n_atoms (int): The atom count the index gives.
         pos_dtype (np.dtype): Positions element dtype.
         record_format (int): 2 or 3 (which builtin tags are allowed).
@@ -348,11 +354,11 @@ def _decode_tensor(buf, start: int, slot: Slot, n_atoms: int, where: str) -> np.
     return np.frombuffer(buf, slot.dtype, count, start + head).reshape(dims)
 
 
-def decode_molecule(buf, base: int, layout: Layout, where: str) -> Molecule:
+def decode_molecule(buf: memoryview, base: int, layout: Layout, where: str) -> Molecule:
     """Build a :class:`Molecule` from a record at ``buf[base:]`` using its layout.
 
     Args:
-        buf: Buffer holding the record (mmap, bytes or bytearray).
+        buf (memoryview): Buffer holding the record (mmap, bytes or bytearray).
         base (int): Offset of the record in ``buf``.
         layout (Layout): The record's layout (already checked with :meth:`Layout.matches`).
         where (str): ``"file: record i"`` for error messages.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import BinaryIO
 
 __all__ = ["FileSink", "RangeIgnoredError", "ShardBuffer", "ShardPart", "WritableBuffer",
            "allocate", "is_writable_buffer"]
@@ -217,10 +218,10 @@ class FileSink(_ResumableBody):
     length, a server that sends the whole body again truncates the file first.
 
     Args:
-        handle: A file opened for writing in binary mode, positioned at its start.
+        handle (BinaryIO): A file opened for writing in binary mode, positioned at its start.
     """
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
         self._filled = 0
 

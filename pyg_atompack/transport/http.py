@@ -35,7 +35,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import urljoin, urlsplit
 
 from pyg_atompack.transport import spare_client
@@ -433,13 +433,13 @@ def fetch(url: str, *, policy: RetryPolicy, cancel: Cancel = NEVER,
     return buffer.take()
 
 
-def fetch_to_file(url: str, handle, *, policy: RetryPolicy, cancel: Cancel = NEVER,
+def fetch_to_file(url: str, handle: BinaryIO, *, policy: RetryPolicy, cancel: Cancel = NEVER,
                   headers: Mapping[str, str] | None = None) -> int:
     """Download ``url`` into an open binary file (resumed in place after a drop).
 
     Args:
         url (str): The address.
-        handle: A file opened ``"wb"`` (or ``"w+b"``).
+        handle (BinaryIO): A file opened ``"wb"`` (or ``"w+b"``).
         policy (RetryPolicy): Retries and timeouts.
         cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
         headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)

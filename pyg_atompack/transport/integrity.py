@@ -38,12 +38,12 @@ def _problem(size: int, chunks, *, expected_size: int | None, sha256: str | None
     return None if got_blob == blob_id.lower() else f"git blob id {got_blob}, expected {blob_id}"
 
 
-def bytes_problem(data, *, size: int | None, sha256: str | None = None,
+def bytes_problem(data: bytes | memoryview, *, size: int | None, sha256: str | None = None,
                   blob_id: str | None = None, verify: bool = True) -> str | None:
     """What is wrong with ``data`` given what its listing announced, or ``None``.
 
     Args:
-        data: The received bytes (any buffer).
+        data (bytes | memoryview): The received bytes (any buffer).
         size (int | None): The announced size, or ``None`` when unknown.
         sha256 (str, optional): The announced hex sha256, or ``None``. (default: :obj:`None`)
         blob_id (str, optional): The announced git blob id, used when no sha256 is known.

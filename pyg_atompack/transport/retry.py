@@ -15,7 +15,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -144,11 +144,11 @@ def parse_ratelimit_reset(value: str | None) -> float | None:
     return float(match.group(2))
 
 
-def server_wait(headers) -> float | None:
+def server_wait(headers: Mapping[str, str | None]) -> float | None:
     """The wait a server asked for: ``Retry-After``, else an exhausted ``RateLimit``.
 
     Args:
-        headers: Response headers (a case-insensitive mapping).
+        headers (Mapping[str, str | None]): Response headers (a case-insensitive mapping).
 
     Returns:
         Seconds, or ``None``.
