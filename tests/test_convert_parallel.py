@@ -210,23 +210,95 @@ def test_bad_structure_in_a_worker_stops_everything(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.extxyz"]
 
 
-def test_ctrl_c_stops_all_workers_and_leaves_nothing(tmp_path: Path) -> None:
-    source = write_extxyz(tmp_path / "big.extxyz", 60_000)
-    out = tmp_path / "big.atp"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pyg_atompack.cli", "convert", source, out, "--workers", "2"],
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A source long enough that the workers are still busy when the test acts."""
+    return write_extxyz(tmp_path_factory.mktemp("parallel-big") / "big.extxyz", 60_000)
+
+
+def _start_conversion(source: Path, out: Path, *prefix: str) -> subprocess.Popen:
+    """``pyg-atompack convert SOURCE OUT --workers 2`` in a session of its own."""
+    command = list(prefix) or ["-m", "pyg_atompack.cli"]
+    return subprocess.Popen(
+        [sys.executable, *command, "convert", str(source), str(out), "--workers", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    # interrupt once the writer has started (its hidden temporary output exists)
-    # and both workers are running
+
+
+def _wait_until_writing(process: subprocess.Popen, out: Path) -> list[int]:
+    """Wait for the writer's hidden output and both workers; their process ids."""
     children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
     deadline = time.monotonic() + 120
-    while not (any(p.name.startswith(".big.atp.partial") for p in tmp_path.iterdir())
+    while not (any(p.name.startswith(f".{out.name}.partial") for p in out.parent.iterdir())
                and len(children.read_text().split()) >= 2):
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    return [int(pid) for pid in children.read_text().split()]
+
+
+def _finish(process: subprocess.Popen, timeout: float = 60) -> str:
+    """The process's stderr once it *and every worker* have gone (the pipes close).
+
+    A worker left behind keeps the pipes open, so this times out; the whole
+    session is then killed so that no test leaves a process running.
+    """
+    try:
+        return process.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"a process of the conversion was still running after "
+                             f"{timeout} s") from None
+
+
+def test_ctrl_c_stops_all_workers_and_leaves_nothing(tmp_path: Path, big_source: Path) -> None:
+    out = tmp_path / "big.atp"
+    process = _start_conversion(big_source, out)
+    # interrupt once the writer has started and both workers are running
+    _wait_until_writing(process, out)
     os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-    _, stderr = process.communicate(timeout=60)
+    stderr = _finish(process)
     assert process.returncode == 130, stderr
     assert "interrupted" in stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.extxyz"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# Python runs a signal handler in the main thread at its next instruction, even
+# when that thread blocks the signal and another thread (a progress bar's
+# monitor) took it: so a Ctrl-C can surface right after fork() returns, before
+# multiprocessing has recorded the worker it just started. This runs the
+# conversion with a fork() that does exactly that, every time.
+_INTERRUPTED_RIGHT_AFTER_FORK = """
+import os, signal, sys
+fork = os.fork
+def interrupted_fork():
+    pid = fork()
+    if pid:
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    return pid
+os.fork = interrupted_fork
+from pyg_atompack.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_workers_start_leaves_no_worker_behind(tmp_path: Path,
+                                                             big_source: Path) -> None:
+    out = tmp_path / "big.atp"
+    process = _start_conversion(big_source, out, "-c", _INTERRUPTED_RIGHT_AFTER_FORK)
+    stderr = _finish(process)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path,
+                                                       big_source: Path) -> None:
+    out = tmp_path / "big.atp"
+    process = _start_conversion(big_source, out)
+    workers = _wait_until_writing(process, out)
+    os.kill(process.pid, signal.SIGKILL)  # the out-of-memory killer, a job's time limit
+    _finish(process, timeout=30)
+    for pid in workers:  # gone, or a zombie that nobody in this container reaps
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "\nState:\tZ" in status.read_text(), pid

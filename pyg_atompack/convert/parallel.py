@@ -21,7 +21,9 @@ same order, same shard boundaries; byte-identical for codec none).
 * **Failures.** A worker that meets a bad structure sends the
   :class:`~pyg_atompack.convert.ConvertError` (file and structure index of the
   source) and stops; the main process stops every worker and raises it, so the
-  writer is aborted and nothing is left behind. Ctrl-C stops all of them alike.
+  writer is aborted and nothing is left behind. Ctrl-C stops all of them alike,
+  also one that comes while the workers start; a worker whose main process was
+  killed outright notices that its parent has changed and leaves.
 * **Parts.** :func:`plan_part` cuts a source into ``N`` parts at shard
   boundaries; part ``I`` numbers its shards from its first global shard, so the
   parts of a job array never collide and :func:`~.merge.merge_parts` can lay
@@ -274,7 +276,7 @@ def source_ranges(path: str | os.PathLike, format: str | None,
 # ----------------------------------------------------------------------------- workers
 
 
-def _worker(ranges: SourceRanges, mine: list[tuple[int, int]], out: Any) -> None:
+def _worker(ranges: SourceRanges, mine: list[tuple[int, int]], out: Any, parent: int) -> None:
     # Ctrl-C is the main process's to handle (it terminates the workers); a worker
     # starts with SIGINT blocked (see OrderedStructures) and ignores it from here on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -282,13 +284,33 @@ def _worker(ranges: SourceRanges, mine: list[tuple[int, int]], out: Any) -> None
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         for structures in ranges.read(mine):
-            out.put(("ok", structures))
+            if not _put(out, ("ok", structures), parent):
+                return
     except KeyboardInterrupt:
         return  # the main process was interrupted too and stops everything
     except ConvertError as exc:
-        out.put(("convert_error", (exc.path, exc.problem, exc.index)))
+        _put(out, ("convert_error", (exc.path, exc.problem, exc.index)), parent)
     except BaseException:
-        out.put(("error", traceback.format_exc()))
+        _put(out, ("error", traceback.format_exc()), parent)
+
+
+def _put(out: Any, message: tuple[str, Any], parent: int) -> bool:
+    """Hand ``message`` to the main process; :obj:`False` once it is gone.
+
+    A main process killed outright (``SIGKILL``, the out-of-memory killer, a
+    scheduler's time limit) cannot stop its workers, and a worker waiting on a
+    full queue would wait for ever, holding the terminal's or the job's output
+    open. It therefore looks up its parent between waits and leaves when the
+    parent has changed.
+    """
+    while True:
+        try:
+            out.put(message, timeout=POLL_S)
+            return True
+        except queue.Full:
+            if os.getppid() != parent:
+                out.cancel_join_thread()  # nobody reads: exit without flushing
+                return False
 
 
 class OrderedStructures:
@@ -327,22 +349,30 @@ class OrderedStructures:
         count = min(self.workers, len(self._spans))
         queues = [context.Queue(maxsize=RANGES_AHEAD) for _ in range(count)]
         self._processes = [
-            context.Process(target=_worker, args=(self.ranges, self._spans[w::count], queues[w]),
+            context.Process(target=_worker,
+                            args=(self.ranges, self._spans[w::count], queues[w], os.getpid()),
                             name=f"pyg-atompack-convert-{w}", daemon=True)
             for w in range(count)
         ]
-        # A Ctrl-C that lands inside fork() is swallowed by the at-fork hooks (in the
-        # parent and in the child); held back until every worker has started, it
-        # interrupts the parent at a clean point instead
+        # A Ctrl-C while the workers start must not leave one behind. The signal
+        # is blocked in this thread, but another thread of the process (a
+        # progress bar's monitor) may take it, and then Python runs the handler in
+        # this thread anyway, at the first instruction after fork(): a
+        # KeyboardInterrupt there leaves a started worker that Process never
+        # recorded, which nobody stops. So the handler only remembers an
+        # interrupt while workers start, and it is raised once all are recorded.
         self._catch_interrupts()
         masking = hasattr(signal, "pthread_sigmask")
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masking else None
+        self._starting = True
         try:
             for process in self._processes:
                 process.start()
         finally:
+            self._starting = False
             if masking:
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        self._check_interrupted()
         for number in range(len(self._spans)):
             worker = number % count
             structures = self._receive(queues[worker], worker)
@@ -351,14 +381,17 @@ class OrderedStructures:
 
     def _catch_interrupts(self) -> None:
         # Remember every Ctrl-C: one that lands while Python runs an at-fork hook
-        # raises KeyboardInterrupt inside the hook, which swallows it
+        # raises KeyboardInterrupt inside the hook, which swallows it; one that
+        # lands while workers start is held back (see __iter__)
         self._interrupted = False
+        self._starting = False
         self._previous_handler = None
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             def on_interrupt(signum: int, frame: Any) -> None:
                 self._interrupted = True
-                raise KeyboardInterrupt
+                if not self._starting:
+                    raise KeyboardInterrupt
 
             self._previous_handler = signal.signal(signal.SIGINT, on_interrupt)
 
