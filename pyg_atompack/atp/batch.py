@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import cache as _cache
+from . import prefault
 from .assemble import assemble, store
 from .cache import UNCHECKED
 from .codecs import CODEC_NONE, decompress
@@ -223,7 +224,10 @@ def read_batch(st: FileState, indices: Any, infos: dict[str, FieldInfo]) -> dict
     mapped = _use_mapping(st, entries)
     try:
         if mapped and st.u8 is not None and len(idx):
-            # mapped, uncompressed: gather straight from the file
+            # mapped, uncompressed: gather straight from the file; the page faults of
+            # records not read through this mapping before go partly to a second core
+            if st.mm is not None:
+                prefault.spread(st, idx, entries)
             first = _check_uniform(st, idx, entries)
             if first is not None:  # one known layout (the common case), checked now
                 out = _timed(st, len(idx), read_single, st, idx, first[1], first[0], infos)

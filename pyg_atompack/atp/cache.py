@@ -14,6 +14,8 @@ everything ``reader[i]`` and ``read_batch`` remember between calls:
   memo, :mod:`.structure`) of a mapped uncompressed file;
 * ``columns`` and ``resolved``: the batch path's views of the index columns and
   resolved ``fields=`` selections;
+* ``helper``: the pool task faulting in part of the last first-touch batch
+  (:mod:`.prefault`);
 * ``cold``: whether the last first touch of a record waited for the disk, which
   decides whether the next one asks for its pages first, and ``batch_cold``:
   whether the last batch gathered from the mapping did, which decides whether the
@@ -30,6 +32,7 @@ here refers back to the state, so dropping the state frees the mapping at once.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +88,7 @@ class DecodeCache:
     """
 
     __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
-                 "structures", "columns", "resolved", "cold", "batch_cold")
+                 "structures", "columns", "resolved", "cold", "batch_cold", "helper")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
@@ -104,6 +107,8 @@ class DecodeCache:
         # mapping waited for the disk ("auto" only)
         self.cold = True
         self.batch_cold = True
+        # the pool task faulting in part of the last first-touch batch (prefault.py)
+        self.helper: Future | None = None
 
     def memo_array(self) -> np.ndarray:
         """The per-record memo of checked layout ids (uint16), created on first use.
@@ -117,6 +122,25 @@ class DecodeCache:
             self.memo_ids = np.zeros(self.count, np.uint16)
             self.memo = memoryview(self.memo_ids)
         return self.memo_ids
+
+    def untouched(self, idx: np.ndarray) -> np.ndarray | None:
+        """Positions in ``idx`` of records neither memo knows (not read through this mapping).
+
+        Args:
+            idx (np.ndarray): Record indices.
+
+        Returns:
+            np.ndarray | None: The positions, or :obj:`None` when no record was
+            checked yet (all of them).
+        """
+        if self.memo_ids is None and self.structures is None:
+            return None
+        new = np.ones(len(idx), bool)
+        if self.memo_ids is not None:
+            new &= self.memo_ids[idx] == 0
+        if self.structures is not None:
+            new &= self.structures.ids[idx] == 0
+        return np.flatnonzero(new)
 
     def structure_memo(self) -> StructureMemo:
         """The mixed-size structure memo (:mod:`.structure`), created on first use."""

@@ -56,7 +56,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _executor() -> ThreadPoolExecutor:
+def executor() -> ThreadPoolExecutor:
+    """The process's pool of reader threads (made on first use, fresh after fork)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -110,7 +111,7 @@ def _concurrently(read_run: Callable, runs: list) -> list:
         return [read_run(run) for run in runs]
     workers = min(MAX_WORKERS, len(runs))
     chunks = [runs[w::workers] for w in range(workers)]
-    results = list(_executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
+    results = list(executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
     datas: list = [None] * len(runs)
     for w, chunk_data in enumerate(results):
         datas[w::workers] = chunk_data
