@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["640k", "mixed"],
                         choices=list(regimes.SIZES))
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128, 256])
     parser.add_argument("--records", type=int, default=5120)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=OUT)
