@@ -867,6 +867,33 @@ def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, ran
     assert asked == []
 
 
+def test_a_new_record_size_asks_for_its_pages_only_while_first_touches_wait(
+        tmp_path, random_advice, monkeypatch):
+    """The first record of a size new to the reader follows the same rule as the
+    others: it asks for its pages while first touches wait for the disk, and not once
+    they are served from memory (a mixed-size file has hundreds of sizes). The clock
+    is replaced."""
+    import itertools
+
+    from pyg_atompack.atp import cache, filestate
+
+    asked = []
+    monkeypatch.setattr(filestate.FileState, "prefetch_record",
+                        lambda self, offset, length: asked.append(offset))
+    path = _write_small(tmp_path / "sizes.atp", [4, 4, 5, 6, 6])
+    with atp.open(path, access="mmap") as f:  # every size parsed once in the process
+        [f[i] for i in range(5)]
+    for step, want in ((1.0, [0, 1, 2, 3, 4]), (0.0, [0, 1])):
+        clock = itertools.count(0.0, step)  # every touch takes ``step`` seconds
+        monkeypatch.setattr(cache, "perf_counter", lambda clock=clock: next(clock))
+        asked.clear()
+        with atp.open(path) as f:
+            for i in range(5):
+                assert f[i].energy == float(i)
+            offsets = f.index["offset"]
+        assert asked == [int(offsets[i]) for i in want]
+
+
 def test_fresh_readers_reuse_parsed_layouts_only_after_checking_them(tmp_path, monkeypatch):
     """A second reader of records of the same sizes does not parse them again; a record
     whose structural bytes differ from the known parse is parsed (and refused) anyway."""

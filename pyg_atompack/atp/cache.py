@@ -312,8 +312,9 @@ def first_touch(st, i: int) -> Molecule | None:
     the structural bytes call for the full parse (:func:`record`).
 
     Under ``"auto"`` the check is the record's first touch: when the previous first
-    touch had to wait for the disk (slower than a page-cache hit), this one asks for
-    the record's pages with one ``MADV_WILLNEED`` first
+    touch had to wait for the disk (slower than a page-cache hit), this one -- also
+    the first record of a size new to the reader -- asks for the record's pages
+    with one ``MADV_WILLNEED`` first
     (:meth:`FileState.prefetch_record`); when it is fast again (the pages are in
     memory), the system call is skipped. Timing costs two clock reads; the system
     call on every first touch cost more than that on data already in memory.
@@ -332,7 +333,7 @@ def first_touch(st, i: int) -> Molecule | None:
         return None
     layout = cache.layouts.get((raw, n))
     if layout is None:  # the first record of its size in this reader
-        if st.resident is not None:
+        if st.resident is not None and cache.cold:
             st.prefetch_record(off, raw)
         layout = cache.adopt(st, raw, n, off)
         if layout is None:
