@@ -60,13 +60,16 @@ def test_the_pool_thread_maps_the_second_half_of_the_untouched_records(tmp_path,
         offsets = entries["offset"].astype(np.int64)
 
         def faults_reading(records):
+            starts = offsets[records].tolist()  # allocated before counting
             before = _thread_faults()
-            for off in offsets[records].tolist():
+            for off in starts:
                 u8[off], u8[off + 1000]
             return _thread_faults() - before
 
-        assert faults_reading(slice(20, 40)) == 0  # the pool thread's half
-        assert faults_reading(slice(0, 20)) >= 15  # ours: one fault per record, about
+        # the pool thread's half: mapped already (a stray fault may come from the
+        # interpreter's own memory); ours: about one fault per record
+        assert faults_reading(slice(20, 40)) <= 3
+        assert faults_reading(slice(0, 20)) >= 15
 
 
 def test_pages_of_lists_every_page_of_every_range():
@@ -160,3 +163,25 @@ def test_closing_the_reader_while_the_pool_thread_reads_is_safe(tmp_path, monkey
     assert task.result() > 0
     with atp.open(path) as again:  # and the file reads normally afterwards
         assert again.read_batch(idx.tolist())["energy"].tolist() == idx.astype(float).tolist()
+
+
+def test_a_batch_read_while_the_interpreter_exits_needs_no_new_thread(tmp_path):
+    """At interpreter exit the pool takes no new work: a batch read from an atexit
+    handler is still read (in the calling thread), not an error."""
+    import subprocess
+
+    path = _write(tmp_path / "u.atp", [64] * 300)
+    script = (
+        "import atexit, concurrent.futures.thread as t\n"
+        "from pyg_atompack import atp\n"
+        "from pyg_atompack.atp import prefault\n"
+        "prefault.MIN_RECORDS = 4\n"
+        f"reader = atp.open({str(path)!r})\n"
+        "def late():\n"
+        "    t._shutdown = True\n"
+        "    print(reader.read_batch(list(range(0, 300, 3)))['energy'].sum())\n"
+        "atexit.register(late)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == float(sum(range(0, 300, 3)))

@@ -171,5 +171,8 @@ def spread(st, idx: np.ndarray, entries: np.ndarray) -> Future | None:
         pages = np.stack([offsets >> _PAGE_SHIFT, (ends - 1) >> _PAGE_SHIFT], 1).ravel()
     else:
         pages = pages_of(offsets, ends - offsets)
-    cache.helper = executor().submit(_Reads(st.u8, pages))
+    try:
+        cache.helper = executor().submit(_Reads(st.u8, pages))
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        return None
     return cache.helper
