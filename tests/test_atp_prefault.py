@@ -1,4 +1,5 @@
-"""First-touch batches: half of the page faults on a pool thread (atp/prefault.py)."""
+"""First-touch batches: half of the page faults on a pool thread (atp/prefault.py); pool
+hand-offs at interpreter exit."""
 
 from __future__ import annotations
 
@@ -177,6 +178,29 @@ def test_a_batch_read_while_the_interpreter_exits_needs_no_new_thread(tmp_path):
         "from pyg_atompack.atp import prefault\n"
         "prefault.MIN_RECORDS = 4\n"
         f"reader = atp.open({str(path)!r})\n"
+        "def late():\n"
+        "    t._shutdown = True\n"
+        "    print(reader.read_batch(list(range(0, 300, 3)))['energy'].sum())\n"
+        "atexit.register(late)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == float(sum(range(0, 300, 3)))
+
+
+def test_batches_off_the_page_cache_read_while_the_interpreter_exits(tmp_path):
+    """The same for the concurrent ``pread`` of records not in memory (preads.py)."""
+    import subprocess
+
+    path = _write(tmp_path / "u.atp", [64] * 300)
+    script = (
+        "import atexit, os, concurrent.futures.thread as t\n"
+        "from pyg_atompack import atp\n"
+        f"reader = atp.open({str(path)!r}, access='pread')\n"
+        "st = reader._state()\n"
+        "def slow(fd, n, off):\n"
+        "    import time; time.sleep(0.001); return os.pread(fd, n, off)\n"
+        "st.pread = slow\n"
         "def late():\n"
         "    t._shutdown = True\n"
         "    print(reader.read_batch(list(range(0, 300, 3)))['energy'].sum())\n"

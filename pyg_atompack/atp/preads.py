@@ -111,7 +111,12 @@ def _concurrently(read_run: Callable, runs: list) -> list:
         return [read_run(run) for run in runs]
     workers = min(MAX_WORKERS, len(runs))
     chunks = [runs[w::workers] for w in range(workers)]
-    results = list(executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
+    try:
+        results = list(executor().map(lambda chunk: [read_run(r) for r in chunk], chunks))
+    except RuntimeError as exc:  # the interpreter is shutting down: no new threads
+        if "shutdown" not in str(exc):
+            raise
+        return [read_run(run) for run in runs]
     datas: list = [None] * len(runs)
     for w, chunk_data in enumerate(results):
         datas[w::workers] = chunk_data
