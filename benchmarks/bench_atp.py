@@ -228,9 +228,18 @@ def _batches_of(size: int):
         batch = getattr(handle, "read_batch", None) or handle.get_molecules_flat
         for start in range(0, len(indices) - size + 1, size):
             batch(indices[start:start + size])
+        _drain(handle)
         return len(indices) // size * size
 
     return run, _touch_all
+
+
+def _drain(handle) -> None:
+    """Wait for our reader's first-touch helper (atp/prefault.py): its time is the run's."""
+    state = getattr(handle, "_state", None)
+    helper = state().cache.helper if state is not None else None
+    if helper is not None:
+        helper.result()
 
 
 def _touch_all(handle) -> None:
