@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
               "calling thread / in every other thread; *main wait* / *other wait* µs runnable "
               "but waiting for a core; *cores* CPU ÷ wall; *faults*, *voluntary*, "
               "*involuntary*: minor page faults and context switches per record. Medians of "
-              f"{args.rounds} rounds of {args.records:,} random records, fresh reader per run, "
-              "file in the page cache.", "", *table, ""]
+              f"{args.rounds} rounds of {args.records:,} random records, fresh reader per run "
+              "(opened and closed inside the measured run, for both readers), file in the "
+              "page cache.", "", *table, ""]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines))
     print(f"wrote {args.output}")
