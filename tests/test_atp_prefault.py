@@ -91,6 +91,7 @@ def test_first_touch_batches_equal_atompack_with_and_without_the_helper(
         np.random.default_rng(2).integers(5, 200, count).tolist()
     path = _write(tmp_path / f"{sizes}.atp", atoms)
     monkeypatch.setattr(prefault, "MIN_RECORDS", 4 if helper else 1 << 40)
+    monkeypatch.setattr(prefault, "LATE_START_SECONDS", float("inf"))  # however busy
     db = atompack.Database.open(str(path))
     rng = np.random.default_rng(3)
     for access in ("mmap", "auto"):
@@ -109,6 +110,7 @@ def test_first_touch_batches_equal_atompack_with_and_without_the_helper(
 def test_no_hand_off_for_records_read_before_or_small_batches(tmp_path, monkeypatch):
     path = _write(tmp_path / "u.atp", [64] * 400)
     monkeypatch.setattr(prefault, "MIN_RECORDS", 16)
+    monkeypatch.setattr(prefault, "LATE_START_SECONDS", float("inf"))  # however busy
     with atp.open(path, access="mmap") as reader:
         st = reader._state()
         idx = np.arange(0, 400, 4)
@@ -209,3 +211,29 @@ def test_batches_off_the_page_cache_read_while_the_interpreter_exits(tmp_path):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == float(sum(range(0, 300, 3)))
+
+
+def test_a_helper_that_found_no_free_core_pauses_the_hand_offs(tmp_path, monkeypatch):
+    """A pool thread that started late (no free core) makes the next BACK_OFF eligible
+    batches fault in the calling thread; then the hand-off is tried again. Nothing is
+    timed: the clock is replaced."""
+    import itertools
+
+    path = _write(tmp_path / "u.atp", [64] * 4000)
+    monkeypatch.setattr(prefault, "MIN_RECORDS", 4)
+    monkeypatch.setattr(prefault, "BACK_OFF", 3)
+    batches = [list(range(start, start + 8)) for start in range(0, 4000, 8)]
+    for step, late in ((0.0, False), (1.0, True)):
+        clock = itertools.count(0.0, step)  # submit -> start takes ``step`` seconds
+        monkeypatch.setattr(prefault, "perf_counter", lambda clock=clock: next(clock))
+        with atp.open(path, access="mmap") as reader:
+            cache = reader._state().cache
+            handed = []
+            for batch in batches[:9]:
+                got = reader.read_batch(batch)
+                assert got["energy"].tolist() == [float(i) for i in batch]
+                handed.append(cache.helper is not None)
+                if cache.helper is not None:
+                    cache.helper.result()
+        # late: every hand-off is followed by 3 batches without one
+        assert handed == (([True, False, False, False] * 3)[:9] if late else [True] * 9)

@@ -88,7 +88,8 @@ class DecodeCache:
     """
 
     __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
-                 "structures", "columns", "resolved", "cold", "batch_cold", "helper")
+                 "structures", "columns", "resolved", "cold", "batch_cold", "helper",
+                 "helper_reads", "helper_skip")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
@@ -109,6 +110,8 @@ class DecodeCache:
         self.batch_cold = True
         # the pool task faulting in part of the last first-touch batch (prefault.py)
         self.helper: Future | None = None
+        self.helper_reads: Any = None  # its request (start time: was a core free?)
+        self.helper_skip = 0  # batches to fault in the calling thread alone
 
     def memo_array(self) -> np.ndarray:
         """The per-record memo of checked layout ids (uint16), created on first use.

@@ -14,12 +14,14 @@ the GIL is released for the whole call, so the kernel work runs on a second core
 while the calling thread does the first half). The helper walks its
 records from the last one back while the caller's gathers go forward, so they
 meet rather than fault the same pages. Nothing waits for the helper: a page it has not
-reached yet is simply faulted by the gather that reads it, so a busy machine (no
-free core) costs only the hand-off. The system call reads memory, it never
-raises a signal: a page beyond the end of a shrunken file is an error return, not
-a ``SIGBUS``. No library does this (numpy keeps the GIL for gathers of a few
-hundred elements), hence ctypes here; Linux only, elsewhere :func:`spread` is a
-no-op.
+reached yet is simply faulted by the gather that reads it. On a busy machine (no
+free core) the helper starts late and only competes with the caller for a core:
+a helper that waited longer than :data:`LATE_START_SECONDS` to start makes the
+next :data:`BACK_OFF` eligible batches fault in the calling thread alone. The
+system call reads memory, it never raises a signal: a page beyond the end of a
+shrunken file is an error return, not a ``SIGBUS``. No library does this (numpy
+keeps the GIL for gathers of a few hundred elements), hence ctypes here; Linux
+only, elsewhere :func:`spread` is a no-op.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future
+from time import perf_counter
 
 import numpy as np
 
 from .preads import executor
 
+# a pool thread that took longer than this to start found no free core (waking one
+# takes ~50 us here); then the next BACK_OFF batches fault in the calling thread only
+# (offcpu.py at load ~1.5: the hand-off cost batches of 128 / 256 up to 1.15x)
+LATE_START_SECONDS = 300e-6
+BACK_OFF = 32
 # records not read through the mapping before, below which handing half of them off
 # costs more than it saves (benchmarks/offcpu.py, wall clock of a fresh reader's batches:
 # 32 records 1.5x slower with the hand-off, 64 records 1.09x slower, 128 1.08x faster,
@@ -95,10 +103,11 @@ class _Reads:
         pages (np.ndarray): Page numbers inside the mapping.
     """
 
-    __slots__ = ("file_u8", "requests")
+    __slots__ = ("file_u8", "requests", "submitted", "started")
 
     def __init__(self, file_u8: np.ndarray, pages: np.ndarray) -> None:
         self.file_u8 = file_u8
+        self.submitted = self.started = 0.0
         base = file_u8.ctypes.data
         self.requests = []
         for start in range(0, len(pages), _IOV_MAX):
@@ -112,6 +121,7 @@ class _Reads:
 
     def __call__(self) -> int:
         """Fault the pages in; returns the bytes read (the page count unless refused)."""
+        self.started = perf_counter()
         pid = os.getpid()
         done = 0
         for local, remote, _ in self.requests:
@@ -154,8 +164,16 @@ def spread(st, idx: np.ndarray, entries: np.ndarray) -> Future | None:
         running, or no ``process_vm_readv``).
     """
     cache = st.cache
-    if _readv is None or len(idx) < MIN_RECORDS or \
-            (cache.helper is not None and not cache.helper.done()):
+    if _readv is None or len(idx) < MIN_RECORDS:
+        return None
+    if cache.helper is not None:
+        if not cache.helper.done():
+            return None
+        last, cache.helper = cache.helper_reads, None
+        if last.started - last.submitted > LATE_START_SECONDS:
+            cache.helper_skip = BACK_OFF  # no core was free: the hand-off only cost
+    if cache.helper_skip:
+        cache.helper_skip -= 1
         return None
     new = cache.untouched(idx)
     if new is not None and len(new) < MIN_RECORDS:
@@ -171,8 +189,11 @@ def spread(st, idx: np.ndarray, entries: np.ndarray) -> Future | None:
         pages = np.stack([offsets >> _PAGE_SHIFT, (ends - 1) >> _PAGE_SHIFT], 1).ravel()
     else:
         pages = pages_of(offsets, ends - offsets)
+    reads = _Reads(st.u8, pages)
     try:
-        cache.helper = executor().submit(_Reads(st.u8, pages))
+        reads.submitted = perf_counter()
+        task = executor().submit(reads)
     except RuntimeError:  # the interpreter is shutting down: no new threads
         return None
-    return cache.helper
+    cache.helper, cache.helper_reads = task, reads
+    return task
