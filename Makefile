@@ -61,6 +61,7 @@ soak: $(STAMP)
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_atp.py --quick
+	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py
 	$(PY) benchmarks/bench_graph.py
