@@ -191,3 +191,151 @@ def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
     if storage_prefixes - {prefix}:
         raise TorchZipError("storage records of more than one archive")
     return TorchArchive(prefix, pickle, byteorders.get(prefix), storages)
+
+
+# ---------------------------------------------------------------- records as they arrive
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_DESCRIPTOR = struct.Struct("<III")  # crc, compressed size, size (after the signature)
+_DESCRIPTOR64 = struct.Struct("<IQQ")  # the zip64 form
+_NEXT_SIGNATURES = (b"PK\x03\x04", b"PK\x01\x02")  # a local header or the directory
+
+
+class LocalRecord:
+    """One record's local header, read before the central directory has arrived.
+
+    Attributes:
+        name: The record's name.
+        header_at: Where its local header starts.
+        data_at: Where its data starts.
+        size: Its data size when the header states it, else :obj:`None` (the size
+            follows the data, in a data descriptor: ``torch.save`` streams every
+            record that way).
+    """
+
+    __slots__ = ("name", "header_at", "data_at", "size")
+
+    def __init__(self, name: str, header_at: int, data_at: int, size: int | None) -> None:
+        self.name = name
+        self.header_at = header_at
+        self.data_at = data_at
+        self.size = size
+
+
+def read_local_record(buffer: bytes | bytearray | memoryview, at: int,
+                      arrived: int) -> LocalRecord | None:
+    """The local header at ``at`` of an archive whose first ``arrived`` bytes are in.
+
+    Args:
+        buffer (bytes | bytearray | memoryview): The archive's buffer (only its first
+            ``arrived`` bytes are read).
+        at (int): Where the header starts.
+        arrived (int): How many leading bytes of the buffer hold the archive.
+
+    Returns:
+        The record, or :obj:`None` while its header has not all arrived.
+
+    Raises:
+        TorchZipError: No local header at ``at``, or a compressed or encrypted record.
+    """
+    if at + _LOCAL.size > arrived:
+        return None
+    (signature, _, flags, method, _, _, _, compressed, uncompressed, name_length,
+     extra_length) = _LOCAL.unpack_from(buffer, at)
+    if signature != _LOCAL_SIGNATURE:
+        raise TorchZipError(f"no local header at byte {at}")
+    data_at = at + _LOCAL.size + name_length + extra_length
+    if data_at > arrived:
+        return None
+    name = bytes(buffer[at + _LOCAL.size:at + _LOCAL.size + name_length]).decode(
+        "utf-8", "replace")
+    if method != _STORED or flags & 0x1:
+        raise TorchZipError(f"record {name} is compressed or encrypted")
+    size = None
+    if not flags & 0x8:
+        if compressed != uncompressed or compressed == _FULL32:
+            raise TorchZipError(f"record {name} has sizes this reader does not take")
+        size = compressed
+    return LocalRecord(name, at, data_at, size)
+
+
+def record_end(buffer: bytes | bytearray | memoryview, record: LocalRecord, size: int,
+               arrived: int) -> int | None:
+    """Where the record after ``record`` starts, given the size its data must have.
+
+    For a record whose header states its size, that size must be ``size``; otherwise
+    the data descriptor after ``size`` bytes of data must state it, and be followed by
+    the next local header or the central directory.
+
+    Args:
+        buffer (bytes | bytearray | memoryview): The archive's buffer.
+        record (LocalRecord): The record.
+        size (int): The data size it must have.
+        arrived (int): How many leading bytes of the buffer hold the archive.
+
+    Returns:
+        The offset of the next header, or :obj:`None` while the bytes that prove it
+        have not arrived.
+
+    Raises:
+        TorchZipError: The record's data is not ``size`` bytes long.
+    """
+    end = record.data_at + size
+    if record.size is not None:
+        if record.size != size:
+            raise TorchZipError(f"record {record.name} holds {record.size} bytes, "
+                                f"not {size}")
+        return end if end <= arrived else None
+    for layout in (_DESCRIPTOR, _DESCRIPTOR64):
+        after = end + 4 + layout.size
+        if after + 4 > arrived:
+            return None
+        if bytes(buffer[end:end + 4]) != _DESCRIPTOR_SIGNATURE:
+            break
+        _, compressed, uncompressed = layout.unpack_from(buffer, end + 4)
+        if compressed == uncompressed == size and bytes(buffer[after:after + 4]) \
+                in _NEXT_SIGNATURES:
+            return after
+    raise TorchZipError(f"record {record.name} does not end after {size} bytes")
+
+
+def find_record_end(buffer: bytes | bytearray | memoryview, record: LocalRecord,
+                    arrived: int, *, search_from: int | None = None,
+                    ends_with: bytes = b"", limit: int | None = None) -> tuple[int, int] | None:
+    """Find where a record of unknown size ends, from its data descriptor.
+
+    A candidate descriptor must state exactly the distance from the record's data, be
+    preceded by ``ends_with`` and be followed by the next local header, so bytes of the
+    data that happen to look like a descriptor are not taken for one.
+
+    Args:
+        buffer (bytes | bytearray | memoryview): The archive's buffer.
+        record (LocalRecord): A record whose header does not state its size.
+        arrived (int): How many leading bytes of the buffer hold the archive.
+        search_from (int, optional): Where an earlier call stopped searching.
+            (default: the record's data)
+        ends_with (bytes, optional): What the data's last bytes must be.
+            (default: anything)
+        limit (int, optional): Largest data size accepted. (default: none)
+
+    Returns:
+        ``(size, next header offset)``, or :obj:`None` while no descriptor has been
+        found in the arrived bytes.
+    """
+    start = record.data_at if search_from is None else max(search_from, record.data_at)
+    view = memoryview(buffer).cast("B")
+    stop = arrived - 4 - _DESCRIPTOR.size - 4  # room for the descriptor and what follows
+    if limit is not None:
+        stop = min(stop, record.data_at + limit)
+    while start <= stop:
+        found = bytes(view[start:stop + 4]).find(_DESCRIPTOR_SIGNATURE)
+        if found < 0:
+            return None
+        at = start + found
+        size = at - record.data_at
+        _, compressed, uncompressed = _DESCRIPTOR.unpack_from(view, at + 4)
+        after = at + 4 + _DESCRIPTOR.size
+        if (compressed == uncompressed == size and bytes(view[after:after + 4])
+                in _NEXT_SIGNATURES and bytes(view[at - len(ends_with):at]) == ends_with):
+            return size, after
+        start = at + 1
+    return None

@@ -1,0 +1,151 @@
+"""Indexing a ``.pt`` archive while its bytes arrive (``ArrivingPt`` in ``pyg/pt_index.py``).
+
+The archives are real ``torch.save`` files; each test hands the indexer growing
+prefixes of a buffer of the file's final size, as a download fills it.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import struct
+import zipfile
+
+import pytest
+import torch
+from servers.http_server import make_samples
+from test_pt_index import _assert_equal_samples, _Molecules, _saved, _varied_samples
+from torch_geometric.data import Data
+
+from pyg_atompack.pyg.errors import PtPayloadError
+from pyg_atompack.pyg.pt_index import ArrivingPt, ArrivingPtSamples, NotLazyLayout, index_pt
+
+
+def _arriving(raw: bytes | bytearray, filled: int) -> tuple[mmap.mmap, ArrivingPt]:
+    buffer = mmap.mmap(-1, len(raw))
+    buffer[:filled] = raw[:filled]
+    return buffer, ArrivingPt(buffer)
+
+
+def _storage_ends(raw: bytes | bytearray) -> list[int]:
+    """One past the last data byte of each storage record, by storage number."""
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as archive:
+        ends = {}
+        for info in archive.infolist():
+            head, _, key = info.filename.rpartition("/data/")
+            if head and key.isdigit():
+                name_length, extra_length = struct.unpack_from(
+                    "<HH", raw, info.header_offset + 26)
+                ends[int(key)] = (info.header_offset + 30 + name_length + extra_length
+                                  + info.file_size)
+    return [ends[key] for key in sorted(ends)]
+
+
+def test_every_prefix_publishes_exactly_the_samples_whose_bytes_are_in():
+    samples = make_samples(4, 3)  # 4 storages a sample: z, pos, energy, sample_id
+    raw = _saved(samples)
+    reference = index_pt(bytearray(raw))
+    ends = _storage_ends(raw)
+    published_at = None
+    for filled in range(len(raw) + 1):
+        buffer, arriving = _arriving(raw, filled)
+        got = arriving.feed(filled)
+        if got is None:
+            assert published_at is None  # once published, longer prefixes publish too
+            continue
+        published_at = filled if published_at is None else published_at
+        # a sample is ready exactly when the last byte of its last storage is in
+        # (plus the 16-byte data descriptor and the next record's signature that
+        # prove where the record ends)
+        expected = sum(1 for row in range(3) if ends[4 * row + 3] + 20 <= filled)
+        assert got.ready == expected, filled
+        for row in range(got.ready):
+            _assert_equal_samples([got[row]], [reference[row]])
+        if got.ready < 3:
+            with pytest.raises(RuntimeError, match="not arrived"):
+                got[got.ready]
+    assert published_at is not None and published_at < ends[0]  # before any storage
+
+
+def test_growing_prefixes_fed_to_one_indexer_end_in_the_whole_file():
+    samples = _varied_samples(300)  # dtypes, 0-dim, empty, absent and late attributes
+    raw = _saved(samples)
+    buffer = mmap.mmap(-1, len(raw))
+    arriving = ArrivingPt(buffer)
+    readies = []
+    for filled in range(0, len(raw) + 4096, 4096):
+        filled = min(filled, len(raw))
+        buffer[:filled] = raw[:filled]
+        got = arriving.feed(filled)
+        readies.append(got.ready if got is not None else -1)
+    assert readies == sorted(readies) and 0 < readies[len(readies) // 2] < 300
+    done = arriving.complete()
+    assert isinstance(done, ArrivingPtSamples) and done.ready == 300
+    _assert_equal_samples(done, samples)
+
+
+@pytest.mark.parametrize("payload", [
+    (Data(x=torch.ones(4)), {"x": torch.tensor([0, 2, 4])}),  # collated (data, slices)
+    [Data(x=torch.ones(2)), {"not": "data"}],
+    [Data(x=torch.ones(2))] * 2,  # one sample twice
+], ids=["collated", "mixed", "same twice"])
+def test_layouts_that_do_not_stream_are_declined_before_anything_is_published(payload):
+    raw = _saved(payload)
+    buffer, arriving = _arriving(raw, len(raw))
+    with pytest.raises(NotLazyLayout):
+        arriving.feed(len(raw))
+    assert not arriving.published
+
+
+def test_views_of_one_shared_storage_are_declined():
+    dataset = _Molecules(count=12)
+    raw = _saved([dataset[i] for i in range(len(dataset))])  # FoldPipe's shards
+    index_pt(bytearray(raw))  # the whole-file indexer takes them
+    buffer, arriving = _arriving(raw, len(raw))
+    with pytest.raises(NotLazyLayout, match="share"):
+        arriving.feed(len(raw))
+
+
+def test_a_truncated_archive_never_publishes_a_sample_beyond_its_bytes():
+    raw = _saved(make_samples(2, 10))
+    ends = _storage_ends(raw)
+    for cut in (ends[0] - 1, ends[17] + 5, len(raw) - 30):
+        buffer, arriving = _arriving(raw, cut)  # the rest of the buffer stays zero
+        got = arriving.feed(cut)
+        assert got is not None and got.ready <= sum(1 for e in ends[3::4] if e < cut)
+        with pytest.raises(PtPayloadError, match="damaged"):
+            arriving.complete()  # the zero tail has no central directory
+
+
+def test_a_record_that_disagrees_with_the_pickle_stops_the_stream_and_fails_at_the_end():
+    raw = _saved(make_samples(2, 6))
+    ends = _storage_ends(raw)
+    damaged = bytearray(raw)
+    descriptor = ends[9]  # storage 9's data descriptor: its size is now wrong
+    assert damaged[descriptor:descriptor + 4] == b"PK\x07\x08"
+    struct.pack_into("<I", damaged, descriptor + 8, 12345)
+    buffer, arriving = _arriving(damaged, len(damaged))
+    got = arriving.feed(len(damaged))
+    assert got.ready == 2  # samples 0 and 1 own storages 0-7; storage 9 is sample 2's
+    # the directory still agrees with the pickle: the rest is resolved from it
+    done = arriving.complete()
+    assert done.ready == 6
+    _assert_equal_samples(done, make_samples(2, 6))
+    damaged[-22:] = bytes(22)  # no end-of-directory record either: damaged for good
+    buffer, arriving = _arriving(damaged, len(damaged))
+    assert arriving.feed(len(damaged)).ready == 2
+    with pytest.raises(PtPayloadError, match="damaged"):
+        arriving.complete()
+
+
+def test_a_damaged_pickle_is_declined_and_left_to_the_whole_file_path():
+    raw = bytearray(_saved(make_samples(2, 4)))
+    raw[200:260] = b"\xff" * 60  # inside the pickle
+    buffer, arriving = _arriving(raw, len(raw))
+    with pytest.raises(NotLazyLayout):
+        arriving.feed(len(raw))
+
+
+def test_needs_a_writable_buffer():
+    with pytest.raises(NotLazyLayout, match="writable"):
+        ArrivingPt(bytes(_saved(make_samples(1, 1))))
