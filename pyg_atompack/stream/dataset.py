@@ -29,7 +29,7 @@ from pyg_atompack.stream.blocks import (
 )
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.handoff import install as install_handoff
-from pyg_atompack.stream.loading import ShardLoader, check_on_error
+from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
@@ -51,6 +51,12 @@ def _distributed_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _download_ended(shard: LoadedShard) -> None:
+    # the prefetcher starts other downloads once the first shard's has ended
+    if shard.arriving is not None:
+        shard.arriving.wait_done()
 
 
 #: Shard bytes to consume between two ``malloc_trim`` calls. A trim also returns the
@@ -180,6 +186,30 @@ class ShardStreamDataset(IterableDataset):
         cache_dir (str | os.PathLike, optional): Where the metadata (header, schema, index) of
             block-streamed shards is cached, shared by workers, ranks and later runs. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
+        stream_first (bool, optional): Hand out the samples of the iteration's first ``.pt``
+            shard as its bytes arrive instead of after the whole file
+            (:mod:`pyg_atompack.stream.arriving`): it is downloaded as consecutive byte
+            ranges over its connections and indexed while it arrives, each sample
+            built once its storages are in and checked. Applies to a list of ``Data``
+            of known size from a source that reads byte ranges (HTTP(S), the Hub,
+            object stores), with ``prefetch >= 1``, ``lazy_decode`` and
+            ``on_error="raise"``, and, when the listing has the shard's sha256 and
+            ``verify`` is on, only with ``verify_before_use=False``. Its samples
+            cannot be shuffled over the whole shard: with ``shuffle`` they leave
+            through a shuffle buffer of
+            :data:`~pyg_atompack.stream.arriving.ARRIVAL_WINDOW` samples over the
+            arrival order (the ``k``-th drawn from the first ``64 + k``), the same for
+            a given seed and epoch. A shard found short or damaged once it is in
+            raises :class:`~pyg_atompack.stream.ShardFetchError` or
+            :class:`~pyg_atompack.stream.ShardDecodeError` naming it, no later than the
+            end of that shard; other layouts are decoded whole. (default: :obj:`True`)
+        verify_before_use (bool, optional): When the listing knows a shard's sha256 (and
+            ``verify`` is on), hand out none of its samples before the hash is checked.
+            ``False`` lets ``stream_first`` hand out the first shard's samples as they
+            arrive, before the hash of the whole file can be checked; a mismatch
+            then raises :class:`~pyg_atompack.stream.ShardIntegrityError` when the
+            file is in, after some of its samples were handed out.
+            (default: :obj:`True`)
         read_ahead (int, optional): Samples of each lazily decoded shard being consumed
             that a background thread builds ahead of the consumer
             (:mod:`pyg_atompack.stream.readahead`), so that taking a sample costs the
@@ -203,7 +233,8 @@ class ShardStreamDataset(IterableDataset):
                  names: str | None = None, blocks: bool | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None,
-                 read_ahead: int = DEFAULT_READ_AHEAD):
+                 read_ahead: int = DEFAULT_READ_AHEAD, stream_first: bool = True,
+                 verify_before_use: bool = True):
         super().__init__()
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
@@ -247,6 +278,8 @@ class ShardStreamDataset(IterableDataset):
         self.trim_memory = trim_memory
         self.lazy_decode = lazy_decode
         self.split_first = split_first
+        self.stream_first = stream_first
+        self.verify_before_use = verify_before_use
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -381,7 +414,8 @@ class ShardStreamDataset(IterableDataset):
         else:
             loader = ShardLoader(self.source, self.shards, trusted=self.trusted,
                                  verify=self.verify, on_error=self.on_error,
-                                 lazy_decode=self.lazy_decode)
+                                 lazy_decode=self.lazy_decode,
+                                 verify_before_use=self.verify_before_use)
         # the first shard has nothing to overlap with: with several connections allowed
         # it is fetched over all of them at once, as byte ranges, before any other starts
         # prefetch and concurrency are per rank: this worker gets its share of both
@@ -389,10 +423,21 @@ class ShardStreamDataset(IterableDataset):
         concurrency = worker_share(self.concurrency, slot)
         split = concurrency if self.split_first and jobs else 1
         first = jobs[0] if jobs else None
+        if isinstance(plan, BlockPlan):
+            return Prefetcher(
+                jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
+                                                      parts=split if job is first else 1),
+                depth=prefetch, concurrency=concurrency, first_alone=split > 1)
+        # the first .pt shard is handed out as its bytes arrive (stream/arriving.py);
+        # its download keeps its connections until it ends, then the others start
+        arriving = (self.stream_first and prefetch > 0 and first is not None
+                    and loader.streams_as_it_arrives(first[1]))
         return Prefetcher(
             jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
-                                                  parts=split if job is first else 1),
-            depth=prefetch, concurrency=concurrency, first_alone=split > 1,
+                                                  parts=split if job is first else 1,
+                                                  arriving=arriving and job is first),
+            depth=prefetch, concurrency=concurrency, first_alone=split > 1 or arriving,
+            first_settled=_download_ended if arriving else None,
         )
 
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,

@@ -17,7 +17,7 @@ from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport import spare_client
-from pyg_atompack.transport.buffers import WritableBuffer
+from pyg_atompack.transport.buffers import ShardPart, WritableBuffer
 from pyg_atompack.transport.errors import TransportError
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -137,6 +137,31 @@ class URLShardSource:
         """
         return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
                          headers=self.headers)
+
+    def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
+                  cancel: CancelToken) -> None:
+        """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
+
+        One range request, retried and resumed like :meth:`fetch`; used to hand out
+        the first shard's samples as its bytes arrive
+        (:class:`~pyg_atompack.stream.arriving.ArrivingShard`).
+
+        Args:
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            buffer (WritableBuffer): The whole shard's buffer.
+            start (int): First byte.
+            end (int): One past the last byte.
+            cancel (CancelToken): Stops the transfer, and any backoff wait, when cancelled.
+
+        Raises:
+            ShardFetchError: As for :meth:`fetch`.
+            RangeIgnoredError: The server answered with the whole body.
+        """
+        try:
+            transport.fill(shard.location, ShardPart(buffer, start, end), policy=self.retry,
+                           cancel=cancel, headers=self.headers)
+        except TransportError as error:
+            raise shard_error(shard.name, error) from error
 
     def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
                        parts: int) -> WritableBuffer:

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch_geometric.data.data import BaseData
 
+from pyg_atompack.stream.arriving import ArrivingShard, streams_as_it_arrives
 from pyg_atompack.stream.errors import (
     ShardFetchError,
     ShardIntegrityError,
@@ -18,6 +19,7 @@ from pyg_atompack.stream.errors import (
 from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
+from pyg_atompack.transport.buffers import RangeIgnoredError
 from pyg_atompack.transport.integrity import bytes_problem
 
 logger = logging.getLogger(__name__)
@@ -51,14 +53,19 @@ class LoadedShard:
         info (ShardInfo): The shard's listing entry.
         samples (Sequence[BaseData]): Decoded samples (empty for a skipped shard).
         recorder (TraceRecorder): Trace recorder counting live shards.
+        arriving (ArrivingShard, optional): The download still filling ``samples``, for a
+            shard handed out as its bytes arrive. (default: :obj:`None`)
     """
 
     def __init__(self, position: int, index: int, info: ShardInfo,
-                 samples: Sequence[BaseData], recorder: TraceRecorder):
+                 samples: Sequence[BaseData], recorder: TraceRecorder,
+                 arriving: ArrivingShard | None = None):
         self.position = position
         self.index = index
         self.info = info
         self.samples = samples
+        #: The download of a shard handed out as it arrives (:mod:`.arriving`), else None.
+        self.arriving = arriving
         if len(samples):
             recorder.shard_alive(+1)
             weakref.finalize(self, recorder.shard_alive, -1)
@@ -89,16 +96,38 @@ class ShardLoader:
         on_error (str): ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
         lazy_decode (bool, optional): Index ``.pt`` shards in place
             (:mod:`pyg_atompack.pyg.pt_index`) instead of unpickling them. (default: :obj:`True`)
+        verify_before_use (bool, optional): Never hand out a sample of a shard whose
+            listed sha256 has not been checked (see :meth:`load`'s ``arriving``).
+            (default: :obj:`True`)
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
-                 verify: bool, on_error: str, lazy_decode: bool = True):
+                 verify: bool, on_error: str, lazy_decode: bool = True,
+                 verify_before_use: bool = True):
         self.source = source
         self.shards = shards
         self.trusted = trusted
         self.lazy_decode = lazy_decode
         self.verify = verify
+        self.verify_before_use = verify_before_use
         self.on_error = check_on_error(on_error)
+
+    def streams_as_it_arrives(self, shard_index: int) -> bool:
+        """Whether :meth:`load` with ``arriving=True`` may hand out shard samples early.
+
+        Args:
+            shard_index (int): Index of the shard in the listing.
+
+        Returns:
+            :obj:`True` for ``.pt`` candidates of known size from a source that reads
+            byte ranges, decoded lazily, with ``on_error="raise"`` (a shard of which
+            samples were handed out cannot be skipped any more), and no listed sha256
+            to check first (or ``verify_before_use=False``).
+        """
+        return (self.lazy_decode and self.on_error == "raise"
+                and streams_as_it_arrives(self.source, self.shards[shard_index],
+                                          verify=self.verify,
+                                          verify_before_use=self.verify_before_use))
 
     def fetch_verified(self, info: ShardInfo, cancel: CancelToken,
                        parts: int = 1) -> bytes | bytearray:
@@ -141,7 +170,7 @@ class ShardLoader:
         )
 
     def load(self, position: int, shard_index: int, cancel: CancelToken,
-             recorder: TraceRecorder, parts: int = 1) -> LoadedShard:
+             recorder: TraceRecorder, parts: int = 1, arriving: bool = False) -> LoadedShard:
         """Fetch and decode one shard; the pipeline drops its bytes once it is decoded.
 
         Args:
@@ -151,6 +180,11 @@ class ShardLoader:
             recorder (TraceRecorder): Receives the download / deserialise times and the outcome.
             parts (int, optional): Concurrent range requests for the download (see
                 :meth:`fetch_verified`). (default: :obj:`1`)
+            arriving (bool, optional): Return as soon as the shard's samples are indexed,
+                while its bytes are still arriving (:mod:`pyg_atompack.stream.arriving`),
+                where :meth:`streams_as_it_arrives` allows it; the samples then carry
+                :attr:`LoadedShard.arriving`. A layout that does not stream is decoded
+                whole once it is in. (default: :obj:`False`)
 
         Returns:
             The decoded shard (no samples when it failed and ``on_error="skip"``).
@@ -160,8 +194,33 @@ class ShardLoader:
             StreamError: The shard cannot be fetched or decoded and ``on_error="raise"``.
         """
         info = self.shards[shard_index]
+        shard = None
+        if arriving and self.streams_as_it_arrives(shard_index):
+            record = recorder.record(position, shard_index, info.name)
+            record.download_start_s = started = recorder.now()
+
+            def done() -> None:
+                record.download_finish_s = record.deserialize_finish_s = recorder.now()
+
+            shard = ArrivingShard(self.source, info, parts, cancel, verify=self.verify,
+                                  on_done=done)
+            shard.wait_published()
+            if shard.samples is not None and shard.error is None:
+                record.bytes = shard.size
+                record.structures = len(shard.samples)
+                return LoadedShard(position, shard_index, info, shard.samples, recorder,
+                                   arriving=shard)
 
         def fetch() -> tuple[bytes | bytearray, int]:
+            if shard is not None:  # a layout that does not stream, or a failed download
+                shard.wait_done()
+                record.download_start_s = started
+                if shard.error is None:
+                    return shard.buffer, shard.size
+                if not isinstance(shard.error, (RangeIgnoredError, ShardIntegrityError)):
+                    raise shard.error
+                # a server that ignores ranges, or bytes that fail verification: the
+                # whole-file download (which downloads a mismatching file once more)
             data = self.fetch_verified(info, cancel, parts)
             return data, len(data)
 

@@ -114,6 +114,24 @@ class ObjectStoreSource:
         self.store.read_into(obj, buffer, cancel=cancel)
         return buffer
 
+    def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
+                  cancel: CancelToken) -> None:
+        """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
+
+        One ranged request, conditioned and resumed like :meth:`fetch`; used to hand
+        out the first shard's samples as its bytes arrive
+        (:class:`~pyg_atompack.stream.arriving.ArrivingShard`).
+
+        Args:
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            buffer (WritableBuffer): The whole shard's buffer.
+            start (int): First byte.
+            end (int): One past the last byte.
+            cancel (CancelToken): Aborts the request when cancelled.
+        """
+        self.store.read_into(self._object(shard), buffer, start=start, end=end,
+                             offset=start, cancel=cancel)
+
     def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
                        parts: int) -> WritableBuffer:
         """Download one shard as ``parts`` concurrent ranged requests into one buffer.

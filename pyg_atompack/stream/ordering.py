@@ -14,6 +14,7 @@ import numpy as np
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg.samples import BufferViewSamples
+from pyg_atompack.stream.arriving import arrival_order
 from pyg_atompack.stream.loading import LoadedShard
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.readahead import ReadAhead
@@ -72,27 +73,39 @@ def shard_samples(shards: Iterable[LoadedShard], progress: StreamProgress,
     for shard in shards:
         position = shard.position
         already = progress.emitted_in(position)
-        order = shard_sample_order(len(shard.samples), shuffle=shuffle, seed=seed, epoch=epoch,
-                                   shard_index=shard.index)
+        arriving = shard.arriving
+        # a shard handed out as it arrives can only draw from what has arrived
+        order = (arrival_order if arriving is not None else shard_sample_order)(
+            len(shard.samples), shuffle=shuffle, seed=seed, epoch=epoch,
+            shard_index=shard.index)
         todo = [i for i in order if i not in already]
         pending[position] = len(todo)
         if not todo:
             progress.mark_complete(position)
-        built = _taken_samples(shard.samples, todo, detach, ahead)
+        built = _taken_samples(shard.samples, todo, detach, ahead,
+                               None if arriving is None else arriving.wait_ready)
         for index in todo:
             sample = next(built)
             if transform is not None:
                 sample = transform(sample)
             yield position, index, sample
+        if arriving is not None:
+            # what the end of the download found (a hash or directory mismatch) is
+            # raised before anything of the next shard is handed out
+            arriving.settle()
         # release the decoded shard (and the last sample, which may be a view into a
         # collated shard's storage) before the next one is taken
-        del shard, built
+        del shard, built, arriving
         sample = None
 
 
 def _taken_samples(samples: Sequence[BaseData], todo: list[int], detach: bool,
-                   ahead: ReadAhead | None) -> Iterator[BaseData]:
-    """The samples of ``todo`` in order, built (ahead) if the shard is decoded lazily."""
+                   ahead: ReadAhead | None,
+                   wait: Callable[[int], None] | None = None) -> Iterator[BaseData]:
+    """The samples of ``todo`` in order, built (ahead) if the shard is decoded lazily.
+
+    ``wait(index)``, for a shard still arriving, returns once sample ``index`` has.
+    """
     if not isinstance(samples, BufferViewSamples):
         return map(samples.__getitem__, todo)
     # a lazily decoded sample's tensors view its whole shard's buffer; one that may
@@ -105,6 +118,12 @@ def _taken_samples(samples: Sequence[BaseData], todo: list[int], detach: bool,
 
         def make(index: int) -> BaseData:
             return detached(index) if index == last else get(index)
+    if wait is not None:
+        build = make
+
+        def make(index: int) -> BaseData:
+            wait(index)
+            return build(index)
     return ahead.run(make, todo) if ahead is not None else map(make, todo)
 
 

@@ -12,6 +12,8 @@ port) serving the files of one directory, with:
   the middle of the body), ``"truncate"`` (full ``Content-Length``, half the body, then
   a clean close), ``"wrong_bytes"`` (right length, corrupted content) and ``"stall"``
   (headers, then silence until the client gives up or is cancelled);
+* held bytes (:meth:`ShardServer.hold`): nothing of a file from a given byte on is sent
+  until the test releases it;
 * ``ETag`` and ``Last-Modified`` from the file's modification time and size (as nginx
   sends them), so a file rewritten in place answers with new validators;
 * a request log (:attr:`ShardServer.requests`) of what was asked and answered.
@@ -99,6 +101,7 @@ class ShardServer(ThreadingHTTPServer):
         self.ttfb_s = ttfb_s
         self.bandwidth = bandwidth
         self.requests: list[LoggedRequest] = []
+        self.gates: dict[str, tuple[int, threading.Event]] = {}
         self._faults: dict[str, deque[Fault]] = defaultdict(deque)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -146,6 +149,24 @@ class ShardServer(ThreadingHTTPServer):
         with self._lock:
             self._faults[name].extend(Fault(kind, retry_after, at_fraction) for _ in range(times))
 
+    def hold(self, name: str, offset: int) -> threading.Event:
+        """Send no byte of ``name`` from ``offset`` on until the returned event is set.
+
+        Every response body reaching that byte sends what comes before it, then waits
+        (a download that has to wait for the rest of a file stays blocked, so a test can
+        tell what a client does with the first part of a file alone).
+
+        Args:
+            name: File name (path under the root, no leading ``/``).
+            offset: The first byte held back.
+
+        Returns:
+            The event that releases the bytes.
+        """
+        gate = threading.Event()
+        self.gates[name] = (offset, gate)
+        return gate
+
     def next_fault(self, name: str) -> Fault | None:
         """Pop the next fault queued for ``name``."""
         with self._lock:
@@ -191,9 +212,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _pace(self, body: _FileSpan, length: int, entry: LoggedRequest) -> None:
         bandwidth = self.server.bandwidth
+        gate = self.server.gates.get(entry.path.lstrip("/"))
         started = time.monotonic()
         for offset in range(0, length, _CHUNK):
             chunk = body.read(offset, min(_CHUNK, length - offset))
+            held = None if gate is None else gate[0] - (body.first + offset)
+            if held is not None and 0 <= held < len(chunk) and not gate[1].is_set():
+                self.wfile.write(chunk[:held])  # everything before the gate, then wait
+                self.wfile.flush()
+                while not gate[1].wait(0.05) and not self.server.stop_event.is_set():
+                    pass
+                chunk = chunk[held:]
+                entry.body_bytes += held
             self.wfile.write(chunk)
             entry.body_bytes += len(chunk)
             if bandwidth:

@@ -1,0 +1,294 @@
+"""The first ``.pt`` shard of an iteration, handed out sample by sample as its bytes arrive.
+
+Nothing overlaps the first download of an iteration: with whole shards, the first
+sample waits for a whole file and its index. :class:`ArrivingShard` downloads the first
+shard as consecutive byte ranges (chunks) over the connections it may use, in order, into
+one buffer of the listed size, and feeds the filled prefix to the in-place indexer
+(:class:`~pyg_atompack.pyg.pt_index.ArrivingPt`): ``torch.save`` writes the pickle first
+and the storages after it in sample order, so the shard's samples are indexed once its
+pickle has arrived and each one can be built once its storages have.
+
+The rules (see ``docs/architecture.md``, "The first shard as it arrives"):
+
+* **integrity**: when the listing knows the shard's sha256 and ``verify`` is on, no sample
+  is handed out before the hash is checked, unless the user passes
+  ``verify_before_use=False`` (:func:`streams_as_it_arrives`); with only a size (or
+  ``verify=False``) samples flow as they arrive. A shard that turns out short, damaged
+  or (with the opt-in) of another hash raises :class:`ShardFetchError`,
+  :class:`ShardDecodeError` or :class:`ShardIntegrityError` naming it, at the next
+  sample asked for or, at the latest, when the consumer reaches the shard's end; a sample
+  is built only from records that have all arrived and were checked against the pickle,
+  never from half a record;
+* **shuffle**: samples that have not arrived cannot be drawn, so the shard's order is a
+  shuffle buffer of :data:`ARRIVAL_WINDOW` samples over the arrival order
+  (:func:`arrival_order`): the same for a given seed and epoch whatever the timing;
+* layouts the indexer does not stream (collated, shared storages, anything it declines)
+  are decoded whole once they have arrived, as any other shard.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pyg_atompack.pyg.errors import PtPayloadError
+from pyg_atompack.pyg.pt_index import ArrivingPt, ArrivingPtSamples, NotLazyLayout
+from pyg_atompack.stream.errors import (
+    ShardDecodeError,
+    ShardFetchError,
+    ShardIntegrityError,
+    StreamError,
+)
+from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
+from pyg_atompack.stream.sources import CancelToken, ShardInfo
+from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
+from pyg_atompack.transport.integrity import bytes_problem
+
+__all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "streams_as_it_arrives"]
+
+#: Samples of the shuffle buffer over an arriving shard: its first sample is drawn from
+#: the first 64 samples to arrive, the ``k``-th from the first ``64 + k``.
+ARRIVAL_WINDOW = 64
+#: Byte ranges of an arriving shard: small enough that the pickle and the first samples
+#: arrive as a few of them, large enough that a request costs little against its bytes.
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 4 << 20
+
+
+def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
+                          verify_before_use: bool) -> bool:
+    """Whether a shard may be handed out as its bytes arrive.
+
+    Args:
+        source (Any): The shard's source; it must read byte ranges into a buffer
+            (``read_into(shard, buffer, start, end, cancel)``).
+        info (ShardInfo): The listing entry; its size must be known.
+        verify (bool): Whether shards are checked against the listing.
+        verify_before_use (bool): Whether a known sha256 is checked before any sample.
+
+    Returns:
+        :obj:`True` when the shard is a ``.pt`` candidate of known size read by range,
+        and no known hash has to be checked first.
+    """
+    return (not info.name.endswith(".atp") and bool(info.size)
+            and callable(getattr(source, "read_into", None))
+            and not (verify and info.sha256 and verify_before_use))
+
+
+def arrival_order(count: int, *, shuffle: bool, seed: int, epoch: int,
+                  shard_index: int, window: int = ARRIVAL_WINDOW) -> list[int] | range:
+    """The order in which an arriving shard's samples are handed out this epoch.
+
+    A shuffle buffer over the samples in the order they arrive: it starts with the
+    first ``window`` samples, and each draw takes one of the buffer at random and puts
+    the next sample to arrive in its place. The ``k``-th sample handed out is thus one
+    of the first ``window + k`` of the file (instead of any sample of the shard, as for
+    a shard decoded whole), and the order depends only on the seed, the epoch and the
+    shard, never on when bytes arrive.
+
+    Args:
+        count (int): Samples in the shard.
+        shuffle (bool): Shuffle (else the stored order).
+        seed (int): Base seed of the dataset.
+        epoch (int): Current epoch.
+        shard_index (int): The shard's index in the listing.
+        window (int, optional): Size of the shuffle buffer. (default: :data:`ARRIVAL_WINDOW`)
+
+    Returns:
+        A permutation of ``range(count)``.
+    """
+    if not shuffle:
+        return range(count)
+    draws = np.random.default_rng([seed, epoch, shard_index, 7, 1]).random(count).tolist()
+    pool = list(range(min(window, count)))
+    following = len(pool)
+    order = []
+    for draw in draws:
+        pick = int(draw * len(pool))
+        order.append(pool[pick])
+        if following < count:
+            pool[pick] = following
+            following += 1
+        else:
+            pool[pick] = pool[-1]
+            pool.pop()
+    return order
+
+
+class ArrivingShard:
+    """One shard downloaded as consecutive byte ranges and indexed while it arrives.
+
+    The download starts at once, on ``parts`` threads that take the next chunk in file
+    order, so the file fills roughly front to back at the speed of every connection
+    together. Each time the filled prefix grows it is fed to the indexer; once the
+    whole file is in it is checked against the listing (size and, when ``verify``,
+    sha256) and against its zip directory.
+
+    Args:
+        source (Any): Reads byte ranges: ``source.read_into(info, buffer, start, end,
+            cancel)``.
+        info (ShardInfo): The shard; its size must be known.
+        parts (int): Concurrent range requests.
+        cancel (CancelToken): Cancellation of the iteration; stops every request.
+        verify (bool): Check the whole file against the listing's size and sha256.
+        on_done (Callable[[], None], optional): Called once the file is in and checked
+            (or the download failed). (default: :obj:`None`)
+    """
+
+    def __init__(self, source: Any, info: ShardInfo, parts: int, cancel: CancelToken, *,
+                 verify: bool, on_done: Callable[[], None] | None = None) -> None:
+        self.info = info
+        self.size = int(info.size)
+        self.buffer = allocate(self.size)
+        self.samples: ArrivingPtSamples | None = None  # once published
+        self.declined = False  # the indexer does not stream this layout
+        self.done = False  # every byte arrived and was checked, or the download failed
+        self.error: BaseException | None = None
+        self._source = source
+        self._verify = verify
+        self._on_done = on_done
+        self._indexer = ArrivingPt(self.buffer)
+        self._condition = threading.Condition()
+        self._feeding = threading.Lock()  # one feed of the indexer at a time
+        self._landed: dict[int, int] = {}  # chunks in beyond the prefix: start -> end
+        self._prefix = 0
+        chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, self.size // (8 * max(parts, 1))))
+        self._chunks = [(start, min(start + chunk, self.size))
+                        for start in range(0, self.size, chunk)]
+        self._next_chunk = 0
+        self._cancel = CancelToken()  # one failed range stops the others
+        self._unregister = cancel.on_cancel(self._cancel.cancel)
+        self._threads = [threading.Thread(target=self._download, daemon=True,
+                                          name=f"{THREAD_NAME_PREFIX}-range-{number}")
+                         for number in range(max(1, min(parts, len(self._chunks))))]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ consumer side
+    def wait_published(self) -> None:
+        """Wait until the samples are published, the layout declined, or the file is in."""
+        with self._condition:
+            while (self.samples is None and not self.declined and not self.done
+                   and self.error is None):
+                self._condition.wait()
+
+    def wait_ready(self, index: int) -> None:
+        """Wait until sample ``index`` has arrived.
+
+        Args:
+            index (int): The sample.
+
+        Raises:
+            StreamError: The download failed, was cancelled, or the shard turned out
+                damaged or different from its listing (no further sample is handed out).
+        """
+        samples = self.samples
+        if self.error is None and samples.ready > index:
+            return
+        with self._condition:
+            while self.error is None and samples.ready <= index and not self.done:
+                self._condition.wait()
+            if self.error is not None:
+                raise self.error
+        if samples.ready <= index:  # cannot happen: complete() makes every sample ready
+            raise ShardDecodeError(f"shard {self.info.name}: sample {index} never arrived")
+
+    def wait_done(self) -> None:
+        """Wait until the file is in and checked, or its download failed."""
+        with self._condition:
+            while not self.done:
+                self._condition.wait()
+
+    def settle(self) -> None:
+        """Wait for the end of the download and raise what went wrong with it, if anything.
+
+        Raises:
+            StreamError: As for :meth:`wait_ready`.
+        """
+        self.wait_done()
+        if self.error is not None:
+            raise self.error
+
+    # ------------------------------------------------------------------ download side
+    def _download(self) -> None:
+        while True:
+            with self._condition:
+                if self.error is not None or self._next_chunk >= len(self._chunks):
+                    return
+                start, end = self._chunks[self._next_chunk]
+                self._next_chunk += 1
+            try:
+                self._source.read_into(self.info, self.buffer, start, end, self._cancel)
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                if isinstance(error, OSError) and not isinstance(error, StreamError) or (
+                        isinstance(error, RangeIgnoredError) and self.samples is not None):
+                    # as ShardLoader.fetch_verified names plain I/O errors; a server
+                    # ignoring ranges is left to the caller while nothing is published
+                    error = ShardFetchError(f"shard {self.info.name}: {error}")
+                self._finish(error)
+                return
+            self._land(start, end)
+
+    def _land(self, start: int, end: int) -> None:
+        with self._condition:
+            self._landed[start] = end
+            prefix = self._prefix
+            while prefix in self._landed:
+                prefix = self._landed.pop(prefix)
+            grew, self._prefix = prefix > self._prefix, prefix
+        if grew:
+            self._feed(prefix)
+
+    def _feed(self, prefix: int) -> None:
+        with self._feeding:
+            if self.done:
+                return
+            whole = prefix >= self.size
+            try:
+                if whole and self._verify:
+                    problem = bytes_problem(self.buffer, size=self.info.size,
+                                            sha256=self.info.sha256)
+                    if problem is not None:
+                        raise ShardIntegrityError(
+                            f"shard {self.info.name}: {problem}; the source may be "
+                            f"corrupt or have changed since it was listed")
+                if not self.declined:
+                    try:
+                        samples = (self._indexer.complete() if whole
+                                   else self._indexer.feed(prefix))
+                    except NotLazyLayout:
+                        with self._condition:
+                            self.declined = True  # decoded whole once it is in
+                            self._condition.notify_all()
+                    else:
+                        if samples is not None and self.samples is None:
+                            with self._condition:
+                                self.samples = samples
+                                self._condition.notify_all()
+            except PtPayloadError as error:
+                self._finish(ShardDecodeError(f"shard {self.info.name}: {error}"))
+                return
+            except StreamError as error:
+                self._finish(error)
+                return
+            if whole:
+                self._finish(None)
+            else:
+                with self._condition:
+                    self._condition.notify_all()
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._condition:
+            if self.done:
+                return
+            if error is not None:
+                self.error = error
+                self._cancel.cancel()
+            self.done = True
+            self._condition.notify_all()
+        self._unregister()
+        if self._on_done is not None:
+            self._on_done()

@@ -1,0 +1,259 @@
+"""The first ``.pt`` shard handed out as its bytes arrive (``stream/arriving.py``).
+
+Every test streams real ``torch.save`` shards from the loopback HTTP server; the server
+holds back the last quarter of every shard (``ShardServer.hold``) until the test lets it
+go, so what the stream hands out before that can only come from the bytes already in.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from servers.http_server import ShardServer, make_samples, serve_directory, write_pt_shards
+from servers.stores import use_store
+from torch.utils.data import DataLoader
+
+from pyg_atompack.stream import (
+    HTTPSource,
+    ObjectStoreSource,
+    ShardDecodeError,
+    ShardIntegrityError,
+    ShardStreamDataset,
+)
+from pyg_atompack.stream.arriving import ARRIVAL_WINDOW, arrival_order
+from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
+from pyg_atompack.transport import RetryPolicy
+
+FAST = RetryPolicy(retries=1, backoff=0.01, max_backoff=0.02, timeout=10.0)
+SIZES = [150, 150, 150]
+
+
+def _without_hashes(root: Path) -> None:
+    """Keep sizes and record counts in the manifest, drop the sha256s."""
+    path = root / "manifest.json"
+    document = json.loads(path.read_text())
+    for entry in document["shards"]:
+        entry.pop("sha256")
+    path.write_text(json.dumps(document))
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> tuple[Path, list[str]]:
+    names = write_pt_shards(tmp_path, SIZES, atoms=20)  # ~220 kB each: several chunks
+    return tmp_path, names
+
+
+def _hold_tails(server: ShardServer, root: Path, names: list[str]) -> threading.Event:
+    """Hold back the last quarter of every shard; one event releases them all."""
+    release = threading.Event()
+    gates = [server.hold(name, (root / name).stat().st_size * 3 // 4) for name in names]
+
+    def relay() -> None:
+        release.wait()
+        for gate in gates:
+            gate.set()
+    threading.Thread(target=relay, daemon=True).start()
+    # a stream that waited for whole shards would block on the held bytes: let them go
+    # in the end so that such a stream fails the test's assertions instead of hanging
+    backstop = threading.Timer(30, release.set)
+    backstop.daemon = True
+    backstop.start()
+    return release
+
+
+def _dataset(server: ShardServer, **options) -> ShardStreamDataset:
+    options = {"prefetch": 2, "concurrency": 2, **options}
+    return ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST), **options)
+
+
+def _ids(samples) -> list[int]:
+    return [int(value) for sample in samples for value in sample.sample_id.view(-1)]
+
+
+def _expected() -> dict[int, torch.Tensor]:
+    return {int(s.sample_id): s.pos for shard, count in enumerate(SIZES)
+            for s in make_samples(shard, count, atoms=20)}
+
+
+def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shards):
+    root, names = shards
+    _without_hashes(root)  # sizes only: samples may flow as they arrive
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        iterator = iter(_dataset(server))
+        first = [next(iterator) for _ in range(20)]
+        assert not release.is_set()  # nothing of any shard's last quarter was sent
+        assert _ids(first) == list(range(20))  # no shuffle: the stored order
+        release.set()
+        samples = first + list(iterator)
+        expected = _expected()
+        assert sorted(_ids(samples)) == sorted(expected)  # each sample exactly once
+        for sample in samples:
+            assert torch.equal(sample.pos, expected[int(sample.sample_id)])
+        requests = server.requests_for(names[0])
+        assert len(requests) > 2 and all(entry.range for entry in requests)  # chunks
+
+
+def test_a_listed_hash_is_checked_before_any_sample_unless_the_user_opts_out(shards):
+    root, names = shards
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        iterator = iter(_dataset(server))
+        next(iterator)
+        assert release.is_set()  # the first sample waited for the whole (hashed) shard
+        assert len(list(iterator)) == sum(SIZES) - 1
+        timer.join()
+
+        release = _hold_tails(server, root, names)
+        iterator = iter(_dataset(server, verify_before_use=False))
+        next(iterator)
+        assert not release.is_set()
+        release.set()
+        assert len(list(iterator)) == sum(SIZES) - 1
+
+
+def test_a_shuffled_arriving_shard_draws_from_what_has_arrived_the_same_way_every_run(shards):
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        orders = []
+        for _ in range(2):
+            release = _hold_tails(server, root, names)
+            dataset = _dataset(server, shuffle=True, seed=3)
+            iterator = iter(dataset)
+            head = [next(iterator) for _ in range(10)]
+            assert not release.is_set()
+            release.set()
+            orders.append(_ids(head + list(iterator)))
+        assert orders[0] == orders[1]  # the seed decides, not the timing
+        first_shard = dataset.plan().shards[0]
+        first = [i - 1000 * first_shard for i in orders[0][:SIZES[first_shard]]]
+        assert first == arrival_order(SIZES[first_shard], shuffle=True, seed=3, epoch=0,
+                                      shard_index=first_shard)
+        assert sorted(first) == list(range(SIZES[first_shard])) and first != sorted(first)
+        assert all(index < ARRIVAL_WINDOW + k for k, index in enumerate(first))
+        assert sorted(orders[0]) == sorted(_expected())
+
+
+def test_a_first_shard_damaged_at_its_end_fails_naming_it_and_never_yields_a_torn_sample(
+        shards):
+    root, names = shards
+    for name in names:  # whichever comes first: its directory is gone
+        path = root / name
+        data = bytearray(path.read_bytes())
+        data[-22:] = bytes(22)
+        path.write_bytes(bytes(data))
+    _without_hashes(root)
+    for server in serve_directory(root):
+        got = []
+        with pytest.raises(ShardDecodeError, match=r"shard-000\d\.pt"):
+            for sample in _dataset(server):
+                got.append(sample)
+        expected = _expected()
+        assert 0 < len(got) <= SIZES[0]  # the samples whose records were in and checked
+        for sample in got:
+            assert torch.equal(sample.pos, expected[int(sample.sample_id)])
+
+
+def test_a_hash_mismatch_found_at_the_end_raises_when_the_user_opted_out(shards):
+    root, names = shards
+    for server in serve_directory(root):
+        for name in names:
+            path = root / name
+            data = bytearray(path.read_bytes())
+            data[-40] ^= 0xFF  # in the central directory's last entry name: the hash changes
+            path.write_bytes(bytes(data))
+        with pytest.raises(ShardIntegrityError, match=r"shard-000\d\.pt"):
+            list(_dataset(server, verify_before_use=False))
+
+
+def test_inside_dataloader_workers(shards):
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        dataset = _dataset(server, batch_size=10)
+        loader = DataLoader(dataset, batch_size=None, num_workers=2)
+        iterator = iter(loader)
+        first = next(iterator)  # from worker 0's first shard, its tail still held
+        assert not release.is_set()
+        release.set()
+        batches = [first, *iterator]
+        assert sorted(_ids(batches)) == sorted(_expected())
+
+
+def test_closing_while_the_first_shard_is_arriving_stops_every_download(shards):
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        iterator = iter(_dataset(server))
+        next(iterator)
+        iterator.close()  # the held ranges are cancelled, not waited for
+        for thread in threading.enumerate():
+            if thread.name.startswith(THREAD_NAME_PREFIX):
+                thread.join(5)
+                assert not thread.is_alive(), thread.name
+        release.set()
+
+
+def test_resume_inside_the_arriving_first_shard(shards):
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        whole = _ids(_dataset(server, shuffle=True, seed=1))
+        dataset = _dataset(server, shuffle=True, seed=1)
+        iterator = iter(dataset)
+        head = [next(iterator) for _ in range(37)]
+        state = dataset.state_dict()
+        iterator.close()
+        again = _dataset(server, shuffle=True, seed=1)
+        again.load_state_dict(state)
+        assert _ids(head) + _ids(again) == whole
+
+
+def test_layouts_that_do_not_stream_and_servers_without_ranges_take_the_whole_path(
+        tmp_path):
+    names = write_pt_shards(tmp_path, [40, 40], collated=(0, 1), atoms=5)
+    _without_hashes(tmp_path)
+    for server in serve_directory(tmp_path):
+        assert sorted(_ids(_dataset(server))) == [*range(40), *range(1000, 1040)]
+    write_pt_shards(tmp_path, [40, 40], atoms=5)
+    _without_hashes(tmp_path)
+    server = ShardServer(tmp_path, ignore_ranges=True).start()
+    try:
+        assert sorted(_ids(_dataset(server))) == [*range(40), *range(1000, 1040)]
+        assert all(entry.status == 200 for entry in server.requests_for(names[0]))
+    finally:
+        server.stop()
+
+
+def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
+    server = store_servers("s3")
+    server.create_bucket("arriving")
+    use_store(monkeypatch, server)
+    write_pt_shards(tmp_path, [150, 150], atoms=20, manifest=False)  # sizes, no hashes
+    server.upload_directory(tmp_path, "arriving", "pt")
+    ranges = []
+    read_into = ObjectStoreSource.read_into
+
+    def recording(self, shard, buffer, start, end, cancel):
+        ranges.append((shard.name, start, end))
+        return read_into(self, shard, buffer, start, end, cancel)
+
+    monkeypatch.setattr(ObjectStoreSource, "read_into", recording)
+    dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2)
+    samples = list(dataset)
+    assert sorted(_ids(samples)) == [*range(150), *range(1000, 1150)]
+    first = dataset.plan().shards[0]
+    size = (tmp_path / f"shard-{first:04d}.pt").stat().st_size
+    assert {name for name, _, _ in ranges} == {f"shard-{first:04d}.pt"}  # the first only
+    covered = sorted((start, end) for _, start, end in ranges)
+    assert len(covered) > 2 and covered[0][0] == 0 and covered[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # the file, in order
