@@ -359,23 +359,24 @@ def _batch_len(batch) -> int:
 
 
 def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int = 0,
-         dataset_batches: bool = False):
+         dataset_batches: bool = False, **options):
     """``ShardStreamDataset`` batching itself (no workers), or behind ``num_workers``
     DataLoader workers: PyG's ``DataLoader`` collating samples, or with
-    ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``."""
+    ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``.
+    ``options`` go to ``ShardStreamDataset`` (e.g. ``verify_before_use=False``)."""
     def build():
         source = HTTPSource(f"{base_url}/{kind}/manifest.json")
         if workers == 0:
             return ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                      shuffle=True, batch_size=BATCH)
+                                      shuffle=True, batch_size=BATCH, **options)
         from torch_geometric.loader import DataLoader
 
         if dataset_batches:
             dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                         shuffle=True, batch_size=BATCH)
+                                         shuffle=True, batch_size=BATCH, **options)
             return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
         dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                     shuffle=True)
+                                     shuffle=True, **options)
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return build
 
@@ -852,6 +853,106 @@ def workers_only(args, meta: dict, log) -> None:
                       for ratio, row in workers.items()}), flush=True)
 
 
+# ------------------------------------------------------------------ --first-shard
+#: ``--first-shard`` arms: ours as the listing allows by default (the benchmark's
+#: manifests carry sha256, so the first shard is checked whole before any sample), ours
+#: handing out the first shard as it arrives (``verify_before_use=False``), and
+#: WebDataset (which verifies nothing), in-process and behind 2 DataLoader workers.
+FIRST_SHARD_ARMS = ("ours_pt_early", "ours_pt", "webdataset", "webdataset_w2",
+                    "ours_w2_early", "ours_w2")
+
+
+def first_shard_arms(base: str, names: dict, prefetch: int, concurrency: int,
+                     compute: float) -> dict:
+    early = {"verify_before_use": False}
+    return {
+        "ours_pt_early": lambda: consume(ours(base, "pt", prefetch, concurrency, **early),
+                                         compute),
+        "ours_pt": lambda: consume(ours(base, "pt", prefetch, concurrency), compute),
+        "webdataset": lambda: consume(webdataset_arm(base, names["tar"]), compute),
+        "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute),
+        # the workers part's setting: prefetch 2 / concurrency 2 per rank
+        "ours_w2_early": lambda: consume(ours(base, "pt", 2, 2, workers=2, **early), compute),
+        "ours_w2": lambda: consume(ours(base, "pt", 2, 2, workers=2), compute),
+    }
+
+
+def first_shard_only(args, meta: dict, log) -> None:
+    """``--first-shard``: the arms the first shard decides, at D/C = 0.5, 1 and 3, over
+    the kept 64-atom stores, into ``results/peers_first_shard.md`` (+ ``.json``)."""
+    root = STORES / f"{args.shards}x{args.per_shard}x{args.atoms}-{stores_key()}"
+    marker = root / "stores.json"
+    if not marker.exists():
+        raise SystemExit(f"no kept stores in {root}: run peers.py once without --first-shard")
+    saved = json.loads(marker.read_text(encoding="utf-8"))
+    names, www = saved["names"], root / "www"
+    shard_bytes = int(np.mean([(www / "pt" / n).stat().st_size for n in names["pt"]]))
+    compute_shard = args.compute * args.per_shard / BATCH
+    results = {}
+    for ratio, prefetch, concurrency in REGIMES:
+        bandwidth = shard_bytes / (ratio * compute_shard)
+        http = ServerProcess(serve_http, str(www), bandwidth)
+        try:
+            runs = run_pairs(first_shard_arms(http.base_url, names, prefetch, concurrency,
+                                              args.compute), args.pairs)
+        finally:
+            http.stop()
+        expected = args.shards * args.per_shard
+        for name, passes in runs.items():
+            if {p["samples"] for p in passes} != {expected}:
+                log(f"D/C={ratio} {name}: samples per pass differ from {expected}")
+        seconds = {name: [p["seconds"] for p in passes] for name, passes in runs.items()}
+        pairs = {  # their time / ours: > 1 means the second arm is faster
+            "webdataset / ours early": ("webdataset", "ours_pt_early"),
+            "webdataset w2 / ours early": ("webdataset_w2", "ours_pt_early"),
+            "ours verified / ours early": ("ours_pt", "ours_pt_early"),
+            "webdataset w2 / ours w2 early": ("webdataset_w2", "ours_w2_early"),
+            "webdataset w2 / ours w2 verified": ("webdataset_w2", "ours_w2"),
+            "ours w2 verified / ours w2 early": ("ours_w2", "ours_w2_early"),
+        }
+        summary = {label: summarize_pairs(seconds[a], seconds[b]).to_dict()
+                   for label, (a, b) in pairs.items()}
+        firsts = {name: median([p["first_batch_s"] for p in passes])
+                  for name, passes in runs.items()}
+        results[f"{ratio}"] = {"prefetch": prefetch, "concurrency": concurrency,
+                               "bandwidth_Bps": bandwidth, "runs": runs, "summary": summary,
+                               "first_batch_s": firsts}
+        log(f"D/C={ratio}: " + ", ".join(f"{k} {fmt(v)}" for k, v in summary.items())
+            + "; first batch " + ", ".join(f"{k} {v:.3f}" for k, v in firsts.items()))
+    meta["load_end"] = os.getloadavg()[0].__round__(1)
+    meta["versions"] = versions(None)
+    out = HERE / "results" / "peers_first_shard.md"
+    lines = ["# Peers, the first shard (`benchmarks/peers.py --first-shard`)", "",
+             f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
+             f"{meta['load_start']} / {meta['load_end']}; autogroup {meta['autogroup']}. "
+             f"{args.shards} shards x {args.per_shard} structures of {args.atoms} atoms "
+             f"(the kept stores built {saved['built']}), {args.pairs} pairs, order "
+             f"rotated, consumer {args.compute * 1e3:.0f} ms per batch of {BATCH}. The "
+             "manifests list size and sha256 of every shard: `ours_pt` / `ours_w2` run "
+             "with the defaults (the first shard is checked whole before its first "
+             "sample), `*_early` with `verify_before_use=False` (the first shard handed "
+             "out as it arrives, its hash checked at its end). In-process arms at the "
+             "regime's prefetch / concurrency; 2-worker arms at 2 / 2 per rank. Ratios: "
+             "first arm's time / second's, > 1 means the second is faster. Versions: "
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()
+                         if k in ("torch", "torch_geometric", "webdataset")) + ".", "",
+             "| D/C | " + " | ".join(next(iter(results.values()))["summary"]) + " |",
+             "|---|" + "---|" * len(next(iter(results.values()))["summary"])]
+    for ratio, row in results.items():
+        lines.append(f"| {ratio} | " + " | ".join(fmt(v) for v in row["summary"].values())
+                     + " |")
+    lines += ["", "Time to first batch (median, s):", "",
+              "| D/C | " + " | ".join(FIRST_SHARD_ARMS) + " |",
+              "|---|" + "---|" * len(FIRST_SHARD_ARMS)]
+    for ratio, row in results.items():
+        lines.append(f"| {ratio} | " + " | ".join(
+            f"{row['first_batch_s'][a]:.3f}" for a in FIRST_SHARD_ARMS) + " |")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "regimes": results},
+                                                   indent=1, default=str), encoding="utf-8")
+    print("\n".join(lines), flush=True)
+
+
 NOTES = [
     "## How each peer was run, and what had to be worked around",
     "",
@@ -904,6 +1005,10 @@ def main() -> None:
                         help=f"skip the mixed-size set ({MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms)")
     parser.add_argument("--workers-only", action="store_true",
                         help="run part 3 alone (into results/peers_workers.md)")
+    parser.add_argument("--first-shard", action="store_true",
+                        help="only the arms the first shard decides (ours with and without "
+                             "verify_before_use, WebDataset in-process and in 2 workers) at "
+                             "D/C = 0.5, 1, 3 over the kept stores (results/peers_first_shard.md)")
     parser.add_argument("--rebuild", action="store_true",
                         help="write the stores again even if benchmarks/_work/ has them")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peers.md")
@@ -919,6 +1024,9 @@ def main() -> None:
             "machine": f"{platform.machine()} {os.cpu_count()} CPU, Linux {platform.release()}, "
                        f"Python {platform.python_version()}",
             "load_start": os.getloadavg()[0].__round__(1), "autogroup": autogroup()}
+    if args.first_shard:
+        first_shard_only(args, meta, log)
+        return
     ensure_litdata()
     if args.workers_only:
         workers_only(args, meta, log)

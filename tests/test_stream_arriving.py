@@ -23,6 +23,7 @@ from pyg_atompack.stream import (
     ShardDecodeError,
     ShardIntegrityError,
     ShardStreamDataset,
+    arriving,
 )
 from pyg_atompack.stream.arriving import ARRIVAL_WINDOW, arrival_order
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
@@ -79,9 +80,11 @@ def _expected() -> dict[int, torch.Tensor]:
             for s in make_samples(shard, count, atoms=20)}
 
 
-def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shards):
+def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shards,
+                                                                            monkeypatch):
     root, names = shards
     _without_hashes(root)  # sizes only: samples may flow as they arrive
+    monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)  # several ranges a shard
     for server in serve_directory(root):
         release = _hold_tails(server, root, names)
         iterator = iter(_dataset(server))
@@ -94,8 +97,11 @@ def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shard
         assert sorted(_ids(samples)) == sorted(expected)  # each sample exactly once
         for sample in samples:
             assert torch.equal(sample.pos, expected[int(sample.sample_id)])
-        requests = server.requests_for(names[0])
-        assert len(requests) > 2 and all(entry.range for entry in requests)  # chunks
+        ranges = sorted(tuple(int(bound) for bound in entry.range[6:].split("-"))
+                        for entry in server.requests_for(names[0]))
+        assert len(ranges) >= 3  # 2 connections, growing ranges in file order
+        assert ranges[0][0] == 0 and ranges[-1][1] == (root / names[0]).stat().st_size - 1
+        assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_a_listed_hash_is_checked_before_any_sample_unless_the_user_opts_out(shards):
@@ -151,12 +157,15 @@ def test_a_first_shard_damaged_at_its_end_fails_naming_it_and_never_yields_a_tor
         path.write_bytes(bytes(data))
     _without_hashes(root)
     for server in serve_directory(root):
-        got = []
+        release = _hold_tails(server, root, names)
+        iterator = iter(_dataset(server))
+        got = [next(iterator) for _ in range(5)]  # from the records already in
+        release.set()
         with pytest.raises(ShardDecodeError, match=r"shard-000\d\.pt"):
-            for sample in _dataset(server):
+            for sample in iterator:
                 got.append(sample)
         expected = _expected()
-        assert 0 < len(got) <= SIZES[0]  # the samples whose records were in and checked
+        assert 5 <= len(got) <= SIZES[0]  # never a sample after the damage was found
         for sample in got:
             assert torch.equal(sample.pos, expected[int(sample.sample_id)])
 
@@ -243,11 +252,12 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     ranges = []
     read_into = ObjectStoreSource.read_into
 
-    def recording(self, shard, buffer, start, end, cancel):
+    def recording(self, shard, buffer, start, end, cancel, progress=None):
         ranges.append((shard.name, start, end))
-        return read_into(self, shard, buffer, start, end, cancel)
+        return read_into(self, shard, buffer, start, end, cancel, progress)
 
     monkeypatch.setattr(ObjectStoreSource, "read_into", recording)
+    monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
     dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2)
     samples = list(dataset)
     assert sorted(_ids(samples)) == [*range(150), *range(1000, 1150)]
@@ -255,5 +265,5 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     size = (tmp_path / f"shard-{first:04d}.pt").stat().st_size
     assert {name for name, _, _ in ranges} == {f"shard-{first:04d}.pt"}  # the first only
     covered = sorted((start, end) for _, start, end in ranges)
-    assert len(covered) > 2 and covered[0][0] == 0 and covered[-1][1] == size
+    assert len(covered) >= 3 and covered[0][0] == 0 and covered[-1][1] == size
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # the file, in order

@@ -52,10 +52,9 @@ __all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "streams_as_it_ar
 #: Samples of the shuffle buffer over an arriving shard: its first sample is drawn from
 #: the first 64 samples to arrive, the ``k``-th from the first ``64 + k``.
 ARRIVAL_WINDOW = 64
-#: Byte ranges of an arriving shard: small enough that the pickle and the first samples
-#: arrive as a few of them, large enough that a request costs little against its bytes.
+#: First byte ranges of an arriving shard fetched over several connections (each
+#: request costs a round trip; bytes are reported as they land within a range).
 MIN_CHUNK_BYTES = 64 << 10
-MAX_CHUNK_BYTES = 4 << 20
 
 
 def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
@@ -118,18 +117,44 @@ def arrival_order(count: int, *, shuffle: bool, seed: int, epoch: int,
     return order
 
 
+def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    """The byte ranges of an arriving shard, in file order.
+
+    One connection reads the file as one range. Several take ranges that start at
+    :data:`MIN_CHUNK_BYTES` and double every ``parts`` ranges up to a ``2 * parts``-th
+    of the file: the first bytes (the pickle, the first samples) then arrive at the
+    speed of every connection together, later ones with fewer requests.
+    """
+    if parts == 1:
+        return [(0, size)]
+    largest = max(MIN_CHUNK_BYTES, -(-size // (2 * parts)))
+    ranges, start, length = [], 0, MIN_CHUNK_BYTES
+    while start < size:
+        for _ in range(parts):
+            if start >= size:
+                break
+            ranges.append((start, min(start + length, size)))
+            start += length
+        length = min(2 * length, largest)
+    return ranges
+
+
 class ArrivingShard:
     """One shard downloaded as consecutive byte ranges and indexed while it arrives.
 
-    The download starts at once, on ``parts`` threads that take the next chunk in file
-    order, so the file fills roughly front to back at the speed of every connection
-    together. Each time the filled prefix grows it is fed to the indexer; once the
-    whole file is in it is checked against the listing (size and, when ``verify``,
-    sha256) and against its zip directory.
+    The download starts at once, on ``parts`` threads that take the next range in file
+    order (one range for the whole file over one connection, else growing ranges, see
+    :func:`_ranges`), each reporting its bytes as they land, so the file fills front
+    to back. Whoever waits for the shard (the prefetch thread until the samples
+    are published, then the consumer or the read-ahead thread waiting for a sample,
+    and the prefetcher waiting for the end of the download) feeds the grown prefix to
+    the indexer, so the download threads never stop receiving to index. Once the whole
+    file is in, it is checked against the listing (size and, when ``verify``, sha256)
+    and against its zip directory.
 
     Args:
         source (Any): Reads byte ranges: ``source.read_into(info, buffer, start, end,
-            cancel)``.
+            cancel, progress)``.
         info (ShardInfo): The shard; its size must be known.
         parts (int): Concurrent range requests.
         cancel (CancelToken): Cancellation of the iteration; stops every request.
@@ -151,29 +176,28 @@ class ArrivingShard:
         self._verify = verify
         self._on_done = on_done
         self._indexer = ArrivingPt(self.buffer)
-        self._condition = threading.Condition()
-        self._feeding = threading.Lock()  # one feed of the indexer at a time
-        self._landed: dict[int, int] = {}  # chunks in beyond the prefix: start -> end
-        self._prefix = 0
-        chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, self.size // (8 * max(parts, 1))))
-        self._chunks = [(start, min(start + chunk, self.size))
-                        for start in range(0, self.size, chunk)]
+        self._condition = threading.Condition(threading.Lock())
+        parts = max(1, parts)
+        self._chunks = _ranges(self.size, parts)
+        self._filled = [start for start, _ in self._chunks]  # each range's end so far
+        self._complete = 0  # ranges 0 .. _complete - 1 are all in
+        self._prefix = 0  # bytes in from the file's start
+        self._fed = 0  # the prefix the indexer has seen
+        self._feeding = False  # a waiter is feeding the indexer
         self._next_chunk = 0
         self._cancel = CancelToken()  # one failed range stops the others
         self._unregister = cancel.on_cancel(self._cancel.cancel)
         self._threads = [threading.Thread(target=self._download, daemon=True,
                                           name=f"{THREAD_NAME_PREFIX}-range-{number}")
-                         for number in range(max(1, min(parts, len(self._chunks))))]
+                         for number in range(min(parts, len(self._chunks)))]
         for thread in self._threads:
             thread.start()
 
     # ------------------------------------------------------------------ consumer side
     def wait_published(self) -> None:
         """Wait until the samples are published, the layout declined, or the file is in."""
-        with self._condition:
-            while (self.samples is None and not self.declined and not self.done
-                   and self.error is None):
-                self._condition.wait()
+        self._drive(lambda: (self.samples is not None or self.declined or self.done
+                             or self.error is not None))
 
     def wait_ready(self, index: int) -> None:
         """Wait until sample ``index`` has arrived.
@@ -188,19 +212,15 @@ class ArrivingShard:
         samples = self.samples
         if self.error is None and samples.ready > index:
             return
-        with self._condition:
-            while self.error is None and samples.ready <= index and not self.done:
-                self._condition.wait()
-            if self.error is not None:
-                raise self.error
+        self._drive(lambda: self.error is not None or samples.ready > index or self.done)
+        if self.error is not None:
+            raise self.error
         if samples.ready <= index:  # cannot happen: complete() makes every sample ready
             raise ShardDecodeError(f"shard {self.info.name}: sample {index} never arrived")
 
     def wait_done(self) -> None:
         """Wait until the file is in and checked, or its download failed."""
-        with self._condition:
-            while not self.done:
-                self._condition.wait()
+        self._drive(lambda: self.done)
 
     def settle(self) -> None:
         """Wait for the end of the download and raise what went wrong with it, if anything.
@@ -212,16 +232,35 @@ class ArrivingShard:
         if self.error is not None:
             raise self.error
 
+    def _drive(self, until: Callable[[], bool]) -> None:
+        """Wait until ``until()``, feeding the indexer whatever has arrived meanwhile."""
+        condition = self._condition
+        with condition:
+            while not until():
+                if self._prefix > self._fed and not self._feeding and not self.done:
+                    prefix, self._feeding = self._prefix, True
+                    condition.release()
+                    try:
+                        self._feed(prefix)
+                    finally:
+                        condition.acquire()
+                        self._feeding, self._fed = False, prefix
+                        condition.notify_all()
+                    continue
+                condition.wait()
+
     # ------------------------------------------------------------------ download side
     def _download(self) -> None:
         while True:
             with self._condition:
                 if self.error is not None or self._next_chunk >= len(self._chunks):
                     return
-                start, end = self._chunks[self._next_chunk]
+                number = self._next_chunk
                 self._next_chunk += 1
+            start, end = self._chunks[number]
             try:
-                self._source.read_into(self.info, self.buffer, start, end, self._cancel)
+                self._source.read_into(self.info, self.buffer, start, end, self._cancel,
+                                       lambda offset, number=number: self._land(number, offset))
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 if isinstance(error, OSError) and not isinstance(error, StreamError) or (
                         isinstance(error, RangeIgnoredError) and self.samples is not None):
@@ -230,55 +269,52 @@ class ArrivingShard:
                     error = ShardFetchError(f"shard {self.info.name}: {error}")
                 self._finish(error)
                 return
-            self._land(start, end)
+            self._land(number, end)
 
-    def _land(self, start: int, end: int) -> None:
+    def _land(self, number: int, offset: int) -> None:
+        """Range ``number`` holds its bytes up to ``offset``."""
         with self._condition:
-            self._landed[start] = end
-            prefix = self._prefix
-            while prefix in self._landed:
-                prefix = self._landed.pop(prefix)
-            grew, self._prefix = prefix > self._prefix, prefix
-        if grew:
-            self._feed(prefix)
+            if offset <= self._filled[number]:
+                return  # a restarted range rewriting bytes that were in
+            self._filled[number] = offset
+            complete, chunks, filled = self._complete, self._chunks, self._filled
+            while complete < len(chunks) and filled[complete] == chunks[complete][1]:
+                complete += 1
+            self._complete = complete
+            prefix = self.size if complete == len(chunks) else filled[complete]
+            if prefix > self._prefix:
+                self._prefix = prefix
+                self._condition.notify_all()
 
     def _feed(self, prefix: int) -> None:
-        with self._feeding:
-            if self.done:
-                return
-            whole = prefix >= self.size
-            try:
-                if whole and self._verify:
-                    problem = bytes_problem(self.buffer, size=self.info.size,
-                                            sha256=self.info.sha256)
-                    if problem is not None:
-                        raise ShardIntegrityError(
-                            f"shard {self.info.name}: {problem}; the source may be "
-                            f"corrupt or have changed since it was listed")
-                if not self.declined:
-                    try:
-                        samples = (self._indexer.complete() if whole
-                                   else self._indexer.feed(prefix))
-                    except NotLazyLayout:
+        """Index the first ``prefix`` bytes; check the whole file once it is in."""
+        whole = prefix >= self.size
+        try:
+            if whole and self._verify:
+                problem = bytes_problem(self.buffer, size=self.info.size,
+                                        sha256=self.info.sha256)
+                if problem is not None:
+                    raise ShardIntegrityError(
+                        f"shard {self.info.name}: {problem}; the source may be corrupt "
+                        f"or have changed since it was listed")
+            if not self.declined:
+                try:
+                    samples = self._indexer.complete() if whole else self._indexer.feed(prefix)
+                except NotLazyLayout:
+                    with self._condition:
+                        self.declined = True  # decoded whole once it is in
+                else:
+                    if samples is not None and self.samples is None:
                         with self._condition:
-                            self.declined = True  # decoded whole once it is in
-                            self._condition.notify_all()
-                    else:
-                        if samples is not None and self.samples is None:
-                            with self._condition:
-                                self.samples = samples
-                                self._condition.notify_all()
-            except PtPayloadError as error:
-                self._finish(ShardDecodeError(f"shard {self.info.name}: {error}"))
-                return
-            except StreamError as error:
-                self._finish(error)
-                return
-            if whole:
-                self._finish(None)
-            else:
-                with self._condition:
-                    self._condition.notify_all()
+                            self.samples = samples
+        except PtPayloadError as error:
+            self._finish(ShardDecodeError(f"shard {self.info.name}: {error}"))
+            return
+        except StreamError as error:
+            self._finish(error)
+            return
+        if whole:
+            self._finish(None)
 
     def _finish(self, error: BaseException | None) -> None:
         with self._condition:

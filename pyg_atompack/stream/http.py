@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
 from pyg_atompack.stream.errors import ShardFetchError
@@ -139,7 +139,8 @@ class URLShardSource:
                          headers=self.headers)
 
     def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
-                  cancel: CancelToken) -> None:
+                  cancel: CancelToken,
+                  progress: Callable[[int], None] | None = None) -> None:
         """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
 
         One range request, retried and resumed like :meth:`fetch`; used to hand out
@@ -152,14 +153,17 @@ class URLShardSource:
             start (int): First byte.
             end (int): One past the last byte.
             cancel (CancelToken): Stops the transfer, and any backoff wait, when cancelled.
+            progress (Callable[[int], None], optional): Called as bytes land with the offset
+                one past the last byte in (bytes ``[start, offset)`` are in).
+                (default: :obj:`None`)
 
         Raises:
             ShardFetchError: As for :meth:`fetch`.
             RangeIgnoredError: The server answered with the whole body.
         """
         try:
-            transport.fill(shard.location, ShardPart(buffer, start, end), policy=self.retry,
-                           cancel=cancel, headers=self.headers)
+            transport.fill(shard.location, ShardPart(buffer, start, end, on_data=progress),
+                           policy=self.retry, cancel=cancel, headers=self.headers)
         except TransportError as error:
             raise shard_error(shard.name, error) from error
 

@@ -12,7 +12,7 @@ does over HTTP(S).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyg_atompack.stream.errors import StreamCancelled
@@ -115,7 +115,8 @@ class ObjectStoreSource:
         return buffer
 
     def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
-                  cancel: CancelToken) -> None:
+                  cancel: CancelToken,
+                  progress: Callable[[int], None] | None = None) -> None:
         """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
 
         One ranged request, conditioned and resumed like :meth:`fetch`; used to hand
@@ -128,9 +129,20 @@ class ObjectStoreSource:
             start (int): First byte.
             end (int): One past the last byte.
             cancel (CancelToken): Aborts the request when cancelled.
+            progress (Callable[[int], None], optional): Called as bytes land with the offset
+                one past the last byte in (bytes ``[start, offset)`` are in).
+                (default: :obj:`None`)
         """
+        landed = None
+        if progress is not None:
+            position = start
+
+            def landed(count: int) -> None:
+                nonlocal position
+                position += count
+                progress(position)
         self.store.read_into(self._object(shard), buffer, start=start, end=end,
-                             offset=start, cancel=cancel)
+                             offset=start, cancel=cancel, progress=landed)
 
     def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
                        parts: int) -> WritableBuffer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from typing import BinaryIO
 
 __all__ = ["FileSink", "RangeIgnoredError", "ShardBuffer", "ShardPart", "WritableBuffer",
@@ -151,13 +152,18 @@ class ShardPart:
         end (int): One past its last byte.
         base (int, optional): The file offset of ``buffer[0]`` (``start`` for a buffer holding only
             this range). (default: :obj:`0`)
+        on_data (Callable[[int], None], optional): Called after every chunk written with the
+            offset in the shard one past its last byte (bytes ``[start, offset)`` are
+            in). (default: :obj:`None`)
     """
 
-    def __init__(self, buffer: WritableBuffer, start: int, end: int, *, base: int = 0) -> None:
+    def __init__(self, buffer: WritableBuffer, start: int, end: int, *, base: int = 0,
+                 on_data: Callable[[int], None] | None = None) -> None:
         self.buffer = buffer
         self.start = start
         self.end = end
         self.base = base
+        self.on_data = on_data
         self._filled = 0
 
     def __len__(self) -> int:
@@ -207,6 +213,8 @@ class ShardPart:
             raise ValueError(f"server sent past byte {self.end - 1} of a range request")
         self.buffer[at - self.base:at - self.base + len(chunk)] = chunk
         self._filled += len(chunk)
+        if self.on_data is not None:
+            self.on_data(at + len(chunk))
 
 
 
