@@ -858,21 +858,25 @@ def workers_only(args, meta: dict, log) -> None:
 #: manifests carry sha256, so the first shard is checked whole before any sample), ours
 #: handing out the first shard as it arrives (``verify_before_use=False``), and
 #: WebDataset (which verifies nothing), in-process and behind 2 DataLoader workers.
-FIRST_SHARD_ARMS = ("ours_pt_early", "ours_pt", "webdataset", "webdataset_w2",
-                    "ours_w2_early", "ours_w2")
+FIRST_SHARD_ARMS = ("ours_pt_early", "ours_pt_all", "ours_pt", "webdataset", "webdataset_w2",
+                    "ours_w2_early", "ours_w2_all", "ours_w2")
 
 
 def first_shard_arms(base: str, names: dict, prefetch: int, concurrency: int,
                      compute: float) -> dict:
     early = {"verify_before_use": False}
+    every = {"verify_before_use": False, "stream_shards": "all"}
     return {
         "ours_pt_early": lambda: consume(ours(base, "pt", prefetch, concurrency, **early),
                                          compute),
+        "ours_pt_all": lambda: consume(ours(base, "pt", prefetch, concurrency, **every),
+                                       compute),
         "ours_pt": lambda: consume(ours(base, "pt", prefetch, concurrency), compute),
         "webdataset": lambda: consume(webdataset_arm(base, names["tar"]), compute),
         "webdataset_w2": lambda: consume(webdataset_arm(base, names["tar"], 2), compute),
         # the workers part's setting: prefetch 2 / concurrency 2 per rank
         "ours_w2_early": lambda: consume(ours(base, "pt", 2, 2, workers=2, **early), compute),
+        "ours_w2_all": lambda: consume(ours(base, "pt", 2, 2, workers=2, **every), compute),
         "ours_w2": lambda: consume(ours(base, "pt", 2, 2, workers=2), compute),
     }
 
@@ -909,6 +913,10 @@ def first_shard_only(args, meta: dict, log) -> None:
             "webdataset w2 / ours w2 early": ("webdataset_w2", "ours_w2_early"),
             "webdataset w2 / ours w2 verified": ("webdataset_w2", "ours_w2"),
             "ours w2 verified / ours w2 early": ("ours_w2", "ours_w2_early"),
+            "webdataset / ours all": ("webdataset", "ours_pt_all"),
+            "webdataset w2 / ours all": ("webdataset_w2", "ours_pt_all"),
+            "webdataset w2 / ours w2 all": ("webdataset_w2", "ours_w2_all"),
+            "ours early / ours all": ("ours_pt_early", "ours_pt_all"),
         }
         summary = {label: summarize_pairs(seconds[a], seconds[b]).to_dict()
                    for label, (a, b) in pairs.items()}
@@ -931,7 +939,9 @@ def first_shard_only(args, meta: dict, log) -> None:
              "manifests list size and sha256 of every shard: `ours_pt` / `ours_w2` run "
              "with the defaults (the first shard is checked whole before its first "
              "sample), `*_early` with `verify_before_use=False` (the first shard handed "
-             "out as it arrives, its hash checked at its end). In-process arms at the "
+             "out as it arrives, its hash checked at its end), `*_all` with "
+             "`verify_before_use=False, stream_shards=\"all\"` (every shard so). "
+             "In-process arms at the "
              "regime's prefetch / concurrency; 2-worker arms at 2 / 2 per rank. Ratios: "
              "first arm's time / second's, > 1 means the second is faster. Versions: "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()

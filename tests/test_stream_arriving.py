@@ -267,3 +267,30 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     covered = sorted((start, end) for _, start, end in ranges)
     assert len(covered) >= 3 and covered[0][0] == 0 and covered[-1][1] == size
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # the file, in order
+
+
+def test_every_shard_as_it_arrives(shards):
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        orders = []
+        for _ in range(2):
+            gates = {name: server.hold(name, (root / name).stat().st_size * 3 // 4)
+                     for name in names}
+            dataset = _dataset(server, shuffle=True, seed=2, stream_shards="all")
+            first, second = (names[i] for i in dataset.plan().shards[:2])
+            iterator = iter(dataset)
+            head = [next(iterator) for _ in range(10)]
+            gates[first].set()  # the first shard may end; the second is still held
+            head += [next(iterator) for _ in range(SIZES[0])]  # into the second shard
+            assert not gates[second].is_set()
+            assert {int(s.sample_id) // 1000 for s in head[-10:]} == {int(second[6:10])}
+            for gate in gates.values():
+                gate.set()
+            orders.append(_ids(head + list(iterator)))
+        assert orders[0] == orders[1] and sorted(orders[0]) == sorted(_expected())
+
+
+def test_stream_shards_choices():
+    with pytest.raises(ValueError, match="stream_shards"):
+        ShardStreamDataset(Path(__file__).parent / "data", stream_shards="some")

@@ -313,6 +313,11 @@ class ArrivingShard:
         except StreamError as error:
             self._finish(error)
             return
+        except Exception as error:  # noqa: BLE001 - every waiter (the prefetcher's
+            # included, which must not die waiting) meets it as the shard's error
+            self._finish(ShardDecodeError(f"shard {self.info.name}: {type(error).__name__}: "
+                                          f"{error}"))
+            return
         if whole:
             self._finish(None)
 

@@ -59,6 +59,9 @@ def _download_ended(shard: LoadedShard) -> None:
         shard.arriving.wait_done()
 
 
+#: Values of ``ShardStreamDataset(stream_shards=)``.
+STREAM_SHARDS_CHOICES = ("first", "all", "none")
+
 #: Shard bytes to consume between two ``malloc_trim`` calls. A trim also returns the
 #: training loop's own freed heap, which the next steps then fault back in: measured on
 #: CPU SchNet training with 0.26 MB shards, trimming after every shard cost 4% of the
@@ -186,26 +189,30 @@ class ShardStreamDataset(IterableDataset):
         cache_dir (str | os.PathLike, optional): Where the metadata (header, schema, index) of
             block-streamed shards is cached, shared by workers, ranks and later runs. (default:
             ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
-        stream_first (bool, optional): Hand out the samples of the iteration's first ``.pt``
-            shard as its bytes arrive instead of after the whole file
-            (:mod:`pyg_atompack.stream.arriving`): it is downloaded as consecutive byte
-            ranges over its connections and indexed while it arrives, each sample
-            built once its storages are in and checked. Applies to a list of ``Data``
-            of known size from a source that reads byte ranges (HTTP(S), the Hub,
-            object stores), with ``prefetch >= 1``, ``lazy_decode`` and
-            ``on_error="raise"``, and, when the listing has the shard's sha256 and
-            ``verify`` is on, only with ``verify_before_use=False``. Its samples
-            cannot be shuffled over the whole shard: with ``shuffle`` they leave
-            through a shuffle buffer of
+        stream_shards (str, optional): Which ``.pt`` shards hand out their samples as their
+            bytes arrive instead of after the whole file
+            (:mod:`pyg_atompack.stream.arriving`): ``"first"``, the first shard of each
+            iteration (nothing can overlap its download); ``"all"``, every shard (when
+            downloads are slower than training, each shard is then also trained on
+            while it arrives, the last one included); ``"none"``. Such a shard is
+            downloaded in file order over its connections and indexed while it
+            arrives, each sample built once its storages are in and checked. Applies
+            to a list of ``Data`` of known size from a source that reads byte ranges
+            (HTTP(S), the Hub, object stores), with ``prefetch >= 1``,
+            ``lazy_decode`` and ``on_error="raise"``, and, when the listing has the
+            shard's sha256 and ``verify`` is on, only with
+            ``verify_before_use=False``. Its samples cannot be shuffled over the
+            whole shard: with ``shuffle`` they leave through a shuffle buffer of
             :data:`~pyg_atompack.stream.arriving.ARRIVAL_WINDOW` samples over the
-            arrival order (the ``k``-th drawn from the first ``64 + k``), the same for
-            a given seed and epoch. A shard found short or damaged once it is in
+            arrival order (the ``k``-th drawn from the first ``64 + k``), the same
+            for a given seed and epoch. A shard found short or damaged once it is in
             raises :class:`~pyg_atompack.stream.ShardFetchError` or
-            :class:`~pyg_atompack.stream.ShardDecodeError` naming it, no later than the
-            end of that shard; other layouts are decoded whole. (default: :obj:`True`)
+            :class:`~pyg_atompack.stream.ShardDecodeError` naming it, no later than
+            the end of that shard; other layouts are decoded whole.
+            (default: :obj:`"first"`)
         verify_before_use (bool, optional): When the listing knows a shard's sha256 (and
             ``verify`` is on), hand out none of its samples before the hash is checked.
-            ``False`` lets ``stream_first`` hand out the first shard's samples as they
+            ``False`` lets ``stream_shards`` hand out a shard's samples as they
             arrive, before the hash of the whole file can be checked; a mismatch
             then raises :class:`~pyg_atompack.stream.ShardIntegrityError` when the
             file is in, after some of its samples were handed out.
@@ -233,7 +240,7 @@ class ShardStreamDataset(IterableDataset):
                  names: str | None = None, blocks: bool | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None,
-                 read_ahead: int = DEFAULT_READ_AHEAD, stream_first: bool = True,
+                 read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
                  verify_before_use: bool = True):
         super().__init__()
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
@@ -243,6 +250,9 @@ class ShardStreamDataset(IterableDataset):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
+        if stream_shards not in STREAM_SHARDS_CHOICES:
+            raise ValueError(f"stream_shards must be one of {STREAM_SHARDS_CHOICES}, got "
+                             f"{stream_shards!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         if isinstance(source, (str, os.PathLike)):
@@ -278,7 +288,7 @@ class ShardStreamDataset(IterableDataset):
         self.trim_memory = trim_memory
         self.lazy_decode = lazy_decode
         self.split_first = split_first
-        self.stream_first = stream_first
+        self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.rank = rank
         self.world_size = world_size
@@ -428,16 +438,17 @@ class ShardStreamDataset(IterableDataset):
                 jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
                                                       parts=split if job is first else 1),
                 depth=prefetch, concurrency=concurrency, first_alone=split > 1)
-        # the first .pt shard is handed out as its bytes arrive (stream/arriving.py);
-        # its download keeps its connections until it ends, then the others start
-        arriving = (self.stream_first and prefetch > 0 and first is not None
+        # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
+        # one, or all; a download keeps its connection until it ends
+        every = self.stream_shards == "all" and prefetch > 0
+        arriving = (self.stream_shards != "none" and prefetch > 0 and first is not None
                     and loader.streams_as_it_arrives(first[1]))
         return Prefetcher(
             jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
                                                   parts=split if job is first else 1,
-                                                  arriving=arriving and job is first),
+                                                  arriving=every or (arriving and job is first)),
             depth=prefetch, concurrency=concurrency, first_alone=split > 1 or arriving,
-            first_settled=_download_ended if arriving else None,
+            settled=_download_ended if arriving or every else None,
         )
 
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,

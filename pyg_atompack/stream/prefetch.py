@@ -40,16 +40,17 @@ class Prefetcher(Generic[JobT, ResultT]):
         first_alone (bool, optional): Start no other job until the first has finished (it uses all
             ``concurrency`` connections itself, see ``ShardStreamDataset(split_first=)``).
             (default: :obj:`False`)
-        first_settled (Callable[[ResultT], None], optional): With ``first_alone``, called on
-            the first result (once the consumer can take it) and waited for before
-            other jobs start: a result handed over while its download goes on keeps
-            the connections until its download ends. It must not raise.
+        settled (Callable[[ResultT], None], optional): Called on every successful result once
+            the consumer can take it, and waited for before the thread that loaded it
+            takes another job (and, with ``first_alone``, before other jobs start
+            after the first): a result handed over while its download goes on keeps
+            its connections until the download ends. It must not raise.
             (default: :obj:`None`)
     """
 
     def __init__(self, jobs: Sequence[JobT], load: Callable[[JobT, CancelToken], ResultT], *,
                  depth: int, concurrency: int = 1, first_alone: bool = False,
-                 first_settled: Callable[[ResultT], None] | None = None):
+                 settled: Callable[[ResultT], None] | None = None):
         if depth < 0 or concurrency < 1:
             raise ValueError(f"need depth >= 0 and concurrency >= 1, got {depth}, {concurrency}")
         self.jobs = list(jobs)
@@ -64,7 +65,7 @@ class Prefetcher(Generic[JobT, ResultT]):
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._first_pending = first_alone  # later jobs wait while the first one runs
-        self._first_settled = first_settled
+        self._settled = settled
         if depth > 0:
             for number in range(min(concurrency, depth, len(self.jobs))):
                 thread = threading.Thread(target=self._work, daemon=True,
@@ -92,8 +93,7 @@ class Prefetcher(Generic[JobT, ResultT]):
                 return
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 outcome = (False, error)
-            settle = (self._first_settled if index == 0 and self._first_pending and outcome[0]
-                      else None)
+            settle = self._settled if outcome[0] else None
             with self._condition:
                 if index == 0 and settle is None:
                     self._first_pending = False
@@ -103,10 +103,11 @@ class Prefetcher(Generic[JobT, ResultT]):
                 self._condition.notify_all()
             if settle is not None:
                 settle(outcome[1])  # returns when its download ends (or is cancelled)
-                with self._condition:
-                    self._first_pending = False
-                    self._condition.notify_all()
-            del outcome  # the consumer's copy must be the only reference once taken
+                if index == 0:
+                    with self._condition:
+                        self._first_pending = False
+                        self._condition.notify_all()
+            del outcome, settle  # the consumer's copy must be the only reference once taken
 
     def __iter__(self) -> Iterator[ResultT]:
         for index in range(len(self.jobs)):
