@@ -7,18 +7,22 @@ go, so what the stream hands out before that can only come from the bytes alread
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from servers.fake_hub import serve_fake_hub
 from servers.http_server import ShardServer, make_samples, serve_directory, write_pt_shards
 from servers.stores import use_store
 from torch.utils.data import DataLoader
 
 from pyg_atompack.stream import (
     HTTPSource,
+    HubSource,
     ObjectStoreSource,
     ShardDecodeError,
     ShardIntegrityError,
@@ -294,3 +298,37 @@ def test_every_shard_as_it_arrives(shards):
 def test_stream_shards_choices():
     with pytest.raises(ValueError, match="stream_shards"):
         ShardStreamDataset(Path(__file__).parent / "data", stream_shards="some")
+
+
+def test_from_the_hub_with_its_listed_hashes(monkeypatch):
+    def saved(shard: int, count: int) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(make_samples(shard, count, atoms=20), buffer)
+        return buffer.getvalue()
+
+    files = {f"data/shard-{i:04d}.pt": saved(i, 40) for i in range(2)}
+    files["data/manifest.json"] = json.dumps({"shards": [
+        {"name": name[5:], "records": 40, "bytes": len(data),
+         "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()]}).encode()
+    calls = []
+    read_into = HubSource.read_into
+
+    def recording(self, shard, *args):
+        calls.append(shard.name)
+        return read_into(self, shard, *args)
+
+    monkeypatch.setattr(HubSource, "read_into", recording)
+    for hub in serve_fake_hub():
+        hub.commit("org/arriving", files)
+        source = HubSource("org/arriving", "data", endpoint=hub.endpoint)
+        assert all(shard.sha256 for shard in source.list_shards())  # LFS hashes
+        assert _ids(ShardStreamDataset(source, prefetch=1)) == [*range(40), *range(1000, 1040)]
+        assert calls == []  # listed hashes: checked whole before any sample
+        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=False)
+        assert _ids(dataset) == [*range(40), *range(1000, 1040)]
+        assert calls == ["shard-0000.pt"]  # the first shard streamed by range
+        good = files["data/shard-0000.pt"]
+        hub.serve_wrong_bytes("org/arriving", "data/shard-0000.pt",
+                              good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(ShardIntegrityError, match=r"shard-0000\.pt: sha256"):
+            list(ShardStreamDataset(source, prefetch=1, verify_before_use=False))
