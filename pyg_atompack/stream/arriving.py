@@ -1,12 +1,15 @@
-"""The first ``.pt`` shard of an iteration, handed out sample by sample as its bytes arrive.
+"""``.pt`` shards handed out sample by sample as their bytes arrive.
 
 Nothing overlaps the first download of an iteration: with whole shards, the first
-sample waits for a whole file and its index. :class:`ArrivingShard` downloads the first
-shard as consecutive byte ranges (chunks) over the connections it may use, in order, into
-one buffer of the listed size, and feeds the filled prefix to the in-place indexer
+sample waits for a whole file and its index (and, when downloads are slower than
+training, the last shard is trained on only after it has all arrived).
+:class:`ArrivingShard` downloads a shard in file order over the connections it may use
+into one buffer of the listed size, and feeds the filled prefix to the in-place indexer
 (:class:`~pyg_atompack.pyg.pt_index.ArrivingPt`): ``torch.save`` writes the pickle first
 and the storages after it in sample order, so the shard's samples are indexed once its
 pickle has arrived and each one can be built once its storages have.
+``ShardStreamDataset(stream_shards=)`` picks the shards: the first of each iteration
+(the default), all, or none.
 
 The rules (see ``docs/architecture.md``, "The first shard as it arrives"):
 
