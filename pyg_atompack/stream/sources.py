@@ -40,6 +40,11 @@ Returning the bytes in a :class:`~pyg_atompack.stream.ShardBuffer` (a memory map
 in place, and the memory goes back to the operating system as soon as the shard is
 dropped; plain ``bytes`` work too, at the cost of one copy.
 
+A source that can also read byte ranges into a buffer, ``read_into(shard, buffer,
+start, end, cancel, progress)`` (``progress(offset)`` called as bytes ``[start,
+offset)`` land), lets the dataset hand out a ``.pt`` shard's samples as its bytes arrive
+(:mod:`pyg_atompack.stream.arriving`); the shipped remote sources do.
+
 ``list_shards`` is called once, in the process that builds the dataset; its result is
 pickled into DataLoader workers, so remote listings are never repeated per worker or rank.
 """
