@@ -215,7 +215,10 @@ class ArrivingShard:
         samples = self.samples
         if self.error is None and samples.ready > index:
             return
-        self._drive(lambda: self.error is not None or samples.ready > index or self.done)
+        # the whole file's check (hash, directory) is left to the prefetch thread
+        # waiting for the download's end: not on the consumer's path
+        self._drive(lambda: self.error is not None or samples.ready > index or self.done,
+                    whole=False)
         if self.error is not None:
             raise self.error
         if samples.ready <= index:  # cannot happen: complete() makes every sample ready
@@ -231,17 +234,22 @@ class ArrivingShard:
         Raises:
             StreamError: As for :meth:`wait_ready`.
         """
-        self.wait_done()
+        # the prefetch thread that loaded the shard waits for its end (wait_done) and
+        # runs the whole file's check; the consumer only waits for its outcome
+        self._drive(lambda: self.done, whole=False)
         if self.error is not None:
             raise self.error
 
-    def _drive(self, until: Callable[[], bool]) -> None:
-        """Wait until ``until()``, feeding the indexer whatever has arrived meanwhile."""
+    def _drive(self, until: Callable[[], bool], whole: bool = True) -> None:
+        """Wait until ``until()``, feeding the indexer whatever has arrived meanwhile
+        (up to the file's last byte, which starts the whole file's check, if ``whole``)."""
         condition = self._condition
+        limit = self.size if whole else self.size - 1
         with condition:
             while not until():
-                if self._prefix > self._fed and not self._feeding and not self.done:
-                    prefix, self._feeding = self._prefix, True
+                if (min(self._prefix, limit) > self._fed and not self._feeding
+                        and not self.done):
+                    prefix, self._feeding = min(self._prefix, limit), True
                     condition.release()
                     try:
                         self._feed(prefix)
