@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +19,9 @@ import torch
 
 from pyg_atompack import AtompackDataset
 from pyg_atompack.stream import HTTPSource, ShardStreamDataset
-from pyg_atompack.transport import RemoteIntegrityError, atp_meta
+from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, atp_meta
+from pyg_atompack.transport import http as transport_http
+from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
 from pyg_atompack.transport.ranges import URLRangeReader
 from tests.big_atp import write_big_atp, write_manifest
 from tests.servers.http_server import ShardServer
@@ -107,3 +111,55 @@ def test_the_version_travels_with_a_pickled_reader(served):
     with pytest.raises(RemoteIntegrityError, match=r"data\.atp: the server has \d+ bytes, the "
                                                    r"listing says"):
         _ = wrong.identity
+
+
+def _replace(path, flip_at: float) -> None:
+    """Rewrite ``path`` as a new file (a new inode): a response already reading the
+    old one goes on sending the old bytes, as a server does."""
+    fresh = path.with_suffix(".new")
+    fresh.write_bytes(path.read_bytes())
+    _rewrite(fresh, flip_at)
+    os.replace(fresh, path)
+
+
+def test_a_resumed_download_of_a_rewritten_file_is_refused_not_spliced(served):
+    root, server = served
+    size = (root / NAME).stat().st_size
+    gate = server.hold(NAME, size // 4)
+    server.add_fault(NAME, "truncate", at_fraction=0.5)  # the connection ends halfway
+    sink = ShardBuffer(NAME)
+    failure: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            transport_http.fill(server.url(NAME), sink, policy=RetryPolicy(backoff=0.01))
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            failure.append(error)
+
+    worker = threading.Thread(target=download)
+    worker.start()
+    while len(sink) == 0:  # the first answer (old version) is being received
+        time.sleep(0.01)
+    _replace(root / NAME, 0.75)  # rewritten before the transfer resumes
+    gate.set()
+    worker.join(60)
+    assert [type(error) for error in failure] == [RemoteIntegrityError], failure
+    assert "changed since it was opened" in str(failure[0])
+    assert [r.range for r in server.requests_for(NAME)][1].startswith("bytes=")  # resumed
+
+
+def test_the_ranges_of_one_download_come_from_one_version(served):
+    root, server = served
+    size = (root / NAME).stat().st_size
+    url = server.url(NAME)
+    buffer = bytearray(size)
+    pin = transport_http.VersionPin()
+    policy = RetryPolicy()
+    transport_http.fill(url, ShardPart(buffer, 0, size // 2), policy=policy, pin=pin)
+    _replace(root / NAME, 0.75)
+    with pytest.raises(RemoteIntegrityError, match=r"changed since it was opened"):
+        transport_http.fill(url, ShardPart(buffer, size // 2, size), policy=policy, pin=pin)
+    # a download of its own takes the new version whole
+    fresh = bytearray(size)
+    transport_http.fill(url, ShardPart(fresh, 0, size), policy=policy)
+    assert bytes(fresh) == (root / NAME).read_bytes()

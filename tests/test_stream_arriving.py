@@ -256,9 +256,9 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     ranges = []
     read_into = ObjectStoreSource.read_into
 
-    def recording(self, shard, buffer, start, end, cancel, progress=None):
+    def recording(self, shard, buffer, start, end, cancel, progress=None, pin=None):
         ranges.append((shard.name, start, end))
-        return read_into(self, shard, buffer, start, end, cancel, progress)
+        return read_into(self, shard, buffer, start, end, cancel, progress, pin=pin)
 
     monkeypatch.setattr(ObjectStoreSource, "read_into", recording)
     monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
@@ -313,9 +313,9 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
     calls = []
     read_into = HubSource.read_into
 
-    def recording(self, shard, *args):
+    def recording(self, shard, *args, **kwargs):
         calls.append(shard.name)
-        return read_into(self, shard, *args)
+        return read_into(self, shard, *args, **kwargs)
 
     monkeypatch.setattr(HubSource, "read_into", recording)
     for hub in serve_fake_hub():

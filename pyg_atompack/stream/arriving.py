@@ -48,6 +48,7 @@ from pyg_atompack.stream.errors import (
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
+from pyg_atompack.transport.http import VersionPin
 from pyg_atompack.transport.integrity import bytes_problem
 
 __all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "streams_as_it_arrives"]
@@ -157,7 +158,7 @@ class ArrivingShard:
 
     Args:
         source (Any): Reads byte ranges: ``source.read_into(info, buffer, start, end,
-            cancel, progress)``.
+            cancel, progress, pin=pin)``.
         info (ShardInfo): The shard; its size must be known.
         parts (int): Concurrent range requests.
         cancel (CancelToken): Cancellation of the iteration; stops every request.
@@ -171,6 +172,8 @@ class ArrivingShard:
         self.info = info
         self.size = int(info.size)
         self.buffer = allocate(self.size)
+        # every range of this download comes from one version of the file
+        self._pin = VersionPin()
         self.samples: ArrivingPtSamples | None = None  # once published
         self.declined = False  # the indexer does not stream this layout
         self.done = False  # every byte arrived and was checked, or the download failed
@@ -271,7 +274,8 @@ class ArrivingShard:
             start, end = self._chunks[number]
             try:
                 self._source.read_into(self.info, self.buffer, start, end, self._cancel,
-                                       lambda offset, number=number: self._land(number, offset))
+                                       lambda offset, number=number: self._land(number, offset),
+                                       pin=self._pin)
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 if isinstance(error, OSError) and not isinstance(error, StreamError) or (
                         isinstance(error, RangeIgnoredError) and self.samples is not None):

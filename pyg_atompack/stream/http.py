@@ -139,8 +139,8 @@ class URLShardSource:
                          headers=self.headers)
 
     def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
-                  cancel: CancelToken,
-                  progress: Callable[[int], None] | None = None) -> None:
+                  cancel: CancelToken, progress: Callable[[int], None] | None = None,
+                  pin: transport.VersionPin | None = None) -> None:
         """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
 
         One range request, retried and resumed like :meth:`fetch`; used to hand out
@@ -156,6 +156,9 @@ class URLShardSource:
             progress (Callable[[int], None], optional): Called as bytes land with the offset
                 one past the last byte in (bytes ``[start, offset)`` are in).
                 (default: :obj:`None`)
+            pin (VersionPin, optional): Shared by the ranges of one download: a range from
+                another version of the file (``ETag`` / ``Last-Modified``) is refused.
+                (default: :obj:`None`: this range's own)
 
         Raises:
             ShardFetchError: As for :meth:`fetch`.
@@ -163,7 +166,7 @@ class URLShardSource:
         """
         try:
             transport.fill(shard.location, ShardPart(buffer, start, end, on_data=progress),
-                           policy=self.retry, cancel=cancel, headers=self.headers)
+                           policy=self.retry, cancel=cancel, headers=self.headers, pin=pin)
         except TransportError as error:
             raise shard_error(shard.name, error) from error
 

@@ -115,8 +115,8 @@ class ObjectStoreSource:
         return buffer
 
     def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
-                  cancel: CancelToken,
-                  progress: Callable[[int], None] | None = None) -> None:
+                  cancel: CancelToken, progress: Callable[[int], None] | None = None,
+                  pin: object | None = None) -> None:
         """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
 
         One ranged request, conditioned and resumed like :meth:`fetch`; used to hand
@@ -132,6 +132,9 @@ class ObjectStoreSource:
             progress (Callable[[int], None], optional): Called as bytes land with the offset
                 one past the last byte in (bytes ``[start, offset)`` are in).
                 (default: :obj:`None`)
+            pin (object, optional): Not needed here: every request is conditioned on the
+                object's listed version (ETag / generation), so the ranges of one
+                download cannot come from two versions. (default: :obj:`None`)
         """
         landed = None
         if progress is not None:

@@ -41,8 +41,10 @@ in place, and the memory goes back to the operating system as soon as the shard 
 dropped; plain ``bytes`` work too, at the cost of one copy.
 
 A source that can also read byte ranges into a buffer, ``read_into(shard, buffer,
-start, end, cancel, progress)`` (``progress(offset)`` called as bytes ``[start,
-offset)`` land), lets the dataset hand out a ``.pt`` shard's samples as its bytes arrive
+start, end, cancel, progress, pin=None)`` (``progress(offset)`` called as bytes ``[start,
+offset)`` land; ``pin``, a :class:`~pyg_atompack.transport.http.VersionPin` shared by the
+ranges of one download, refuses a range from another version of the file), lets
+the dataset hand out a ``.pt`` shard's samples as its bytes arrive
 (:mod:`pyg_atompack.stream.arriving`); the shipped remote sources do.
 
 ``list_shards`` is called once, in the process that builds the dataset; its result is

@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "Probe", "fetch", "fetch_in_parts",
            "fetch_range", "fetch_to_file", "open_response", "probe", "request_json",
-           "response_validator"]
+           "response_validator", "VersionPin"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -324,15 +324,58 @@ def response_validator(headers: Mapping[str, str]) -> str | None:
     return f"modified {modified}" if modified else None
 
 
+class VersionPin:
+    """The one version of a file that every request of one download must come from.
+
+    A download made of several requests (a resume after a dropped connection, the
+    byte ranges of a file fetched over several connections or as it arrives) would
+    otherwise splice two versions of a file rewritten meanwhile. The first answer
+    that names its version (:func:`response_validator`) pins it, unless a version was
+    given; an answer naming another is refused. Thread-safe: the parts of one
+    download share a pin.
+
+    Args:
+        version (str, optional): The version the bytes must come from; :obj:`None` takes
+            the first answer's. (default: :obj:`None`)
+    """
+
+    def __init__(self, version: str | None = None) -> None:
+        self.version = version
+        self._lock = threading.Lock()
+
+    def check(self, url: str, headers: Mapping[str, str], status: int) -> None:
+        """Pin the answer's version, or refuse it if another is pinned.
+
+        Args:
+            url (str): The address (for the message; redacted).
+            headers (Mapping[str, str]): The answer's headers.
+            status (int): Its status code.
+
+        Raises:
+            RemoteIntegrityError: The answer comes from another version of the file.
+        """
+        seen = response_validator(headers)
+        if seen is None:
+            return
+        with self._lock:
+            if self.version is None:
+                self.version = seen
+            pinned = self.version
+        if seen != pinned:
+            raise RemoteIntegrityError(
+                f"{redact_url(url)}: the file changed since it was opened (it was {pinned}, "
+                f"the server now answers {seen}); open it again", url=redact_url(url),
+                status=status)
+
+
 def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Mapping[str, str],
-             policy: RetryPolicy, cancel: Cancel, validator: str | None = None) -> None:
+             policy: RetryPolicy, cancel: Cancel, pin: VersionPin) -> None:
     """One attempt: append the (rest of the) body at ``url`` to ``sink``.
 
     A sink holding some bytes asks for the rest (``Range: bytes=len-``); a server that
     ignores the range answers 200 and the sink starts over (a :class:`ShardPart` raises
-    :class:`RangeIgnoredError` instead). With ``validator``, an answer from another
-    version of the file (see :func:`response_validator`) is refused before its body is
-    read.
+    :class:`RangeIgnoredError` instead). An answer from another version of the file
+    than ``pin``'s is refused before its body is read.
     """
     range_header = sink.range_header()
     with open_response(url, headers=headers, range_header=range_header, policy=policy,
@@ -350,12 +393,7 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
                                      f"restarting")
         elif status != 200:
             raise permanent_error(status, response.headers, redact_url(url))
-        seen = response_validator(response.headers) if validator is not None else None
-        if seen is not None and seen != validator:
-            raise RemoteIntegrityError(
-                f"{redact_url(url)}: the file changed since it was opened (it was {validator}, "
-                f"the server now answers {seen}); open it again", url=redact_url(url),
-                status=status)
+        pin.check(url, response.headers, status)
         declared = response.headers.get("Content-Length")
         declared = int(declared) if declared and declared.isdigit() else None
         if status == 200:  # the whole body (again): into a buffer of its announced size
@@ -382,7 +420,7 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
 
 def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPolicy,
          cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None,
-         validator: str | None = None) -> None:
+         validator: str | None = None, pin: VersionPin | None = None) -> None:
     """Fill ``sink`` with the body at ``url``, retrying and resuming transient failures.
 
     Args:
@@ -396,7 +434,10 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
             ``url``). (default: :obj:`None`)
         validator (str, optional): The version the bytes must come from (a
             :func:`response_validator` value); an answer naming another is a
-            :class:`RemoteIntegrityError`. (default: :obj:`None`: any version)
+            :class:`RemoteIntegrityError`. (default: :obj:`None`: the first answer's)
+        pin (VersionPin, optional): The version shared with the other requests of one
+            download (the parts of a file); takes precedence over ``validator``.
+            (default: :obj:`None`: this transfer's own, so a resume never splices)
 
     Raises:
         RemoteUnavailableError: Transient failures outlasted every retry.
@@ -404,9 +445,10 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
             ``validator``.
         TransportError: A permanent failure (e.g. :class:`RemoteNotFoundError`).
     """
+    pin = pin if pin is not None else VersionPin(validator)
+
     def attempt() -> None:
-        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel,
-                 validator=validator)
+        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel, pin=pin)
         if isinstance(sink, ShardPart) and not sink.complete:
             raise TransientError(f"range answered short, at byte {sink.position}")
 
@@ -534,10 +576,11 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
     errors: list[BaseException] = []
     siblings = make_token()
     unregister = cancel.on_cancel(siblings.cancel)
+    pin = VersionPin()  # the parts come from one version of the file
 
     def run(piece: ShardPart) -> None:
         try:
-            fill(url, piece, policy=policy, cancel=siblings, headers=headers)
+            fill(url, piece, policy=policy, cancel=siblings, headers=headers, pin=pin)
         except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller
             errors.append(error)
             siblings.cancel()
