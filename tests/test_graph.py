@@ -25,10 +25,10 @@ from pyg_atompack import graph
 from pyg_atompack.graph import (
     InteractionGraph,
     SchNetWithGraph,
-    plan_blocks,
     radius_graph,
 )
 from pyg_atompack.graph import radius as radius_module
+from pyg_atompack.graph._blocks import plan_blocks
 
 # ---------------------------------------------------------------- references
 

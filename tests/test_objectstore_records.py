@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
 from pyg_atompack.stream import ObjectStoreSource, ShardStreamDataset
 from pyg_atompack.transport import (
-    ObjectRangeReader,
     RemoteAtpReader,
     RemoteAuthError,
     RemoteIntegrityError,
@@ -32,6 +31,7 @@ from pyg_atompack.transport import (
     RetryPolicy,
     atp_meta,
 )
+from pyg_atompack.transport.ranges import ObjectRangeReader
 from tests.big_atp import write_big_atp, write_manifest
 
 BUCKET = "atp-records"
