@@ -149,3 +149,69 @@ def test_a_damaged_pickle_is_declined_and_left_to_the_whole_file_path():
 def test_needs_a_writable_buffer():
     with pytest.raises(NotLazyLayout, match="writable"):
         ArrivingPt(bytes(_saved(make_samples(1, 1))))
+
+
+def _crc_arriving(raw: bytes | bytearray) -> tuple[mmap.mmap, ArrivingPt]:
+    buffer = mmap.mmap(-1, len(raw))
+    buffer[:] = raw
+    return buffer, ArrivingPt(buffer, check_crc=True)
+
+
+def _data_start(raw: bytes | bytearray, storage: int) -> int:
+    ends = _storage_ends(raw)
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(f"/data/{storage}"))
+    return ends[storage] - info.file_size
+
+
+def test_with_crc_a_storage_whose_bytes_changed_is_never_made_ready():
+    samples = make_samples(2, 6)
+    raw = bytearray(_saved(samples))
+    raw[_data_start(raw, 9) + 3] ^= 0x10  # storage 9 belongs to sample 2
+    buffer, plain = _arriving(raw, len(raw))
+    assert plain.feed(len(raw)).ready == 6  # nothing notices without the check
+    buffer, checked = _crc_arriving(raw)
+    assert checked.feed(_storage_ends(raw)[8] + 20).ready == 2  # storages 0-7 checked
+    _assert_equal_samples([checked.samples[0], checked.samples[1]], samples[:2])
+    with pytest.raises(PtPayloadError, match=r"data/9 does not match its CRC-32"):
+        checked.feed(len(raw))
+    assert checked.samples.ready == 2
+
+
+def test_with_crc_the_records_left_to_the_directory_are_checked_too():
+    """A walk stopped by a record it cannot place (a damaged descriptor) leaves the rest to
+    complete(), which checks their CRC-32s against the central directory."""
+    samples = make_samples(2, 6)
+    raw = bytearray(_saved(samples))
+    ends = _storage_ends(raw)
+    struct.pack_into("<I", raw, ends[9] + 8, 12345)  # storage 9's descriptor: wrong size
+    buffer, checked = _crc_arriving(raw)
+    assert checked.feed(len(raw)).ready == 2
+    _assert_equal_samples(checked.complete(), samples)  # intact: every sample ready
+    raw[_data_start(raw, 13) + 1] ^= 0x01
+    buffer, checked = _crc_arriving(raw)
+    assert checked.feed(len(raw)).ready == 2
+    with pytest.raises(PtPayloadError, match="storage 13 does not match its CRC-32"):
+        checked.complete()
+
+
+def test_with_crc_a_changed_pickle_or_an_archive_without_crcs_is_declined():
+    from torch.utils.serialization import config
+
+    raw = bytearray(_saved(make_samples(2, 4)))
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as archive:
+        info = archive.getinfo("archive/data.pkl")
+    name_length, extra_length = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    flipped = bytearray(raw)
+    flipped[info.header_offset + 30 + name_length + extra_length + 40] ^= 0x01
+    with pytest.raises(NotLazyLayout, match="the pickle"):
+        _crc_arriving(flipped)[1].feed(len(flipped))
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        bare = _saved(make_samples(2, 4))
+    finally:
+        config.save.compute_crc32 = saved
+    assert _arriving(bare, len(bare))[1].feed(len(bare)).ready == 4
+    with pytest.raises(NotLazyLayout, match="no CRC-32"):
+        _crc_arriving(bare)[1].feed(len(bare))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import struct
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -108,24 +110,106 @@ def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shard
         assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-def test_a_listed_hash_is_checked_before_any_sample_unless_the_user_opts_out(shards):
+def test_a_listed_hash_waits_for_the_whole_shard_only_when_asked_for(shards):
+    """By default (``"records"``) a hashed shard streams, each record checked against its
+    CRC-32; ``True`` hashes it whole before the first sample; ``False`` checks nothing."""
     root, names = shards
     for server in serve_directory(root):
         release = _hold_tails(server, root, names)
         timer = threading.Timer(0.5, release.set)
         timer.start()
-        iterator = iter(_dataset(server))
+        iterator = iter(_dataset(server, verify_before_use=True))
         next(iterator)
         assert release.is_set()  # the first sample waited for the whole (hashed) shard
         assert len(list(iterator)) == sum(SIZES) - 1
         timer.join()
 
+        for choice in ("records", False):
+            release = _hold_tails(server, root, names)
+            iterator = iter(_dataset(server, verify_before_use=choice))
+            next(iterator)
+            assert not release.is_set()
+            release.set()
+            assert len(list(iterator)) == sum(SIZES) - 1
+    with pytest.raises(ValueError, match="verify_before_use"):
+        ShardStreamDataset(root, verify_before_use="sha256")
+
+
+def _flip_storage_byte(path: Path, storage: int) -> None:
+    """Change one byte inside the data of storage record ``storage`` (CRC now wrong)."""
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(f"/data/{storage}"))
+    name_length, extra_length = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + name_length + extra_length + 5] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_bytes_changed_in_transit_are_never_handed_out_by_default(shards, hashed):
+    """A storage whose bytes differ from what torch.save wrote (the listing still names
+    the original file) stops the stream before any sample built from it, naming the
+    shard, whether or not the listing has hashes; with ``verify_before_use=False`` the
+    changed sample is handed out."""
+    root, names = shards
+    if not hashed:
+        _without_hashes(root)
+    for name in names:
+        _flip_storage_byte(root / name, 4 * 60)  # sample 60's positions (its first storage)
+    expected = _expected()
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        got = []
+        with pytest.raises(ShardDecodeError, match=r"shard-000\d\.pt: .*CRC-32"):
+            for sample in _dataset(server):
+                got.append(sample)
+        assert not release.is_set()  # found by the record's CRC-32, not the file's end
+        release.set()
+        assert len(got) <= 60  # (none at all when the damage was found first)
+        for sample in got:
+            assert torch.equal(sample.pos, expected[int(sample.sample_id)])
+
         release = _hold_tails(server, root, names)
         iterator = iter(_dataset(server, verify_before_use=False))
-        next(iterator)
+        got = [next(iterator) for _ in range(100)]
         assert not release.is_set()
         release.set()
-        assert len(list(iterator)) == sum(SIZES) - 1
+        if hashed:  # the file's hash, once it is in
+            with pytest.raises(ShardIntegrityError, match=r"shard-000\d\.pt: sha256"):
+                got.extend(iterator)
+        else:  # nothing checks the bytes
+            got.extend(iterator)
+        changed = [s for s in got if not torch.equal(s.pos, expected[int(s.sample_id)])]
+        assert [int(s.sample_id) % 1000 for s in changed] == [60] * (1 if hashed else 3)
+
+
+def test_a_shard_saved_without_crcs_is_hashed_whole_before_use(shards, tmp_path):
+    from torch.utils.serialization import config
+
+    root, names = shards
+    for index, name in enumerate(names):
+        samples = make_samples(index, SIZES[index], atoms=20)
+        saved = config.save.compute_crc32
+        config.save.compute_crc32 = False
+        try:
+            torch.save(samples, root / name)
+        finally:
+            config.save.compute_crc32 = saved
+    write_manifest = json.loads((root / "manifest.json").read_text())
+    for entry in write_manifest["shards"]:
+        data = (root / entry["name"]).read_bytes()
+        entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (root / "manifest.json").write_text(json.dumps(write_manifest))
+    for server in serve_directory(root):
+        release = _hold_tails(server, root, names)
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        iterator = iter(_dataset(server))
+        first = next(iterator)
+        assert release.is_set()  # no CRC-32 to check records by: the whole file first
+        samples = [first, *iterator]
+        timer.join()
+        assert sorted(_ids(samples)) == sorted(_expected())
 
 
 def test_a_shuffled_arriving_shard_draws_from_what_has_arrived_the_same_way_every_run(shards):
@@ -231,6 +315,24 @@ def test_resume_inside_the_arriving_first_shard(shards):
         assert _ids(head) + _ids(again) == whole
 
 
+def test_resume_after_the_arriving_first_shard_repeats_the_uninterrupted_order(shards):
+    """Only the epoch's first shard arrives record by record (its order is a shuffle
+    buffer over arrival); a resumed epoch whose first shard left is another one must not
+    stream that one, or its order would change."""
+    root, names = shards
+    _without_hashes(root)
+    for server in serve_directory(root):
+        whole = _ids(_dataset(server, shuffle=True, seed=1))
+        dataset = _dataset(server, shuffle=True, seed=1)
+        iterator = iter(dataset)
+        head = [next(iterator) for _ in range(SIZES[0] + 7)]  # into the second shard
+        state = dataset.state_dict()
+        iterator.close()
+        again = _dataset(server, shuffle=True, seed=1)
+        again.load_state_dict(state)
+        assert _ids(head) + _ids(again) == whole
+
+
 def test_layouts_that_do_not_stream_and_servers_without_ranges_take_the_whole_path(
         tmp_path):
     names = write_pt_shards(tmp_path, [40, 40], collated=(0, 1), atoms=5)
@@ -322,11 +424,14 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
         hub.commit("org/arriving", files)
         source = HubSource("org/arriving", "data", endpoint=hub.endpoint)
         assert all(shard.sha256 for shard in source.list_shards())  # LFS hashes
-        assert _ids(ShardStreamDataset(source, prefetch=1)) == [*range(40), *range(1000, 1040)]
-        assert calls == []  # listed hashes: checked whole before any sample
-        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=False)
+        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=True)
         assert _ids(dataset) == [*range(40), *range(1000, 1040)]
-        assert calls == ["shard-0000.pt"]  # the first shard streamed by range
+        assert calls == []  # listed hashes: checked whole before any sample
+        for choice in ("records", False):
+            dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=choice)
+            assert _ids(dataset) == [*range(40), *range(1000, 1040)]
+            assert calls == ["shard-0000.pt"]  # the first shard streamed by range
+            calls.clear()
         good = files["data/shard-0000.pt"]
         hub.serve_wrong_bytes("org/arriving", "data/shard-0000.pt",
                               good[:-1] + bytes([good[-1] ^ 1]))

@@ -102,8 +102,10 @@ def test_dataset_fetches_its_first_shard_in_parts_before_any_other(tmp_path):
     names = write_pt_shards(tmp_path, [400, 400, 400], atoms=8)
     assert (tmp_path / names[0]).stat().st_size > 3 * MIN_PART_BYTES
     for server in serve_directory(tmp_path, bandwidth=2_000_000):
+        # whole-shard streaming: the first shard in equal parts (streamed as it arrives,
+        # the default, it comes in growing ranges in file order: test_stream_arriving.py)
         dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                     prefetch=2, concurrency=3)
+                                     prefetch=2, concurrency=3, stream_shards="none")
         ids = [int(sample.sample_id) for sample in dataset]
         assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400)]
         first = _settled(server, names[0])
@@ -112,7 +114,8 @@ def test_dataset_fetches_its_first_shard_in_parts_before_any_other(tmp_path):
         assert [entry.range for entry in others] == [None, None]  # whole, later shards
         assert min(e.started for e in others) >= max(e.finished for e in first) - 0.05
         plain = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                   prefetch=2, concurrency=3, split_first=False)
+                                   prefetch=2, concurrency=3, split_first=False,
+                                   stream_shards="none")
         before = len(server.requests_for(names[0]))
         assert len(list(plain)) == 1200
         assert [e.range for e in server.requests_for(names[0])[before:]] == [None]

@@ -13,9 +13,10 @@ objects easily has more than 65,535 entries); both directory variants are read h
 from __future__ import annotations
 
 import struct
+import zlib
 from array import array
 
-__all__ = ["StorageTable", "TorchArchive", "TorchZipError", "read_torch_archive"]
+__all__ = ["StorageTable", "TorchArchive", "TorchZipError", "crc_problem", "read_torch_archive"]
 
 _END = struct.Struct("<IHHHHIIH")  # end of central directory
 _END_SIGNATURE = 0x06054B50
@@ -80,14 +81,18 @@ class TorchArchive:
         pickle: ``(offset, size)`` of ``<prefix>/data.pkl``.
         byteorder: ``(offset, size)`` of ``<prefix>/byteorder``, or :obj:`None`.
         storages: The ``<prefix>/data/<key>`` records.
+        crcs: The CRC-32 the directory states for each storage record, by key (only
+            when asked for).
     """
 
     def __init__(self, prefix: str, pickle: tuple[int, int],
-                 byteorder: tuple[int, int] | None, storages: StorageTable) -> None:
+                 byteorder: tuple[int, int] | None, storages: StorageTable,
+                 crcs: dict[str, int] | None = None) -> None:
         self.prefix = prefix
         self.pickle = pickle
         self.byteorder = byteorder
         self.storages = storages
+        self.crcs = crcs
 
 
 def _end_of_directory(view: memoryview) -> tuple[int, int]:
@@ -128,11 +133,14 @@ def _zip64_offset(extra: bytes, sizes_present: int) -> int:
     raise TorchZipError("zip64 entry without its 64-bit offset")
 
 
-def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
+def read_torch_archive(buffer: bytes | bytearray | memoryview, *,
+                       with_crcs: bool = False) -> TorchArchive:
     """Locate the records of a ``torch.save`` zip archive inside its bytes.
 
     Args:
         buffer (bytes | bytearray | memoryview): The whole archive.
+        with_crcs (bool, optional): Also collect the storage records' CRC-32s
+            (:attr:`TorchArchive.crcs`). (default: :obj:`False`)
 
     Returns:
         Where its pickle, byte order record and storages are.
@@ -148,12 +156,13 @@ def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
     pickles: list[tuple[str, tuple[int, int]]] = []
     byteorders: dict[str, tuple[int, int]] = {}
     storage_prefixes: set[str] = set()
+    crcs: dict[str, int] | None = {} if with_crcs else None
     at = directory
     central_unpack, local_unpack = _CENTRAL.unpack_from, _LOCAL.unpack_from
     for _ in range(count):
         if at + _CENTRAL.size > length:
             raise TorchZipError("central directory runs past the end of the archive")
-        (signature, _, _, flags, method, _, _, _, compressed, uncompressed, name_length,
+        (signature, _, _, flags, method, _, _, crc, compressed, uncompressed, name_length,
          extra_length, comment_length, _, _, _, local_at) = central_unpack(view, at)
         if signature != _CENTRAL_SIGNATURE:
             raise TorchZipError(f"damaged central directory entry at byte {at}")
@@ -180,6 +189,8 @@ def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
         head, _, key = name.rpartition("/data/")
         if head and "/" not in key:
             storages.add(key, data_at, uncompressed)
+            if crcs is not None:
+                crcs[key] = crc
             storage_prefixes.add(head)
         elif name.endswith("/data.pkl"):
             pickles.append((name[: -len("/data.pkl")], (data_at, uncompressed)))
@@ -190,13 +201,15 @@ def read_torch_archive(buffer: bytes | bytearray | memoryview) -> TorchArchive:
     prefix, pickle = pickles[0]
     if storage_prefixes - {prefix}:
         raise TorchZipError("storage records of more than one archive")
-    return TorchArchive(prefix, pickle, byteorders.get(prefix), storages)
+    return TorchArchive(prefix, pickle, byteorders.get(prefix), storages, crcs)
 
 
 # ---------------------------------------------------------------- records as they arrive
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 _DESCRIPTOR = struct.Struct("<III")  # crc, compressed size, size (after the signature)
 _DESCRIPTOR64 = struct.Struct("<IQQ")  # the zip64 form
+_LOCAL_CRC_AT = 14  # the CRC-32 field inside a local header
+_CRC = struct.Struct("<I")
 _NEXT_SIGNATURES = (b"PK\x03\x04", b"PK\x01\x02")  # a local header or the directory
 
 
@@ -339,3 +352,36 @@ def find_record_end(buffer: bytes | bytearray | memoryview, record: LocalRecord,
             return size, after
         start = at + 1
     return None
+
+
+def crc_problem(buffer: bytes | bytearray | memoryview, record: LocalRecord,
+                size: int) -> str | None:
+    """Whether a record's data matches the CRC-32 its archive states for it.
+
+    ``torch.save`` stores the CRC-32 of every record (in the data descriptor after the
+    data; in the local header for records whose header states their size), unless it
+    was told not to (``torch.utils.serialization.config.save.compute_crc32 = False``),
+    when the field holds 0.
+
+    Args:
+        buffer (bytes | bytearray | memoryview): The archive's buffer.
+        record (LocalRecord): A record whose end :func:`record_end` or
+            :func:`find_record_end` found.
+        size (int): Its data size.
+
+    Returns:
+        str | None: :obj:`None` when the data matches, else what is wrong: ``"no
+        CRC-32"`` when the archive stores none, or a mismatch naming the record.
+    """
+    if record.size is not None:
+        stated = _CRC.unpack_from(buffer, record.header_at + _LOCAL_CRC_AT)[0]
+    else:
+        stated = _CRC.unpack_from(buffer, record.data_at + size + 4)[0]
+    with memoryview(buffer) as whole, whole.cast("B") as view, \
+            view[record.data_at:record.data_at + size] as data:
+        actual = zlib.crc32(data)
+    if stated == actual:
+        return None
+    if stated == 0:
+        return "no CRC-32"
+    return f"record {record.name} does not match its CRC-32 ({actual:08x}, stored {stated:08x})"

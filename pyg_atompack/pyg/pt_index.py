@@ -38,6 +38,7 @@ import pickle
 import pickletools
 import struct
 import warnings
+import zlib
 from array import array
 from bisect import bisect_left
 from typing import Any
@@ -54,6 +55,7 @@ from .pt_archive import (
     LocalRecord,
     TorchArchive,
     TorchZipError,
+    crc_problem,
     find_record_end,
     read_local_record,
     read_torch_archive,
@@ -873,18 +875,28 @@ class ArrivingPt:
     views of storages shared between samples, anything the in-place indexer declines)
     raise :class:`NotLazyLayout` before any sample is published, and are decoded whole.
 
+    With ``check_crc``, no sample is made ready before every record it is built from
+    (the pickle, the metadata records before it, its storages) matched the CRC-32 the
+    archive stores for it: a record that does not raises :class:`NotLazyLayout` before
+    the samples are published and :class:`~pyg_atompack.pyg.errors.PtPayloadError`
+    after; an archive written without CRC-32s
+    (``torch.utils.serialization.config.save.compute_crc32 = False``) is declined.
+
     Args:
         buffer (bytearray | mmap.mmap): The archive's buffer, of its final size, filled
             from its first byte on. Kept (not copied) as the samples' storage.
+        check_crc (bool, optional): Check every record against its CRC-32 before any
+            sample built from it is made ready. (default: :obj:`False`)
 
     Raises:
         NotLazyLayout: The buffer cannot hold samples built in place.
     """
 
-    def __init__(self, buffer: WritableBuffer) -> None:
+    def __init__(self, buffer: WritableBuffer, check_crc: bool = False) -> None:
         if not is_writable_buffer(buffer):
             raise NotLazyLayout("needs a writable bytearray or memory map")
         self.buffer = buffer
+        self.check_crc = check_crc
         self.samples: ArrivingPtSamples | None = None  # once published
         self._arrived = 0
         self._pickle_record: LocalRecord | None = None
@@ -949,7 +961,7 @@ class ArrivingPt:
         if self.samples is None:
             raise NotLazyLayout("the archive ended before its samples were indexed")
         try:
-            archive = read_torch_archive(self.buffer)
+            archive = read_torch_archive(self.buffer, with_crcs=self.check_crc)
         except TorchZipError as error:
             raise PtPayloadError(f"damaged .pt archive: {error}") from None
         if archive.prefix != self._prefix or archive.pickle != self._pickle:
@@ -971,6 +983,12 @@ class ArrivingPt:
                                      f"than its directory says")
             if record[0] % self._alignment.get(key, 1):
                 raise PtPayloadError(f"damaged .pt archive: storage {key} is misaligned")
+            if self.check_crc and base[key] < 0:  # a record the walk did not reach
+                with memoryview(self.buffer) as whole, whole.cast("B") as view, \
+                        view[record[0]:record[0] + size] as data:
+                    if zlib.crc32(data) != archive.crcs[str(key)]:
+                        raise PtPayloadError(f"damaged .pt archive: storage {key} does not "
+                                             f"match its CRC-32")
             base[key] = record[0]
         self._resolved = len(base)
         self._advance()
@@ -999,6 +1017,10 @@ class ArrivingPt:
             self._scan_from = max(record.data_at, arrived - 32)
             return False
         size, self._at = found
+        if self.check_crc:
+            problem = crc_problem(buffer, record, size)
+            if problem is not None:
+                raise NotLazyLayout(f"the pickle: {problem}")
         self._pickle = (record.data_at, size)
         machine = _ArrivingPickleMachine(buffer, self._pickle)
         try:
@@ -1061,6 +1083,10 @@ class ArrivingPt:
                 if record.data_at % self._alignment.get(key, 1) or self._base[key] >= 0:
                     raise TorchZipError(f"storage record {record.name} misaligned or "
                                         f"repeated")
+                if self.check_crc:
+                    problem = crc_problem(buffer, record, self._sizes[key])
+                    if problem is not None:
+                        raise PtPayloadError(f"damaged .pt archive: {problem}")
                 self._base[key] = record.data_at
                 while self._resolved < len(self._base) and self._base[self._resolved] >= 0:
                     self._resolved += 1
@@ -1075,6 +1101,11 @@ class ArrivingPt:
                         raise TorchZipError(f"record {record.name} has no end")
                     return
                 size, after = found
+                problem = crc_problem(buffer, record, size) if self.check_crc else None
+                if problem is not None:
+                    if self.samples is not None:
+                        raise PtPayloadError(f"damaged .pt archive: {problem}")
+                    raise TorchZipError(problem)
                 if name == "byteorder" and bytes(
                         buffer[record.data_at:record.data_at + size]) != b"little":
                     if self.samples is not None:

@@ -13,15 +13,18 @@ pickle has arrived and each one can be built once its storages have.
 
 The rules (see ``docs/architecture.md``, "The first shard as it arrives"):
 
-* **integrity**: when the listing knows the shard's sha256 and ``verify`` is on, no sample
-  is handed out before the hash is checked, unless the user passes
-  ``verify_before_use=False`` (:func:`streams_as_it_arrives`); with only a size (or
-  ``verify=False``) samples flow as they arrive. A shard that turns out short, damaged
-  or (with the opt-in) of another hash raises :class:`ShardFetchError`,
-  :class:`ShardDecodeError` or :class:`ShardIntegrityError` naming it, at the next
-  sample asked for or, at the latest, when the consumer reaches the shard's end; a sample
-  is built only from records that have all arrived and were checked against the pickle,
-  never from half a record;
+* **integrity** (``verify_before_use``, :func:`streams_as_it_arrives`): by default
+  (``"records"``, with ``verify`` on) a sample is made ready only once every archive
+  record it is built from matched the CRC-32 that ``torch.save`` stores for it, and the
+  whole file is checked against the listing's size and sha256 once it is in; an archive
+  without CRC-32s is hashed whole before its first sample. ``True`` hands out no sample
+  of a shard whose sha256 is listed before that hash is checked (such a shard does not
+  stream); ``False`` checks nothing before use. A shard that turns out short, damaged or
+  of another hash raises :class:`ShardFetchError`, :class:`ShardDecodeError` or
+  :class:`ShardIntegrityError` naming it, at the next sample asked for or, at the
+  latest, when the consumer reaches the shard's end; a sample is built only from
+  records that have all arrived and were checked against the pickle, never from half a
+  record;
 * **shuffle**: samples that have not arrived cannot be drawn, so the shard's order is a
   shuffle buffer of :data:`ARRIVAL_WINDOW` samples over the arrival order
   (:func:`arrival_order`): the same for a given seed and epoch whatever the timing;
@@ -51,7 +54,12 @@ from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
 from pyg_atompack.transport.http import VersionPin
 from pyg_atompack.transport.integrity import bytes_problem
 
-__all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "streams_as_it_arrives"]
+__all__ = ["ARRIVAL_WINDOW", "VERIFY_BEFORE_USE", "ArrivingShard", "arrival_order",
+           "check_verify_before_use", "streams_as_it_arrives"]
+
+#: What ``verify_before_use`` accepts: every archive record against its CRC-32 before
+#: use (the sha256 when the shard is in), the whole file's sha256 before use, nothing.
+VERIFY_BEFORE_USE = ("records", True, False)
 
 #: Samples of the shuffle buffer over an arriving shard: its first sample is drawn from
 #: the first 64 samples to arrive, the ``k``-th from the first ``64 + k``.
@@ -61,8 +69,26 @@ ARRIVAL_WINDOW = 64
 MIN_CHUNK_BYTES = 64 << 10
 
 
+def check_verify_before_use(value: Any) -> bool | str:
+    """``value`` if it is one of :data:`VERIFY_BEFORE_USE`.
+
+    Args:
+        value (Any): A ``verify_before_use`` argument.
+
+    Returns:
+        bool | str: The value.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if not any(value is choice or value == choice and type(value) is type(choice)
+               for choice in VERIFY_BEFORE_USE):
+        raise ValueError(f"verify_before_use must be 'records', True or False, got {value!r}")
+    return value
+
+
 def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
-                          verify_before_use: bool) -> bool:
+                          verify_before_use: bool | str) -> bool:
     """Whether a shard may be handed out as its bytes arrive.
 
     Args:
@@ -70,7 +96,9 @@ def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
             (``read_into(shard, buffer, start, end, cancel)``).
         info (ShardInfo): The listing entry; its size must be known.
         verify (bool): Whether shards are checked against the listing.
-        verify_before_use (bool): Whether a known sha256 is checked before any sample.
+        verify_before_use (bool | str): What is checked before a sample is handed out
+            (:data:`VERIFY_BEFORE_USE`); with :obj:`True` a known sha256 must be checked
+            first.
 
     Returns:
         :obj:`True` when the shard is a ``.pt`` candidate of known size read by range,
@@ -78,7 +106,7 @@ def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
     """
     return (not info.name.endswith(".atp") and bool(info.size)
             and callable(getattr(source, "read_into", None))
-            and not (verify and info.sha256 and verify_before_use))
+            and not (verify and info.sha256 and verify_before_use is True))
 
 
 def arrival_order(count: int, *, shuffle: bool, seed: int, epoch: int,
@@ -163,12 +191,16 @@ class ArrivingShard:
         parts (int): Concurrent range requests.
         cancel (CancelToken): Cancellation of the iteration; stops every request.
         verify (bool): Check the whole file against the listing's size and sha256.
+        check_crc (bool, optional): Make a sample ready only once the archive records
+            it is built from matched their CRC-32s (an archive without them is decoded
+            whole once it is in and checked). (default: :obj:`False`)
         on_done (Callable[[], None], optional): Called once the file is in and checked
             (or the download failed). (default: :obj:`None`)
     """
 
     def __init__(self, source: Any, info: ShardInfo, parts: int, cancel: CancelToken, *,
-                 verify: bool, on_done: Callable[[], None] | None = None) -> None:
+                 verify: bool, check_crc: bool = False,
+                 on_done: Callable[[], None] | None = None) -> None:
         self.info = info
         self.size = int(info.size)
         self.buffer = allocate(self.size)
@@ -181,7 +213,7 @@ class ArrivingShard:
         self._source = source
         self._verify = verify
         self._on_done = on_done
-        self._indexer = ArrivingPt(self.buffer)
+        self._indexer = ArrivingPt(self.buffer, check_crc=check_crc)
         self._condition = threading.Condition(threading.Lock())
         parts = max(1, parts)
         self._chunks = _ranges(self.size, parts)

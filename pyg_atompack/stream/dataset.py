@@ -19,6 +19,7 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
+from pyg_atompack.stream.arriving import check_verify_before_use
 from pyg_atompack.stream.blocks import (
     DEFAULT_BLOCK_BYTES,
     BlockLoader,
@@ -199,9 +200,8 @@ class ShardStreamDataset(IterableDataset):
             arrives, each sample built once its storages are in and checked. Applies
             to a list of ``Data`` of known size from a source that reads byte ranges
             (HTTP(S), the Hub, object stores), with ``prefetch >= 1``,
-            ``lazy_decode`` and ``on_error="raise"``, and, when the listing has the
-            shard's sha256 and ``verify`` is on, only with
-            ``verify_before_use=False``. Its samples cannot be shuffled over the
+            ``lazy_decode`` and ``on_error="raise"``, unless ``verify_before_use=True``
+            asks for a listed sha256 first. Its samples cannot be shuffled over the
             whole shard: with ``shuffle`` they leave through a shuffle buffer of
             :data:`~pyg_atompack.stream.arriving.ARRIVAL_WINDOW` samples over the
             arrival order (the ``k``-th drawn from the first ``64 + k``), the same
@@ -210,13 +210,17 @@ class ShardStreamDataset(IterableDataset):
             :class:`~pyg_atompack.stream.ShardDecodeError` naming it, no later than
             the end of that shard; other layouts are decoded whole.
             (default: :obj:`"first"`)
-        verify_before_use (bool, optional): When the listing knows a shard's sha256 (and
-            ``verify`` is on), hand out none of its samples before the hash is checked.
-            ``False`` lets ``stream_shards`` hand out a shard's samples as they
-            arrive, before the hash of the whole file can be checked; a mismatch
-            then raises :class:`~pyg_atompack.stream.ShardIntegrityError` when the
-            file is in, after some of its samples were handed out.
-            (default: :obj:`True`)
+        verify_before_use (bool | str, optional): What a shard that ``stream_shards``
+            hands out as it arrives is checked against before its samples are used
+            (``verify`` on): ``"records"``, every archive record a sample is built
+            from against the CRC-32 ``torch.save`` stores for it (a shard written
+            without them is hashed whole first), and the whole file against the
+            listing's size and sha256 once it is in; :obj:`True`, the sha256 before
+            any sample (a shard whose listing has one then does not stream);
+            :obj:`False`, nothing before use. A mismatch of the whole file's hash
+            raises :class:`~pyg_atompack.stream.ShardIntegrityError` when the file is
+            in, after some of its samples were handed out, and no later than the end
+            of that shard. (default: :obj:`"records"`)
         read_ahead (int, optional): Samples of each lazily decoded shard being consumed
             that a background thread builds ahead of the consumer
             (:mod:`pyg_atompack.stream.readahead`), so that taking a sample costs the
@@ -241,7 +245,7 @@ class ShardStreamDataset(IterableDataset):
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None,
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool = True):
+                 verify_before_use: bool | str = "records"):
         super().__init__()
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
@@ -250,6 +254,7 @@ class ShardStreamDataset(IterableDataset):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
+        check_verify_before_use(verify_before_use)
         if stream_shards not in STREAM_SHARDS_CHOICES:
             raise ValueError(f"stream_shards must be one of {STREAM_SHARDS_CHOICES}, got "
                              f"{stream_shards!r}")
@@ -439,14 +444,17 @@ class ShardStreamDataset(IterableDataset):
                                                       parts=split if job is first else 1),
                 depth=prefetch, concurrency=concurrency, first_alone=split > 1)
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
-        # one, or all; a download keeps its connection until it ends
+        # one, or all; a download keeps its connection until it ends. "First" is the
+        # epoch's first shard of this slot, not the first left after a resume: whether a
+        # shard arrives decides its sample order, which a resumed epoch must repeat
         every = self.stream_shards == "all" and prefetch > 0
-        arriving = (self.stream_shards != "none" and prefetch > 0 and first is not None
-                    and loader.streams_as_it_arrives(first[1]))
+        opening = first if first is not None and first[0] == 0 else None
+        arriving = (self.stream_shards != "none" and prefetch > 0 and opening is not None
+                    and loader.streams_as_it_arrives(opening[1]))
         return Prefetcher(
             jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
                                                   parts=split if job is first else 1,
-                                                  arriving=every or (arriving and job is first)),
+                                                  arriving=every or (arriving and job is opening)),
             depth=prefetch, concurrency=concurrency, first_alone=split > 1 or arriving,
             settled=_download_ended if arriving or every else None,
         )

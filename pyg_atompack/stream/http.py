@@ -13,12 +13,12 @@ import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import unquote, urljoin, urlsplit
 
-from pyg_atompack.stream.errors import ShardFetchError
+from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import ShardPart, WritableBuffer
-from pyg_atompack.transport.errors import TransportError
+from pyg_atompack.transport.errors import RemoteIntegrityError, TransportError
 from pyg_atompack.transport.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,11 @@ def shard_error(name: str, error: TransportError) -> ShardFetchError:
         error (TransportError): What the transport raised (its message names the redacted URL).
 
     Returns:
-        A :class:`ShardFetchError` with the transport error's ``url`` and ``status``.
+        A :class:`ShardFetchError` with the transport error's ``url`` and ``status``
+        (a :class:`ShardIntegrityError` for bytes that do not match the listing).
     """
-    return ShardFetchError(f"shard {name}: {error}", url=error.url, status=error.status)
+    kind = ShardIntegrityError if isinstance(error, RemoteIntegrityError) else ShardFetchError
+    return kind(f"shard {name}: {error}", url=error.url, status=error.status)
 
 
 def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
@@ -165,7 +167,8 @@ class URLShardSource:
             RangeIgnoredError: The server answered with the whole body.
         """
         try:
-            transport.fill(shard.location, ShardPart(buffer, start, end, on_data=progress),
+            transport.fill(shard.location, ShardPart(buffer, start, end, on_data=progress,
+                                                     file_size=shard.size),
                            policy=self.retry, cancel=cancel, headers=self.headers, pin=pin)
         except TransportError as error:
             raise shard_error(shard.name, error) from error

@@ -96,14 +96,16 @@ class ShardLoader:
         on_error (str): ``"raise"`` or ``"skip"`` (a failed shard becomes an empty one).
         lazy_decode (bool, optional): Index ``.pt`` shards in place
             (:mod:`pyg_atompack.pyg.pt_index`) instead of unpickling them. (default: :obj:`True`)
-        verify_before_use (bool, optional): Never hand out a sample of a shard whose
-            listed sha256 has not been checked (see :meth:`load`'s ``arriving``).
-            (default: :obj:`True`)
+        verify_before_use (bool | str, optional): What an arriving shard's samples are
+            checked against before they are handed out (see :meth:`load`'s
+            ``arriving`` and :mod:`pyg_atompack.stream.arriving`): ``"records"``, each
+            archive record's CRC-32; :obj:`True`, the listed sha256 of the whole file;
+            :obj:`False`, nothing. (default: :obj:`"records"`)
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], *, trusted: bool,
                  verify: bool, on_error: str, lazy_decode: bool = True,
-                 verify_before_use: bool = True):
+                 verify_before_use: bool | str = "records"):
         self.source = source
         self.shards = shards
         self.trusted = trusted
@@ -122,7 +124,7 @@ class ShardLoader:
             :obj:`True` for ``.pt`` candidates of known size from a source that reads
             byte ranges, decoded lazily, with ``on_error="raise"`` (a shard of which
             samples were handed out cannot be skipped any more), and no listed sha256
-            to check first (or ``verify_before_use=False``).
+            to check first (``verify_before_use=True``).
         """
         return (self.lazy_decode and self.on_error == "raise"
                 and streams_as_it_arrives(self.source, self.shards[shard_index],
@@ -203,6 +205,7 @@ class ShardLoader:
                 record.download_finish_s = record.deserialize_finish_s = recorder.now()
 
             shard = ArrivingShard(self.source, info, parts, cancel, verify=self.verify,
+                                  check_crc=self.verify and self.verify_before_use is not False,
                                   on_done=done)
             shard.wait_published()
             if shard.samples is not None and shard.error is None:

@@ -155,11 +155,15 @@ class ShardPart:
         on_data (Callable[[int], None], optional): Called after every chunk written with the
             offset in the shard one past its last byte (bytes ``[start, offset)`` are
             in). (default: :obj:`None`)
+        file_size (int, optional): The size the whole file must have (from its
+            listing); a server that reports another is refused. (default: :obj:`None`)
     """
 
     def __init__(self, buffer: WritableBuffer, start: int, end: int, *, base: int = 0,
-                 on_data: Callable[[int], None] | None = None) -> None:
+                 on_data: Callable[[int], None] | None = None,
+                 file_size: int | None = None) -> None:
         self.buffer = buffer
+        self.file_size = file_size
         self.start = start
         self.end = end
         self.base = base

@@ -307,6 +307,21 @@ def _content_range_start(value: str | None) -> int | None:
     return int(first) if first.isdigit() else None
 
 
+def _check_file_size(url: str, sink: ShardBuffer | ShardPart | FileSink,
+                     headers: Mapping[str, str], status: int) -> None:
+    """Refuse an answer whose ``Content-Range`` total differs from the listed size.
+
+    A file that shrank or grew after it was listed would otherwise end in a range
+    answered short (or HTTP 416), retried as if the connection had dropped.
+    """
+    expected = getattr(sink, "file_size", None)
+    total = (headers.get("Content-Range") or "").rpartition("/")[2]
+    if expected is not None and total.isdigit() and int(total) != expected:
+        raise RemoteIntegrityError(
+            f"{redact_url(url)}: size {int(total)} bytes, expected {expected}; the source "
+            f"may have changed since it was listed", url=redact_url(url), status=status)
+
+
 def response_validator(headers: Mapping[str, str]) -> str | None:
     """What identifies the version of a file a response comes from.
 
@@ -381,6 +396,8 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
     with open_response(url, headers=headers, range_header=range_header, policy=policy,
                        cancel=cancel) as response:
         status = response.status_code
+        if status in (206, 416):
+            _check_file_size(url, sink, response.headers, status)
         if status == 416 and range_header:
             sink.restart(None)  # our partial copy no longer matches the file: start over
             raise TransientError("HTTP 416 on resume; restarting the transfer")
@@ -572,7 +589,8 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
         raise RemoteTooLargeError(f"{redact_url(url)}: {size} bytes cannot be held in memory "
                                   f"({error})", url=redact_url(url)) from error
     bounds = [size * number // parts for number in range(parts + 1)]
-    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1]) for n in range(parts)]
+    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1], file_size=size)
+              for n in range(parts)]
     errors: list[BaseException] = []
     siblings = make_token()
     unregister = cancel.on_cancel(siblings.cancel)

@@ -78,13 +78,15 @@ class HubRequestHandler(BaseHTTPRequestHandler):
 
     def _send(self, record: RecordedRequest, status: int, body: bytes = b"",
               headers: dict[str, str] | None = None, *, content_length: int | None = None) -> None:
+        # recorded before the answer leaves: a client that follows a redirect at once
+        # must not find the log still saying 0 for it
+        record.status = status
         self.send_response(status)
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         length = len(body) if content_length is None else content_length
         self.send_header("Content-Length", str(length))
         self.end_headers()
-        record.status = status
         if self.command != "HEAD" and body:
             self.wfile.write(body)
             record.body_bytes = len(body)
