@@ -581,6 +581,41 @@ def random_access_part(args, scratch: Path, log) -> dict:
     return results
 
 
+def random_access_only(args, meta: dict, log) -> None:
+    """``--random-access``: part 2 alone, into ``results/peers_random_access.md``."""
+    scratch = Path(tempfile.mkdtemp(prefix="peers-ra-"))
+    try:
+        results = random_access_part(args, scratch, log)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta["load_end"] = os.getloadavg()[0].__round__(1)
+    meta["versions"] = versions(None)
+    out = HERE / "results" / "peers_random_access.md"
+    lines = ["# Peers, random access (`benchmarks/peers.py --random-access`)", "",
+             f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
+             f"{meta['load_start']} / {meta['load_end']}; autogroup {meta['autogroup']}. "
+             f"{args.ra_structures} structures of {args.atoms} atoms, batches of {BATCH}, "
+             f"shuffled, full epochs (worker start-up included), {args.pairs} pairs, order "
+             "rotated. Ratios: the named arm's time / the first's, > 1 means the first is "
+             "faster. Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()
+                                               if k in ("torch", "torch_geometric")) + ".",
+             "", "| workers | AtompackLoader vs OnDiskDataset | AtompackLoader vs "
+             "DataLoader(AtompackDataset) | DataLoader(AtompackDataset) vs OnDiskDataset |",
+             "|---|---|---|---|"]
+    for key in ("workers=0", "workers=2"):
+        row = results[key]["ours_vs"]
+        lines.append(f"| {key[-1]} | {fmt(row['ondisk'])} | {fmt(row['atompack_pyg_loader'])} "
+                     f"| {fmt(row['pyg_loader_vs_ondisk'])} |")
+    build = results["build"]
+    lines += ["", f"Store build from the same arrays: `.atp` {build['atp']['seconds']:.2f} s, "
+              f"{build['atp']['bytes']:,} bytes; OnDiskDataset (SQLite) "
+              f"{build['ondisk']['seconds']:.2f} s, {build['ondisk']['bytes']:,} bytes.", ""]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
+                                                   indent=1, default=str), encoding="utf-8")
+    print("\n".join(lines), flush=True)
+
+
 # ------------------------------------------------------------------ part 3
 def worker_arms(base: str, names: dict, compute: float, traces: dict) -> dict:
     def ours_workers(prefetch: int, concurrency: int, key: str, dataset_batches: bool = False):
@@ -1040,6 +1075,9 @@ def main() -> None:
                         help=f"skip the mixed-size set ({MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms)")
     parser.add_argument("--workers-only", action="store_true",
                         help="run part 3 alone (into results/peers_workers.md)")
+    parser.add_argument("--random-access", action="store_true",
+                        help="only part 2 (random access against OnDiskDataset), into "
+                             "results/peers_random_access.md")
     parser.add_argument("--first-shard", action="store_true",
                         help="only the arms the first shard decides (ours with and without "
                              "verify_before_use, WebDataset in-process and in 2 workers) at "
@@ -1061,6 +1099,9 @@ def main() -> None:
             "load_start": os.getloadavg()[0].__round__(1), "autogroup": autogroup()}
     if args.first_shard:
         first_shard_only(args, meta, log)
+        return
+    if args.random_access:
+        random_access_only(args, meta, log)
         return
     ensure_litdata()
     if args.workers_only:

@@ -394,6 +394,24 @@ def test_loader_with_workers_and_distributed_sampler(tmp_path):
     assert sorted(seen) == [float(i) for i in range(45)]
 
 
+def test_batches_from_workers_leave_them_packed_in_one_buffer(tmp_path):
+    """Both loaders' batches cross from a worker as one buffer (pyg.handoff): one
+    shared-memory round trip a batch instead of one per tensor; equal to those made in
+    the main process, where nothing is registered."""
+    from multiprocessing.reduction import ForkingPickler
+
+    dataset = AtompackDataset(_atompack_file(tmp_path / "w.atp", 40))
+    for in_process, in_workers in zip(loaders(dataset, 8), loaders(dataset, 8, num_workers=2),
+                                      strict=True):
+        for mine, theirs in zip(in_workers, in_process, strict=True):
+            assert_batches_equal(mine, theirs)
+            tensors = [value for _, value in mine if isinstance(value, torch.Tensor)]
+            assert len({t.untyped_storage().data_ptr() for t in tensors if t.numel()}) == 1
+            assert len({t.untyped_storage().data_ptr() for t in theirs.to_dict().values()
+                        if isinstance(t, torch.Tensor) and t.numel()}) > 1
+    assert Data not in ForkingPickler._extra_reducers  # the main process pickles as before
+
+
 def test_loader_arguments_are_checked(golden_dir):
     dataset = AtompackDataset(golden_dir / "builtins_none.atp")
     with pytest.raises(ValueError, match="mutually exclusive"):

@@ -12,7 +12,8 @@ from servers.http_server import serve_directory, write_pt_shards
 from torch_geometric.data import Batch, Data, HeteroData
 from torch_geometric.loader import DataLoader
 
-from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset, handoff
+from pyg_atompack.pyg import handoff
+from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset
 from pyg_atompack.stream.splitting import StreamSlot, worker_share
 from pyg_atompack.transport import RetryPolicy
 

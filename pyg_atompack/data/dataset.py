@@ -14,6 +14,7 @@ from torch_geometric.data import Data, Dataset
 
 from pyg_atompack import atp
 from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields, resolve_names
+from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.transport.urls import OBJECT_STORES, url_scheme
 
 __all__ = ["AtompackDataset"]
@@ -349,6 +350,7 @@ class AtompackDataset(Dataset):
         Returns:
             Data: The molecule as a graph without edges.
         """
+        install_in_worker()  # in a DataLoader worker, batches leave packed (pyg.handoff)
         if self._kept is not None:
             idx = int(self._kept[idx])
         data = record_to_data(self.reader[idx], self.fields, self.dtype)

@@ -14,6 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pyg_atompack.data.dataset import AtompackDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
+from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
     ResumableSampler,
     StatefulBatchSampler,
@@ -76,6 +77,7 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return self.__getitems__(positions)
 
     def __getitems__(self, positions: Sequence[int]) -> Batch:
+        install_in_worker()  # in a DataLoader worker, the batch leaves packed (pyg.handoff)
         dataset = self.dataset
         if dataset.transform is not None:
             # A transform works on single Data objects, so build them (each

@@ -25,6 +25,7 @@ from pyg_atompack.memmap_layout import (
     is_memmap_dir,
 )
 from pyg_atompack.pyg import record_to_data, resolve_names
+from pyg_atompack.pyg.handoff import install_in_worker
 
 __all__ = [
     "BUILTIN_SHAPES",
@@ -81,6 +82,7 @@ class MemmapDataset(Dataset):
         return len(self.layout)
 
     def get(self, idx: int) -> Data:
+        install_in_worker()  # in a DataLoader worker, batches leave packed (pyg.handoff)
         values = self.layout.structure(int(idx))
         stress = values.get("stress")
         if stress is not None and stress.shape == (6,):

@@ -19,6 +19,7 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
+from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
 from pyg_atompack.stream.blocks import (
     DEFAULT_BLOCK_BYTES,
@@ -29,7 +30,6 @@ from pyg_atompack.stream.blocks import (
     wants_blocks,
 )
 from pyg_atompack.stream.errors import ShardFetchError
-from pyg_atompack.stream.handoff import install as install_handoff
 from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards

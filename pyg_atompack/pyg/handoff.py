@@ -14,10 +14,12 @@ against 5–12 ms (25–34 ms) for the four tensors of a default-collated dict o
 data, and 3 ms (11 ms) for the same ``Batch`` packed as below. At 20 ms of training per
 batch that hand-off alone made the workers slower than loading in the main process.
 
-Inside a DataLoader worker, :class:`~pyg_atompack.stream.ShardStreamDataset` therefore
-registers :func:`reduce_packed` with ``ForkingPickler`` for ``Data``, ``HeteroData`` and
-their ``Batch`` classes (:func:`install`; this changes only how that worker process
-pickles, never the main process). The object is pickled with its CPU tensors replaced
+Inside a DataLoader worker, :class:`~pyg_atompack.stream.ShardStreamDataset`,
+:class:`~pyg_atompack.data.AtompackDataset` and the batches of
+:class:`~pyg_atompack.data.AtompackLoader` therefore register :func:`reduce_packed`
+with ``ForkingPickler`` for ``Data``, ``HeteroData`` and their ``Batch`` classes
+(:func:`install`, :func:`install_in_worker`; this changes only how that worker
+process pickles, never the main process). The object is pickled with its CPU tensors replaced
 by references into one contiguous buffer holding all their bytes; the buffer travels
 in the pickle itself up to :data:`INLINE_BYTES` (no shared memory, no descriptor, no
 round trip), as one shared-memory tensor above. The main process rebuilds the same
@@ -39,12 +41,22 @@ from typing import Any
 import torch
 from torch_geometric.data import Batch, Data, HeteroData
 
-__all__ = ["INLINE_BYTES", "install", "reduce_packed"]
+__all__ = ["INLINE_BYTES", "install", "install_in_worker", "reduce_packed"]
 
 #: Largest packed buffer sent inside the pickle; bigger ones go as one shared-memory tensor.
 INLINE_BYTES = 4 << 20
 _ALIGN = 64  # every tensor starts on a 64-byte boundary of the buffer
 _installed_in: int | None = None  # pid of the process whose ForkingPickler is set up
+_worker_checked = False  # install_in_worker has looked at this process (reset on fork)
+
+
+def _forget_worker_check() -> None:
+    global _worker_checked
+    _worker_checked = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker_check)
 
 
 class _Unpackable(Exception):
@@ -187,3 +199,21 @@ def install() -> None:
         ForkingPickler.register(data_class, reduce_packed)
         ForkingPickler.register(_batch_class(data_class), reduce_packed)
     _installed_in = os.getpid()
+
+
+def install_in_worker() -> None:
+    """:func:`install` if this process is a DataLoader worker (cheap to call per sample).
+
+    A dataset cannot tell when the DataLoader forks it into a worker, so it calls this
+    on every item it builds: the first call in each process asks
+    :func:`torch.utils.data.get_worker_info`, later ones return at once (a fork resets
+    that, so a worker forked after the main process looked checks again).
+    """
+    global _worker_checked
+    if _worker_checked:
+        return
+    _worker_checked = True
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        install()
