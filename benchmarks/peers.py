@@ -581,6 +581,30 @@ def random_access_part(args, scratch: Path, log) -> dict:
     return results
 
 
+def recorded(meta: dict) -> str:
+    """Close ``meta`` (load at the end, versions) and say when and where a run was made."""
+    meta["load_end"] = os.getloadavg()[0].__round__(1)
+    meta["versions"] = versions(None)
+    return (f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
+            f"{meta['load_start']} / {meta['load_end']}; autogroup {meta['autogroup']}. ")
+
+
+def random_access_lines(random_access: dict) -> list[str]:
+    """The random-access table and the store build figures, as Markdown lines."""
+    lines = ["| workers | AtompackLoader vs OnDiskDataset | AtompackLoader vs "
+             "DataLoader(AtompackDataset) | DataLoader(AtompackDataset) vs OnDiskDataset |",
+             "|---|---|---|---|"]
+    for key in ("workers=0", "workers=2"):
+        row = random_access[key]["ours_vs"]
+        lines.append(f"| {key[-1]} | {fmt(row['ondisk'])} | {fmt(row['atompack_pyg_loader'])} "
+                     f"| {fmt(row['pyg_loader_vs_ondisk'])} |")
+    build = random_access["build"]
+    return lines + ["", f"Store build from the same arrays: `.atp` "
+                        f"{build['atp']['seconds']:.2f} s, {build['atp']['bytes']:,} bytes; "
+                        f"OnDiskDataset (SQLite) {build['ondisk']['seconds']:.2f} s, "
+                        f"{build['ondisk']['bytes']:,} bytes.", ""]
+
+
 def random_access_only(args, meta: dict, log) -> None:
     """``--random-access``: part 2 alone, into ``results/peers_random_access.md``."""
     scratch = Path(tempfile.mkdtemp(prefix="peers-ra-"))
@@ -588,28 +612,15 @@ def random_access_only(args, meta: dict, log) -> None:
         results = random_access_part(args, scratch, log)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    meta["load_end"] = os.getloadavg()[0].__round__(1)
-    meta["versions"] = versions(None)
     out = HERE / "results" / "peers_random_access.md"
     lines = ["# Peers, random access (`benchmarks/peers.py --random-access`)", "",
-             f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
-             f"{meta['load_start']} / {meta['load_end']}; autogroup {meta['autogroup']}. "
-             f"{args.ra_structures} structures of {args.atoms} atoms, batches of {BATCH}, "
+             recorded(meta) + f"{args.ra_structures} structures of {args.atoms} atoms, "
+             f"batches of {BATCH}, "
              f"shuffled, full epochs (worker start-up included), {args.pairs} pairs, order "
              "rotated. Ratios: the named arm's time / the first's, > 1 means the first is "
              "faster. Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()
                                                if k in ("torch", "torch_geometric")) + ".",
-             "", "| workers | AtompackLoader vs OnDiskDataset | AtompackLoader vs "
-             "DataLoader(AtompackDataset) | DataLoader(AtompackDataset) vs OnDiskDataset |",
-             "|---|---|---|---|"]
-    for key in ("workers=0", "workers=2"):
-        row = results[key]["ours_vs"]
-        lines.append(f"| {key[-1]} | {fmt(row['ondisk'])} | {fmt(row['atompack_pyg_loader'])} "
-                     f"| {fmt(row['pyg_loader_vs_ondisk'])} |")
-    build = results["build"]
-    lines += ["", f"Store build from the same arrays: `.atp` {build['atp']['seconds']:.2f} s, "
-              f"{build['atp']['bytes']:,} bytes; OnDiskDataset (SQLite) "
-              f"{build['ondisk']['seconds']:.2f} s, {build['ondisk']['bytes']:,} bytes.", ""]
+             ""] + random_access_lines(results)
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
                                                    indent=1, default=str), encoding="utf-8")
@@ -734,9 +745,10 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
         "",
         f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
         f"{meta['load_start']} / {meta['load_end']}, autogroup nice "
-        f"{meta.get('autogroup', 'unknown')} (the machine was shared by ~7 "
-        "engineers: **rerun on a quiet machine** before quoting absolute figures; ratios "
-        f"are paired, arms interleaved). Versions: "
+        f"{meta.get('autogroup', 'unknown')} ("
+        + ("a loaded machine: **rerun on a quiet one** before quoting absolute figures; "
+           if max(meta["load_start"], meta["load_end"]) > 2 else "")
+        + "ratios are paired, arms interleaved). Versions: "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
         "",
         f"{args.shards} shards x {args.per_shard} structures of {args.atoms} atoms (z, pos, "
@@ -817,18 +829,8 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
     ]
     for name, figures in convert.items():
         lines.append(f"| {name} | {figures['seconds']:.2f} | {figures['bytes']:,} |")
-    lines += ["", "## Random access (PyG training loop, batches of 32, shuffled)", "",
-              "| workers | AtompackLoader vs OnDiskDataset | AtompackLoader vs "
-              "DataLoader(AtompackDataset) | DataLoader(AtompackDataset) vs OnDiskDataset |",
-              "|---|---|---|---|"]
-    for key in ("workers=0", "workers=2"):
-        row = random_access[key]["ours_vs"]
-        lines.append(f"| {key[-1]} | {fmt(row['ondisk'])} | {fmt(row['atompack_pyg_loader'])} "
-                     f"| {fmt(row['pyg_loader_vs_ondisk'])} |")
-    build = random_access["build"]
-    lines += ["", f"Store build from the same arrays: `.atp` {build['atp']['seconds']:.2f} s, "
-              f"{build['atp']['bytes']:,} bytes; OnDiskDataset (SQLite) "
-              f"{build['ondisk']['seconds']:.2f} s, {build['ondisk']['bytes']:,} bytes.", ""]
+    lines += ["", "## Random access (PyG training loop, batches of 32, shuffled)", ""]
+    lines += random_access_lines(random_access)
     lines += workers_lines(workers)
     lines += meta.get("notes", [])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -984,13 +986,10 @@ def first_shard_only(args, meta: dict, log) -> None:
                                "first_batch_s": firsts}
         log(f"D/C={ratio}: " + ", ".join(f"{k} {fmt(v)}" for k, v in summary.items())
             + "; first batch " + ", ".join(f"{k} {v:.3f}" for k, v in firsts.items()))
-    meta["load_end"] = os.getloadavg()[0].__round__(1)
-    meta["versions"] = versions(None)
     out = HERE / "results" / "peers_first_shard.md"
     lines = ["# Peers, the first shard (`benchmarks/peers.py --first-shard`)", "",
-             f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
-             f"{meta['load_start']} / {meta['load_end']}; autogroup {meta['autogroup']}. "
-             f"{args.shards} shards x {args.per_shard} structures of {args.atoms} atoms "
+             recorded(meta) + f"{args.shards} shards x {args.per_shard} structures of "
+             f"{args.atoms} atoms "
              f"(the kept stores built {saved['built']}), {args.pairs} pairs, order "
              f"rotated, consumer {args.compute * 1e3:.0f} ms per batch of {BATCH}. The "
              "manifests list size and sha256 of every shard: `ours_pt` / `ours_w2` run "

@@ -300,32 +300,19 @@ def test_closing_while_the_first_shard_is_arriving_stops_every_download(shards):
         release.set()
 
 
-def test_resume_inside_the_arriving_first_shard(shards):
+@pytest.mark.parametrize("taken", [37, SIZES[0] + 7], ids=["inside", "after"])
+def test_resume_repeats_the_uninterrupted_order(shards, taken):
+    """Resumed inside the arriving first shard, or after it: only the epoch's first shard
+    arrives record by record (its order is a shuffle buffer over arrival), so a resumed
+    epoch whose first shard left is another one must not stream that one, or its order
+    would change."""
     root, names = shards
     _without_hashes(root)
     for server in serve_directory(root):
         whole = _ids(_dataset(server, shuffle=True, seed=1))
         dataset = _dataset(server, shuffle=True, seed=1)
         iterator = iter(dataset)
-        head = [next(iterator) for _ in range(37)]
-        state = dataset.state_dict()
-        iterator.close()
-        again = _dataset(server, shuffle=True, seed=1)
-        again.load_state_dict(state)
-        assert _ids(head) + _ids(again) == whole
-
-
-def test_resume_after_the_arriving_first_shard_repeats_the_uninterrupted_order(shards):
-    """Only the epoch's first shard arrives record by record (its order is a shuffle
-    buffer over arrival); a resumed epoch whose first shard left is another one must not
-    stream that one, or its order would change."""
-    root, names = shards
-    _without_hashes(root)
-    for server in serve_directory(root):
-        whole = _ids(_dataset(server, shuffle=True, seed=1))
-        dataset = _dataset(server, shuffle=True, seed=1)
-        iterator = iter(dataset)
-        head = [next(iterator) for _ in range(SIZES[0] + 7)]  # into the second shard
+        head = [next(iterator) for _ in range(taken)]
         state = dataset.state_dict()
         iterator.close()
         again = _dataset(server, shuffle=True, seed=1)
