@@ -215,3 +215,33 @@ def test_with_crc_a_changed_pickle_or_an_archive_without_crcs_is_declined():
     assert _arriving(bare, len(bare))[1].feed(len(bare)).ready == 4
     with pytest.raises(NotLazyLayout, match="no CRC-32"):
         _crc_arriving(bare)[1].feed(len(bare))
+
+
+def _rewritten_with_sizes_in_headers(raw: bytes) -> bytes:
+    """The same archive written again by Python's zipfile: every local header states
+    its record's size and CRC-32 (no data descriptors, as other zip writers do), the
+    storages still 64-byte aligned (padding in the extra field, as torch pads)."""
+    source = zipfile.ZipFile(io.BytesIO(raw))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            entry = zipfile.ZipInfo(info.filename, date_time=(2020, 1, 1, 0, 0, 0))
+            start = out.tell() + 30 + len(info.filename.encode())
+            pad = -(start + 4) % 64
+            entry.extra = struct.pack("<HH", 0xCAFE, pad) + bytes(pad)
+            target.writestr(entry, data)
+    return out.getvalue()
+
+
+def test_with_crc_records_whose_headers_state_their_size():
+    samples = make_samples(2, 5)
+    raw = bytearray(_rewritten_with_sizes_in_headers(_saved(samples)))
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as archive:
+        assert all(not info.flag_bits & 0x8 for info in archive.infolist())  # no descriptors
+    buffer, checked = _crc_arriving(raw)
+    _assert_equal_samples(checked.complete(), samples)
+    raw[_data_start(raw, 7) + 2] ^= 0x04
+    buffer, checked = _crc_arriving(raw)
+    with pytest.raises(PtPayloadError, match=r"data/7 does not match its CRC-32"):
+        checked.feed(len(raw))
