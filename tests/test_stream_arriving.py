@@ -171,7 +171,7 @@ def test_bytes_changed_in_transit_are_never_handed_out_by_default(shards, hashed
 
         release = _hold_tails(server, root, names)
         iterator = iter(_dataset(server, verify_before_use=False))
-        got = [next(iterator) for _ in range(100)]
+        got = [next(iterator) for _ in range(80)]  # all within the first 3/4 of the file
         assert not release.is_set()
         release.set()
         if hashed:  # the file's hash, once it is in
