@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pyg_atompack import AtompackDataset
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+from pyg_atompack.stream import CancelToken, HTTPSource, ShardStreamDataset
 from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, atp_meta
 from pyg_atompack.transport import http as transport_http
 from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
@@ -163,3 +163,17 @@ def test_the_ranges_of_one_download_come_from_one_version(served):
     fresh = bytearray(size)
     transport_http.fill(url, ShardPart(fresh, 0, size), policy=policy)
     assert bytes(fresh) == (root / NAME).read_bytes()
+
+
+def test_a_file_of_another_size_than_listed_is_refused_at_once(served):
+    """Parts of a file that shrank since it was listed: the Content-Range total says so,
+    and the transfer stops with an integrity error after one request a part instead of
+    retrying the short ranges (and the HTTP 416 beyond the end) as dropped connections."""
+    root, server = served
+    size = (root / NAME).stat().st_size
+    (root / NAME).write_bytes((root / NAME).read_bytes()[: size // 2])
+    policy = RetryPolicy(retries=3, backoff=0.01, timeout=10.0)
+    with pytest.raises(RemoteIntegrityError, match=rf"size {size // 2} bytes, expected {size}"):
+        transport_http.fetch_in_parts(server.url(NAME), size=size, parts=2, policy=policy,
+                                      cancel=CancelToken(), make_token=CancelToken)
+    assert len(server.requests_for(NAME)) <= 2  # no retries
