@@ -39,6 +39,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+from torch.utils.data import get_worker_info
 from torch_geometric.data import Batch, Data, HeteroData
 
 __all__ = ["INLINE_BYTES", "install", "install_in_worker", "reduce_packed"]
@@ -213,7 +214,5 @@ def install_in_worker() -> None:
     if _worker_checked:
         return
     _worker_checked = True
-    from torch.utils.data import get_worker_info
-
     if get_worker_info() is not None:
         install()

@@ -16,7 +16,8 @@ import struct
 import zlib
 from array import array
 
-__all__ = ["StorageTable", "TorchArchive", "TorchZipError", "crc_problem", "read_torch_archive"]
+__all__ = ["StorageTable", "TorchArchive", "TorchZipError", "crc_problem", "data_crc",
+           "read_torch_archive"]
 
 _END = struct.Struct("<IHHHHIIH")  # end of central directory
 _END_SIGNATURE = 0x06054B50
@@ -354,6 +355,23 @@ def find_record_end(buffer: bytes | bytearray | memoryview, record: LocalRecord,
     return None
 
 
+def data_crc(buffer: bytes | bytearray | memoryview, offset: int, size: int) -> int:
+    """The CRC-32 of ``size`` bytes of ``buffer`` from ``offset`` (no copy; no view is
+    left exported on the buffer).
+
+    Args:
+        buffer (bytes | bytearray | memoryview): The archive's buffer.
+        offset (int): Where the bytes start.
+        size (int): How many.
+
+    Returns:
+        int: The CRC-32, as zip archives store it.
+    """
+    with memoryview(buffer) as whole, whole.cast("B") as view, \
+            view[offset:offset + size] as data:
+        return zlib.crc32(data)
+
+
 def crc_problem(buffer: bytes | bytearray | memoryview, record: LocalRecord,
                 size: int) -> str | None:
     """Whether a record's data matches the CRC-32 its archive states for it.
@@ -377,9 +395,7 @@ def crc_problem(buffer: bytes | bytearray | memoryview, record: LocalRecord,
         stated = _CRC.unpack_from(buffer, record.header_at + _LOCAL_CRC_AT)[0]
     else:
         stated = _CRC.unpack_from(buffer, record.data_at + size + 4)[0]
-    with memoryview(buffer) as whole, whole.cast("B") as view, \
-            view[record.data_at:record.data_at + size] as data:
-        actual = zlib.crc32(data)
+    actual = data_crc(buffer, record.data_at, size)
     if stated == actual:
         return None
     if stated == 0:

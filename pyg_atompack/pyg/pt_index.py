@@ -38,7 +38,6 @@ import pickle
 import pickletools
 import struct
 import warnings
-import zlib
 from array import array
 from bisect import bisect_left
 from typing import Any
@@ -56,6 +55,7 @@ from .pt_archive import (
     TorchArchive,
     TorchZipError,
     crc_problem,
+    data_crc,
     find_record_end,
     read_local_record,
     read_torch_archive,
@@ -983,12 +983,11 @@ class ArrivingPt:
                                      f"than its directory says")
             if record[0] % self._alignment.get(key, 1):
                 raise PtPayloadError(f"damaged .pt archive: storage {key} is misaligned")
-            if self.check_crc and base[key] < 0:  # a record the walk did not reach
-                with memoryview(self.buffer) as whole, whole.cast("B") as view, \
-                        view[record[0]:record[0] + size] as data:
-                    if zlib.crc32(data) != archive.crcs[str(key)]:
-                        raise PtPayloadError(f"damaged .pt archive: storage {key} does not "
-                                             f"match its CRC-32")
+            if self.check_crc and base[key] < 0 and \
+                    data_crc(self.buffer, record[0], size) != archive.crcs[str(key)]:
+                # a record the walk did not reach, checked against the directory
+                raise PtPayloadError(f"damaged .pt archive: storage {key} does not match "
+                                     f"its CRC-32")
             base[key] = record[0]
         self._resolved = len(base)
         self._advance()
@@ -1017,10 +1016,7 @@ class ArrivingPt:
             self._scan_from = max(record.data_at, arrived - 32)
             return False
         size, self._at = found
-        if self.check_crc:
-            problem = crc_problem(buffer, record, size)
-            if problem is not None:
-                raise NotLazyLayout(f"the pickle: {problem}")
+        self._check_crc(record, size, "the pickle: ")
         self._pickle = (record.data_at, size)
         machine = _ArrivingPickleMachine(buffer, self._pickle)
         try:
@@ -1083,10 +1079,7 @@ class ArrivingPt:
                 if record.data_at % self._alignment.get(key, 1) or self._base[key] >= 0:
                     raise TorchZipError(f"storage record {record.name} misaligned or "
                                         f"repeated")
-                if self.check_crc:
-                    problem = crc_problem(buffer, record, self._sizes[key])
-                    if problem is not None:
-                        raise PtPayloadError(f"damaged .pt archive: {problem}")
+                self._check_crc(record, self._sizes[key])
                 self._base[key] = record.data_at
                 while self._resolved < len(self._base) and self._base[self._resolved] >= 0:
                     self._resolved += 1
@@ -1101,11 +1094,7 @@ class ArrivingPt:
                         raise TorchZipError(f"record {record.name} has no end")
                     return
                 size, after = found
-                problem = crc_problem(buffer, record, size) if self.check_crc else None
-                if problem is not None:
-                    if self.samples is not None:
-                        raise PtPayloadError(f"damaged .pt archive: {problem}")
-                    raise TorchZipError(problem)
+                self._check_crc(record, size)
                 if name == "byteorder" and bytes(
                         buffer[record.data_at:record.data_at + size]) != b"little":
                     if self.samples is not None:
@@ -1118,6 +1107,18 @@ class ArrivingPt:
 
     def _publish(self) -> None:
         self.samples = self._candidate
+
+    def _check_crc(self, record: LocalRecord, size: int, what: str = "") -> None:
+        """With ``check_crc``, refuse a record whose data does not match its CRC-32: as a
+        layout that does not stream before the samples are published (:meth:`feed`
+        turns the :class:`TorchZipError` into :class:`NotLazyLayout`), as a damaged
+        archive after."""
+        problem = crc_problem(self.buffer, record, size) if self.check_crc else None
+        if problem is None:
+            return
+        if self.samples is not None:
+            raise PtPayloadError(f"damaged .pt archive: {what}{problem}")
+        raise TorchZipError(f"{what}{problem}")
 
     def _advance(self) -> None:
         """Give the samples whose storages have all arrived their real offsets."""

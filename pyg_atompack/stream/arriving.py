@@ -54,12 +54,8 @@ from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
 from pyg_atompack.transport.http import VersionPin
 from pyg_atompack.transport.integrity import bytes_problem
 
-__all__ = ["ARRIVAL_WINDOW", "VERIFY_BEFORE_USE", "ArrivingShard", "arrival_order",
-           "check_verify_before_use", "streams_as_it_arrives"]
-
-#: What ``verify_before_use`` accepts: every archive record against its CRC-32 before
-#: use (the sha256 when the shard is in), the whole file's sha256 before use, nothing.
-VERIFY_BEFORE_USE = ("records", True, False)
+__all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "check_verify_before_use",
+           "streams_as_it_arrives"]
 
 #: Samples of the shuffle buffer over an arriving shard: its first sample is drawn from
 #: the first 64 samples to arrive, the ``k``-th from the first ``64 + k``.
@@ -70,7 +66,9 @@ MIN_CHUNK_BYTES = 64 << 10
 
 
 def check_verify_before_use(value: Any) -> bool | str:
-    """``value`` if it is one of :data:`VERIFY_BEFORE_USE`.
+    """``value`` if it is a ``verify_before_use`` choice: ``"records"`` (every archive
+    record against its CRC-32 before use, the sha256 once the shard is in), :obj:`True`
+    (the whole file's sha256 before use) or :obj:`False` (nothing before use).
 
     Args:
         value (Any): A ``verify_before_use`` argument.
@@ -81,10 +79,9 @@ def check_verify_before_use(value: Any) -> bool | str:
     Raises:
         ValueError: Any other value.
     """
-    if not any(value is choice or value == choice and type(value) is type(choice)
-               for choice in VERIFY_BEFORE_USE):
-        raise ValueError(f"verify_before_use must be 'records', True or False, got {value!r}")
-    return value
+    if value is True or value is False or isinstance(value, str) and value == "records":
+        return value
+    raise ValueError(f"verify_before_use must be 'records', True or False, got {value!r}")
 
 
 def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
@@ -97,7 +94,7 @@ def streams_as_it_arrives(source: Any, info: ShardInfo, *, verify: bool,
         info (ShardInfo): The listing entry; its size must be known.
         verify (bool): Whether shards are checked against the listing.
         verify_before_use (bool | str): What is checked before a sample is handed out
-            (:data:`VERIFY_BEFORE_USE`); with :obj:`True` a known sha256 must be checked
+            (:func:`check_verify_before_use`); with :obj:`True` a known sha256 must be checked
             first.
 
     Returns:
