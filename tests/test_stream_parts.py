@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import time
 
 import pytest
 from servers.http_server import serve_directory, write_pt_shards
@@ -27,18 +26,6 @@ def big_file(tmp_path):
     return tmp_path, data
 
 
-def _settled(server, name):
-    """The server's log for ``name`` once every handler has returned (they finish
-    writing a moment after the client has read the last byte)."""
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        log = server.requests_for(name)
-        if all(entry.finished for entry in log):
-            return log
-        time.sleep(0.01)
-    raise AssertionError(f"requests for {name} still running")
-
-
 def _fetch(server, data, parts, **options):
     return fetch_url_in_parts(server.url("big.bin"), size=len(data), parts=parts,
                               name="big.bin", policy=FAST, cancel=CancelToken(), **options)
@@ -49,7 +36,7 @@ def test_parts_are_concurrent_ranges_assembled_in_one_map(big_file):
     for server in serve_directory(root, bandwidth=400_000):
         body = _fetch(server, data, parts=3)
         assert isinstance(body, mmap.mmap) and body[:] == data
-        log = _settled(server, "big.bin")
+        log = server.requests_for("big.bin")
         assert sorted(entry.range for entry in log) == sorted(
             f"bytes={len(data) * n // 3}-{len(data) * (n + 1) // 3 - 1}" for n in range(3))
         assert all(entry.status == 206 for entry in log)
@@ -108,7 +95,7 @@ def test_dataset_fetches_its_first_shard_in_parts_before_any_other(tmp_path):
                                      prefetch=2, concurrency=3, stream_shards="none")
         ids = [int(sample.sample_id) for sample in dataset]
         assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400)]
-        first = _settled(server, names[0])
+        first = server.requests_for(names[0])
         assert len(first) == 3 and all(entry.range for entry in first)
         others = server.requests_for(names[1]) + server.requests_for(names[2])
         assert [entry.range for entry in others] == [None, None]  # whole, later shards

@@ -173,10 +173,21 @@ class ShardServer(ThreadingHTTPServer):
             queue = self._faults.get(name)
             return queue.popleft() if queue else None
 
-    def requests_for(self, name: str) -> list[LoggedRequest]:
-        """Logged requests whose path is ``/name``."""
-        with self._lock:
-            return [r for r in self.requests if r.path == f"/{name}"]
+    def requests_for(self, name: str, settle_s: float = 5.0) -> list[LoggedRequest]:
+        """Logged requests whose path is ``/name``, once their handlers have returned.
+
+        A handler finishes its bookkeeping (body bytes, status, end time) a moment after
+        the client has read the last byte, so a test that looks right after a transfer
+        waits for that, up to ``settle_s``; a request still in flight by then (held by a
+        test) is returned as it stands.
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            with self._lock:
+                log = [r for r in self.requests if r.path == f"/{name}"]
+            if all(entry.finished for entry in log) or time.monotonic() >= deadline:
+                return log
+            time.sleep(0.01)
 
     def log(self, entry: LoggedRequest) -> None:
         """Append to the request log (thread-safe)."""

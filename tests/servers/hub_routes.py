@@ -88,8 +88,12 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length))
         self.end_headers()
         if self.command != "HEAD" and body:
-            self.wfile.write(body)
-            record.body_bytes = len(body)
+            record.body_bytes = len(body)  # as the status: before the client can read it
+            try:
+                self.wfile.write(body)
+            except OSError:
+                record.body_bytes = 0  # the client hung up: nothing of it is known to arrive
+                raise
 
     def _json(self, record: RecordedRequest, payload, headers: dict[str, str] | None = None):
         self._send(record, 200, json.dumps(payload).encode(),
