@@ -841,25 +841,48 @@ def test_auto_reads_the_index_into_the_page_cache_at_open(golden_dir, random_adv
 def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, random_advice,
                                                                     monkeypatch):
     """While first touches wait for the disk, each asks for its record's pages first;
-    once one is served from memory, the next ones skip the request. Nothing is timed:
+    only after ``FAST_TOUCHES_TO_WARM`` touches in a row served from memory do the
+    next ones skip the request, and one slow touch brings it back. Nothing is timed:
     the clock is replaced."""
-    import itertools
-
     from pyg_atompack.atp import cache, filestate
 
+    warm = cache.FAST_TOUCHES_TO_WARM
     asked = []
     monkeypatch.setattr(filestate.FileState, "prefetch_record",
                         lambda self, offset, length: asked.append((offset, length)))
-    path = _write_small(tmp_path / "same.atp", [4, 4, 4, 4])
-    for step, want in ((1.0, [0, 1, 2, 3]), (0.0, [0, 1])):
-        clock = itertools.count(0.0, step)  # every touch takes ``step`` seconds
-        monkeypatch.setattr(cache, "perf_counter", lambda clock=clock: next(clock))
+    count = warm + 6
+    path = _write_small(tmp_path / "same.atp", [4] * count)
+
+    def clock(durations):
+        """perf_counter for touches taking ``durations`` seconds, one after another."""
+        now, readings = 0.0, []
+        for duration in durations:
+            readings += [now, now + duration]
+            now += duration + 1.0
+        return iter(readings).__next__
+
+    slow, fast = 1.0, 0.0
+    # record 0 is the first of its size (not timed); then one touch per record
+    patterns = {
+        "every touch waits": ([slow] * (count - 1), list(range(count))),
+        "every touch is fast": ([fast] * (count - 1), list(range(warm + 1))),
+        # one hit amid misses changes nothing
+        "a hit amid misses": ([slow, fast, slow] + [slow] * (count - 4), list(range(count))),
+        # warm, then a miss (not asked for): requests again from the next record
+        "a miss after warming": ([fast] * warm + [fast, slow] + [fast] * (count - warm - 3),
+                                 list(range(warm + 1)) + list(range(warm + 3, count))),
+    }
+    for name, (durations, want) in patterns.items():
+        monkeypatch.setattr(cache, "perf_counter", clock(durations))
         asked.clear()
         with atp.open(path) as f:
-            for i in (0, 1, 1, 2, 0, 3, 2):
+            for i in range(count):
+                assert f[i].energy == float(i)
+            for i in range(count):  # checked before: no touch, no request
                 assert f[i].energy == float(i)
             entries = f.index
-        assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in want]
+        assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in want], \
+            name
     asked.clear()
     with atp.open(path, access="mmap") as f:  # the plain map keeps the kernel's read-ahead
         f[0]
@@ -877,21 +900,49 @@ def test_a_new_record_size_asks_for_its_pages_only_while_first_touches_wait(
 
     from pyg_atompack.atp import cache, filestate
 
+    warm = cache.FAST_TOUCHES_TO_WARM
     asked = []
     monkeypatch.setattr(filestate.FileState, "prefetch_record",
                         lambda self, offset, length: asked.append(offset))
-    path = _write_small(tmp_path / "sizes.atp", [4, 4, 5, 6, 6])
+    sizes = [4] * (warm + 1) + [5, 6, 6]
+    path = _write_small(tmp_path / "sizes.atp", sizes)
     with atp.open(path, access="mmap") as f:  # every size parsed once in the process
-        [f[i] for i in range(5)]
-    for step, want in ((1.0, [0, 1, 2, 3, 4]), (0.0, [0, 1])):
+        [f[i] for i in range(len(sizes))]
+    for step, want in ((1.0, list(range(len(sizes)))), (0.0, list(range(warm + 1)))):
         clock = itertools.count(0.0, step)  # every touch takes ``step`` seconds
         monkeypatch.setattr(cache, "perf_counter", lambda clock=clock: next(clock))
         asked.clear()
         with atp.open(path) as f:
-            for i in range(5):
+            for i in range(len(sizes)):
                 assert f[i].energy == float(i)
             offsets = f.index["offset"]
         assert asked == [int(offsets[i]) for i in want]
+
+
+def test_a_size_parsed_for_the_first_time_asks_for_its_pages_once(tmp_path, random_advice,
+                                                                   monkeypatch):
+    """A record of a size no reader has parsed yet goes from the in-place first touch
+    to the full parse without asking for its pages a second time (each request is a
+    system call; a mixed-size file has hundreds of sizes)."""
+    import itertools
+
+    from pyg_atompack.atp import cache, filestate
+
+    asked = []
+    monkeypatch.setattr(filestate.FileState, "prefetch_record",
+                        lambda self, offset, length: asked.append(offset))
+    monkeypatch.setattr(cache, "_PARSED", {})
+    clock = itertools.count(0.0, 1.0)  # every touch waits
+    monkeypatch.setattr(cache, "perf_counter", lambda: next(clock))
+    sizes = [3, 5, 7, 5, 3]
+    path = _write_small(tmp_path / "sizes.atp", sizes)
+    with atp.open(path) as f:
+        f[0]  # the reader's first record (its memo is made on the way)
+        asked.clear()
+        for i in range(1, len(sizes)):
+            assert f[i].energy == float(i)
+        offsets = f.index["offset"]
+    assert asked == [int(offsets[i]) for i in range(1, len(sizes))]
 
 
 def test_fresh_readers_reuse_parsed_layouts_only_after_checking_them(tmp_path, monkeypatch):

@@ -16,8 +16,9 @@ everything ``reader[i]`` and ``read_batch`` remember between calls:
   resolved ``fields=`` selections;
 * ``helper``: the pool task faulting in part of the last first-touch batch
   (:mod:`.prefault`);
-* ``cold``: whether the last first touch of a record waited for the disk, which
-  decides whether the next one asks for its pages first, and ``batch_cold``:
+* ``cold``: how many more first touches of records must find their pages in
+  memory before the next one stops asking for its pages first (0: it does not),
+  and ``batch_cold``:
   whether the last batch gathered from the mapping did, which decides whether the
   next one asks the page cache first (``"auto"``).
 
@@ -57,6 +58,11 @@ MAX_LAYOUTS = 4096
 _COPY_CHECK_LIMIT = 1 << 16
 # memo ids are uint16; 0 means "not checked yet"
 _MAX_MEMO_IDS = 65535
+#: Fast first touches in a row after which ``reader[i]`` stops asking for a record's
+#: pages before touching them (``"auto"``). On a file not in memory a touch now and
+#: then finds its page there; one such hit turning the requests off made the next
+#: records fault page by page (0.1-0.4 disk reads per record more, bench_atp cold).
+FAST_TOUCHES_TO_WARM = 4
 
 
 # Layouts parsed by any reader in this process, by (positions dtype, record format, raw
@@ -104,9 +110,10 @@ class DecodeCache:
         self.structures: StructureMemo | None = None
         self.columns: tuple[np.ndarray, np.ndarray] | None = None
         self.resolved: dict[Any, dict] = {}
-        # whether the last first touch of a record / the last batch gathered from the
-        # mapping waited for the disk ("auto" only)
-        self.cold = True
+        # first touches of records still to find their pages in memory before the
+        # next one stops asking for them (FAST_TOUCHES_TO_WARM); whether the last
+        # batch gathered from the mapping waited for the disk ("auto" only)
+        self.cold = FAST_TOUCHES_TO_WARM
         self.batch_cold = True
         # the pool task faulting in part of the last first-touch batch (prefault.py)
         self.helper: Future | None = None
@@ -314,13 +321,15 @@ def first_touch(st, i: int) -> Molecule | None:
     plan's ``checked`` decoder, and remembered. None when the entry, the layout or
     the structural bytes call for the full parse (:func:`record`).
 
-    Under ``"auto"`` the check is the record's first touch: when the previous first
-    touch had to wait for the disk (slower than a page-cache hit), this one -- also
-    the first record of a size new to the reader -- asks for the record's pages
-    with one ``MADV_WILLNEED`` first
-    (:meth:`FileState.prefetch_record`); when it is fast again (the pages are in
-    memory), the system call is skipped. Timing costs two clock reads; the system
-    call on every first touch cost more than that on data already in memory.
+    Under ``"auto"`` the check is the record's first touch. While first touches
+    wait for the disk (slower than a page-cache hit), each one -- also the first
+    record of a size new to the reader -- asks for the record's pages with one
+    ``MADV_WILLNEED`` first (:meth:`FileState.prefetch_record`): one read for all
+    of them, where touching them would wait for one read per page. Only after
+    :data:`FAST_TOUCHES_TO_WARM` fast touches in a row (the pages are in memory) is
+    the system call skipped, and one slow touch brings it back: a skipped request
+    on a record not in memory costs a disk read per page, an unneeded one ~3 us.
+    Timing costs two clock reads.
 
     Args:
         st (FileState): The open file (its decode cache has views and a memo).
@@ -350,17 +359,21 @@ def first_touch(st, i: int) -> Molecule | None:
     if st.resident is None:
         mol = checked(st.buf, off, st.name, i)
     else:
+        # timed with the request: a read it started can end before the touch begins
+        start = perf_counter()
         if cache.cold:
             st.prefetch_record(off, raw)
-        start = perf_counter()
         mol = checked(st.buf, off, st.name, i)
-        cache.cold = perf_counter() - start > CACHED_READ_SECONDS
+        if perf_counter() - start > CACHED_READ_SECONDS:
+            cache.cold = FAST_TOUCHES_TO_WARM
+        elif cache.cold:
+            cache.cold -= 1
     if mol is not None:
         cache.memo[i] = lid
     return mol
 
 
-def molecule(st: FileState, i: int) -> Molecule:
+def molecule(st: FileState, i: int, touched: bool = False) -> Molecule:
     """Decode record ``i`` (in range), checking it when it was not checked before.
 
     ``reader[i]`` takes a shortcut for records already remembered; this is the
@@ -371,6 +384,9 @@ def molecule(st: FileState, i: int) -> Molecule:
     Args:
         st (FileState): The file state.
         i (int): The record index (in range).
+        touched (bool, optional): Whether :func:`first_touch` was tried on the record
+            already and called for the full parse (a second try would repeat its
+            page request and layout lookup). (default: :obj:`False`)
 
     Returns:
         The molecule.
@@ -386,7 +402,7 @@ def molecule(st: FileState, i: int) -> Molecule:
                 return plan.decode(st.buf, entry(st, i)[0], st.name, i)
             if cache.memo is UNCHECKED:
                 cache.memo_array()
-            mol = first_touch(st, i)
+            mol = None if touched else first_touch(st, i)
             if mol is not None:
                 return mol
             buf, base, layout = record(st, i)

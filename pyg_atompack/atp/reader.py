@@ -210,6 +210,7 @@ class Reader(ReadOnlyReader):
             i = molecule_index(i, st.count, self._name)
         cache = st.cache
         plan = cache.plans[cache.memo[i]]
+        touched = False
         try:
             if plan is not None:
                 # hot path: a record checked before (its committed bytes never change)
@@ -220,11 +221,13 @@ class Reader(ReadOnlyReader):
                 mol = _cache.first_touch(st, i)
                 if mol is not None:
                     return mol
+                touched = True
         except AtpError:
             raise
         except CORRUPT_DATA_ERRORS as exc:  # a string or tensor section that fails
             raise RecordDecodeError(f"{self._name}: record {i}: {exc}") from exc
-        return _cache.molecule(st, i)  # the rest: parsing, compressed and pread files
+        # the rest: parsing, compressed and pread files
+        return _cache.molecule(st, i, touched)
 
     def get(self, i: int) -> Molecule:
         """Decode one molecule; the same as ``reader[i]``.
