@@ -11,7 +11,7 @@ that its peak RSS is its own).
     the 1 GB and the 4 GB file (target ``<= (k + 1) * block_bytes + 20%``), and of
     whole-shard streaming of the 1 GB file for comparison;
 (b) time to first sample on the throttled server, including the (cold) metadata fetch,
-    blocks vs whole-shard (``split_first`` over 4 connections);
+    blocks vs whole-shard (``split_shards`` over 4 connections);
 (c) steady-state samples/s at D/C = 1 (one record's download over one connection takes
     as long as the consumer's compute for it, a sleep per sample) on the 4.69 GB file
     (part ``C``: the first ``--samples-c`` samples; blocks vs the whole shard vs local

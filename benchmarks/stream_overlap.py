@@ -439,10 +439,10 @@ def main() -> None:
         "",
         "Where ours pulls ahead of FoldPipe at D/C <= 1: a one-stage pipeline cannot do "
         "better than D + N*C, because nothing overlaps the first download. Ours fetches "
-        "the first shard over all `concurrency` connections at once as byte ranges "
-        "(`split_first=True`, on by default; shards this small are split in two, parts "
-        "are at least 32 KiB), so with a per-connection bandwidth cap its bound is "
-        "D/c + N*C; the other shards follow once it has arrived.",
+        "each shard over the connections free when its download starts as byte ranges "
+        "(`split_shards=True`, on by default; the first shard takes all `concurrency`, "
+        "parts are at least 32 KiB), so with a per-connection bandwidth cap its bound is "
+        "D/c + N*C.",
         "",
         f"Median wall times and time saved per run are in `{args.out.with_suffix('.json').name}`."
         f" Timeline: `figures/{figure.name}` (blue: download, orange: consume).",

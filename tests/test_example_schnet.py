@@ -244,7 +244,7 @@ def test_paired_benchmark_end_to_end(data_dir, tmp_path):
 
 
 def test_shard_subset_keeps_the_ranged_first_download(tmp_path):
-    """The example's train/eval split of a source still fetches in parts (split_first)."""
+    """The example's train/eval split of a source still fetches in parts (split_shards)."""
     from servers.http_server import serve_directory, write_pt_shards
 
     from pyg_atompack.stream.http import MIN_PART_BYTES

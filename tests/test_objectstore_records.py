@@ -115,7 +115,7 @@ def test_a_connection_cut_mid_block_resumes_that_block(files, proxy, tmp_path):
     source = ObjectStoreSource(f"s3://{BUCKET}/big/",
                                retry=RetryPolicy(retries=3, backoff=0.01))
     dataset = ShardStreamDataset(source, blocks=True, block_bytes=BLOCK, cache_dir=tmp_path,
-                                 prefetch=0, split_first=False)  # metadata read here
+                                 prefetch=0, split_shards=False)  # metadata read here
     proxy.ranges.clear()
     proxy.cut_next(after_bytes=200_000)  # the next connection: the first block's GET
     assert [int(s.energy.item()) for s in dataset] == list(range(2 * RECORDS))

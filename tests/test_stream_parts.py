@@ -1,4 +1,4 @@
-"""The first shard fetched over several connections at once, as byte ranges."""
+"""Shards fetched over several connections at once, as byte ranges."""
 
 from __future__ import annotations
 
@@ -85,24 +85,39 @@ def test_a_part_failing_for_good_names_the_shard(big_file):
             _fetch(server, data, parts=2)
 
 
-def test_dataset_fetches_its_first_shard_in_parts_before_any_other(tmp_path):
+def test_dataset_fetches_each_shard_over_the_connections_free_when_it_starts(tmp_path):
+    """Every shard takes the connections free when its download starts and gives them
+    back when its bytes are in: with a consumer that waits for every shard, shards come
+    one after another in three parts each; ``split_shards=False`` fetches them whole,
+    side by side."""
     names = write_pt_shards(tmp_path, [400, 400, 400], atoms=8)
     assert (tmp_path / names[0]).stat().st_size > 3 * MIN_PART_BYTES
     for server in serve_directory(tmp_path, bandwidth=2_000_000):
-        # whole-shard streaming: the first shard in equal parts (streamed as it arrives,
-        # the default, it comes in growing ranges in file order: test_stream_arriving.py)
+        # whole-shard streaming (streamed as it arrives, the default, the first shard
+        # comes in growing ranges in file order: test_stream_arriving.py)
         dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
                                      prefetch=2, concurrency=3, stream_shards="none")
         ids = [int(sample.sample_id) for sample in dataset]
         assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400)]
-        first = server.requests_for(names[0])
-        assert len(first) == 3 and all(entry.range for entry in first)
-        others = server.requests_for(names[1]) + server.requests_for(names[2])
-        assert [entry.range for entry in others] == [None, None]  # whole, later shards
-        assert min(e.started for e in others) >= max(e.finished for e in first) - 0.05
+        logs = [server.requests_for(name) for name in names]
+        for log in logs:
+            assert len(log) == 3 and all(entry.range for entry in log)
+        for earlier, later in zip(logs, logs[1:]):  # each over all three connections
+            assert min(e.started for e in later) >= max(e.finished for e in earlier) - 0.05
         plain = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                   prefetch=2, concurrency=3, split_first=False,
+                                   prefetch=2, concurrency=3, split_shards=False,
                                    stream_shards="none")
-        before = len(server.requests_for(names[0]))
+        before = [len(log) for log in logs]
         assert len(list(plain)) == 1200
-        assert [e.range for e in server.requests_for(names[0])[before:]] == [None]
+        whole = [server.requests_for(name)[count:] for name, count in zip(names, before)]
+        assert [[e.range for e in log] for log in whole] == [[None]] * 3
+        assert whole[1][0].started < whole[0][0].finished  # side by side
+
+
+def test_the_old_name_of_split_shards_still_works_for_a_release(tmp_path):
+    write_pt_shards(tmp_path, [10], atoms=4)
+    for server in serve_directory(tmp_path):
+        with pytest.warns(DeprecationWarning, match="split_shards"):
+            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+                                         split_first=False)
+        assert dataset.split_shards is False and len(list(dataset)) == 10

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,7 +274,7 @@ class BlockLoader:
         return found
 
     def load(self, position: int, number: int, cancel: CancelToken, recorder: TraceRecorder,
-             parts: int = 1) -> LoadedShard:
+             parts: int = 1, downloaded: Callable[[], None] | None = None) -> LoadedShard:
         """Fetch piece ``position`` with one range request and decode it in place.
 
         Args:
@@ -282,8 +282,10 @@ class BlockLoader:
             number (int): Its block's number (for the trace).
             cancel (CancelToken): Cancellation of the iteration.
             recorder (TraceRecorder): Receives the download / decode times.
-            parts (int, optional): Range requests the block is fetched over at once (the first block
-                of an iteration, which nothing overlaps, uses every connection). (default: :obj:`1`)
+            parts (int, optional): Range requests the block is fetched over at once (the
+                connections the prefetcher leased it). (default: :obj:`1`)
+            downloaded (Callable[[], None], optional): Called once the block's bytes are in,
+                before decoding. (default: :obj:`None`)
 
         Returns:
             The decoded piece (no samples when it failed and ``on_error="skip"``).
@@ -320,7 +322,7 @@ class BlockLoader:
         return traced_load(recorder, position, number, info, name, cancel=cancel,
                            on_error=self.on_error, index=piece.global_first, unit="block",
                            fetch=fetch, prepare=prepare,
-                           decode=lambda image: _decode_atp(image, name))
+                           decode=lambda image: _decode_atp(image, name), downloaded=downloaded)
 
 
 #: Smallest part worth its own connection when a block is fetched in parts.

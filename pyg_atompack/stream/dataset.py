@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -55,7 +56,7 @@ def _distributed_rank_world() -> tuple[int, int]:
 
 
 def _download_ended(shard: LoadedShard) -> None:
-    # the prefetcher starts other downloads once the first shard's has ended
+    # a shard handed out as it arrives gives its connections back once its download ends
     if shard.arriving is not None:
         shard.arriving.wait_done()
 
@@ -158,13 +159,21 @@ class ShardStreamDataset(IterableDataset):
             out, so a consumer holding on to them never pins a whole shard. ``False``
             unpickles every ``.pt`` shard with ``torch.load(weights_only=True)``. Other
             layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
-        split_first (bool, optional): Fetch the first shard of each iteration over ``concurrency``
-            connections at once (byte ranges, for sources with ``fetch_in_parts`` such
-            as :class:`~pyg_atompack.stream.HTTPSource` and
-            :class:`~pyg_atompack.stream.HubSource`), and start the other downloads
-            once it has arrived. Nothing can overlap the first download, and servers
-            often cap the bandwidth of each connection, so this shortens the wait for
-            the first sample up to ``concurrency`` times. (default: :obj:`True`)
+        split_shards (bool, optional): Fetch a shard over several connections at once, as
+            byte ranges (sources with ``fetch_in_parts``, such as
+            :class:`~pyg_atompack.stream.HTTPSource`,
+            :class:`~pyg_atompack.stream.HubSource` and object stores; record blocks
+            always): a download takes every connection of ``concurrency`` that is free
+            when it starts (the first shard of an iteration all of them; parts of at
+            least 32 KiB, 1 MiB for blocks) and gives them back when its bytes are in.
+            Servers often cap each connection's bandwidth: shards then arrive one after
+            another, each up to ``concurrency`` times sooner, at the same total rate, so
+            the first sample comes sooner and a download-bound stream ends with one
+            shard to consume after its last byte instead of ``concurrency``. The cost is
+            more requests per shard (mind request-rate limits with many small shards).
+            :obj:`False`: one connection per shard. (default: :obj:`True`)
+        split_first (bool, optional): Deprecated name of ``split_shards`` (kept for one
+            release, with a :class:`DeprecationWarning`). (default: :obj:`None`)
         rename (Mapping[str, str], optional): Give sample attributes other names, e.g. ``{"forces":
             "force"}``, before ``transform`` and batching (see
             :class:`~pyg_atompack.AtompackDataset`). (default: :obj:`None`)
@@ -240,13 +249,19 @@ class ShardStreamDataset(IterableDataset):
                  on_error: str = "raise", rank: int | None = None,
                  world_size: int | None = None, trace_dir: str | os.PathLike | None = None,
                  trim_memory: bool = True, lazy_decode: bool = True,
-                 split_first: bool = True, rename: Mapping[str, str] | None = None,
+                 split_shards: bool = True, rename: Mapping[str, str] | None = None,
                  names: str | None = None, blocks: bool | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None,
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records"):
+                 verify_before_use: bool | str = "records", split_first: bool | None = None):
         super().__init__()
+        if split_first is not None:
+            warnings.warn("ShardStreamDataset(split_first=) is now split_shards= (every shard "
+                          "is fetched over the connections free when it starts, not only "
+                          "the first)",
+                          DeprecationWarning, stacklevel=2)
+            split_shards = split_first
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
             raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "
@@ -292,7 +307,7 @@ class ShardStreamDataset(IterableDataset):
         self.on_error = on_error
         self.trim_memory = trim_memory
         self.lazy_decode = lazy_decode
-        self.split_first = split_first
+        self.split_shards = split_shards
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.rank = rank
@@ -431,31 +446,39 @@ class ShardStreamDataset(IterableDataset):
                                  verify=self.verify, on_error=self.on_error,
                                  lazy_decode=self.lazy_decode,
                                  verify_before_use=self.verify_before_use)
-        # the first shard has nothing to overlap with: with several connections allowed
-        # it is fetched over all of them at once, as byte ranges, before any other starts
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency, slot)
-        split = concurrency if self.split_first and jobs else 1
-        first = jobs[0] if jobs else None
+        # a download takes every free connection it can use (Prefetcher)
+        split = concurrency if self.split_shards else 1
         if isinstance(plan, BlockPlan):
             return Prefetcher(
-                jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
-                                                      parts=split if job is first else 1),
-                depth=prefetch, concurrency=concurrency, first_alone=split > 1)
+                jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
+                                                             parts=lease.connections,
+                                                             downloaded=lease.release),
+                depth=prefetch, concurrency=concurrency, connections=lambda job: split)
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
-        # one, or all; a download keeps its connection until it ends. "First" is the
+        # one, or all; a download keeps its connections until it ends. "First" is the
         # epoch's first shard of this slot, not the first left after a resume: whether a
         # shard arrives decides its sample order, which a resumed epoch must repeat
         every = self.stream_shards == "all" and prefetch > 0
+        first = jobs[0] if jobs else None
         opening = first if first is not None and first[0] == 0 else None
         arriving = (self.stream_shards != "none" and prefetch > 0 and opening is not None
                     and loader.streams_as_it_arrives(opening[1]))
+        if getattr(self.source, "fetch_in_parts", None) is None:
+            split = 1
+
+        def connections(job: tuple[int, int]) -> int:
+            # a first shard handed out as it arrives downloads alone: nothing else
+            # takes its bandwidth while the consumer waits on its bytes
+            return concurrency if arriving and job is opening else split
+
         return Prefetcher(
-            jobs, lambda job, cancel: loader.load(*job, cancel, recorder,
-                                                  parts=split if job is first else 1,
-                                                  arriving=every or (arriving and job is opening)),
-            depth=prefetch, concurrency=concurrency, first_alone=split > 1 or arriving,
+            jobs, lambda job, cancel, lease: loader.load(
+                *job, cancel, recorder, parts=lease.connections,
+                arriving=every or (arriving and job is opening), downloaded=lease.release),
+            depth=prefetch, concurrency=concurrency, connections=connections,
             settled=_download_ended if arriving or every else None,
         )
 

@@ -177,8 +177,9 @@ class URLShardSource:
                        parts: int) -> WritableBuffer:
         """Download one shard over ``parts`` concurrent range requests.
 
-        Used for the first shard of an iteration, which nothing else can overlap (see
-        :func:`fetch_url_in_parts`). Without a known size it is one plain download.
+        Used for every shard a download can split over free connections (see
+        ``ShardStreamDataset(split_shards=)`` and :func:`fetch_url_in_parts`). Without
+        a known size it is one plain download.
 
         Args:
             shard (ShardInfo): One entry of :meth:`list_shards`.

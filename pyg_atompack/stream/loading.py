@@ -172,7 +172,8 @@ class ShardLoader:
         )
 
     def load(self, position: int, shard_index: int, cancel: CancelToken,
-             recorder: TraceRecorder, parts: int = 1, arriving: bool = False) -> LoadedShard:
+             recorder: TraceRecorder, parts: int = 1, arriving: bool = False,
+             downloaded: Callable[[], None] | None = None) -> LoadedShard:
         """Fetch and decode one shard; the pipeline drops its bytes once it is decoded.
 
         Args:
@@ -187,6 +188,10 @@ class ShardLoader:
                 where :meth:`streams_as_it_arrives` allows it; the samples then carry
                 :attr:`LoadedShard.arriving`. A layout that does not stream is decoded
                 whole once it is in. (default: :obj:`False`)
+            downloaded (Callable[[], None], optional): Called once the shard's bytes are in,
+                before decoding (the prefetcher's :meth:`Lease.release`; not called
+                for a shard returned while arriving, whose download ends later).
+                (default: :obj:`None`)
 
         Returns:
             The decoded shard (no samples when it failed and ``on_error="skip"``).
@@ -231,7 +236,8 @@ class ShardLoader:
             recorder, position, shard_index, info, info.name, cancel=cancel,
             on_error=self.on_error, fetch=fetch, prepare=lambda data: self._prepare(info, data),
             decode=lambda data: decode_shard(data, info.name, trusted=self.trusted,
-                                             lazy=self.lazy_decode))
+                                             lazy=self.lazy_decode),
+            downloaded=downloaded)
 
     def _prepare(self, info: ShardInfo, data: bytes | bytearray) -> bytes | bytearray:
         if is_atp_shard(info.name, data):
@@ -250,7 +256,8 @@ def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInf
                 *, cancel: CancelToken, on_error: str, index: int | None = None,
                 unit: str = "shard",
                 fetch: Callable[[], tuple[Any, int]], prepare: Callable[[Any], Any],
-                decode: Callable[[Any], Sequence[BaseData]]) -> LoadedShard:
+                decode: Callable[[Any], Sequence[BaseData]],
+                downloaded: Callable[[], None] | None = None) -> LoadedShard:
     """Run one prefetch job (fetch, prepare, decode), recording each step in the trace.
 
     The one way a job of the pipeline (a whole shard, or a record block of one) turns
@@ -274,6 +281,9 @@ def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInf
         prepare (Callable[[Any], Any]): Turns the downloaded buffer into what ``decode``
             reads; the download is dropped before decoding starts.
         decode (Callable[[Any], Sequence[BaseData]]): Decodes the prepared bytes.
+        downloaded (Callable[[], None], optional): Called when ``fetch`` has returned (the
+            job's connections are free for the next download while it decodes).
+            (default: :obj:`None`)
 
     Returns:
         LoadedShard: The decoded job (no samples when it failed and
@@ -289,6 +299,8 @@ def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInf
     try:
         data, size = fetch()
         record.download_finish_s = recorder.now()
+        if downloaded is not None:
+            downloaded()
         record.bytes = size
         cancel.raise_if_cancelled()
         data = prepare(data)

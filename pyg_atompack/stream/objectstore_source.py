@@ -151,9 +151,10 @@ class ObjectStoreSource:
                        parts: int) -> WritableBuffer:
         """Download one shard as ``parts`` concurrent ranged requests into one buffer.
 
-        Used for the first shard of an iteration, which nothing else can overlap: stores
-        cap the bandwidth of each connection, so parallel ranges arrive sooner. Each
-        part resumes on its own; one failed part cancels the others.
+        Used for every shard a download can split over free connections
+        (``ShardStreamDataset(split_shards=)``): stores cap the bandwidth of each
+        connection, so parallel ranges arrive sooner. Each part resumes on its own; one
+        failed part cancels the others.
 
         Args:
             shard (ShardInfo): One entry of :meth:`list_shards`.

@@ -17,8 +17,29 @@ THREAD_NAME_PREFIX = "pyg_atompack-prefetch"
 _JOIN_TIMEOUT_S = 2.0
 
 
+class Lease:
+    """The connections a prefetch job may download over, until it gives them back.
+
+    Attributes:
+        connections (int): Connections granted (1 or more): the job fetches over this many
+            concurrent requests.
+    """
+
+    __slots__ = ("connections", "_give_back")
+
+    def __init__(self, connections: int, give_back: Callable[[int], None]) -> None:
+        self.connections = connections
+        self._give_back = give_back
+
+    def release(self) -> None:
+        """Give the connections back (the job's download has ended); idempotent."""
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back(self.connections)
+
+
 class Prefetcher(Generic[JobT, ResultT]):
-    """Run ``load(job, cancel)`` ahead of the consumer, yielding results in job order.
+    """Run ``load(job, cancel, lease)`` ahead of the consumer, yielding results in job order.
 
     With ``depth = k > 0``, up to ``k`` jobs beyond the one being consumed are started or
     finished ahead, on at most ``min(concurrency, k)`` threads. A slot is freed when the
@@ -27,29 +48,43 @@ class Prefetcher(Generic[JobT, ResultT]):
     background: each job is loaded on the consumer's thread when asked for (the
     sequential baseline).
 
+    ``concurrency`` also bounds the connections downloads hold at once. A job starts
+    when a slot and at least one connection are free, and is leased (:class:`Lease`) as
+    many of the free ones as it can use (``connections(job)``). It gives them back when
+    its download ends (:meth:`Lease.release`; at the latest when ``load`` returns),
+    before its decoding, so the next download starts while it decodes. Where servers
+    cap each connection's bandwidth, shards one after another over ``c`` connections
+    each arrive at the same total rate as ``c`` shards side by side, but each ``c``
+    times sooner: a download-bound stream ends with one shard to consume after its
+    last byte instead of ``c``, and the consumer waits once per shard, not ``c``
+    shards at a time (``benchmarks/stream_overlap.py``).
+
     An exception raised by a job is re-raised to the consumer when it reaches that job.
     :meth:`close` cancels in-flight jobs through the shared :class:`CancelToken` (which
     interrupts blocking socket reads) and joins every thread.
 
     Args:
         jobs (Sequence[JobT]): Work items, in delivery order.
-        load (Callable[[JobT, CancelToken], ResultT]): ``load(job, cancel) -> result``; runs on a
-            background thread.
+        load (Callable[[JobT, CancelToken, Lease], ResultT]): ``load(job, cancel, lease) ->
+            result``; runs on a background thread (with ``depth = 0`` on the consumer's,
+            leased ``connections(job)``).
         depth (int): Prefetch depth ``k``.
-        concurrency (int, optional): Maximum jobs running at once. (default: :obj:`1`)
-        first_alone (bool, optional): Start no other job until the first has finished (it uses all
-            ``concurrency`` connections itself, see ``ShardStreamDataset(split_first=)``).
-            (default: :obj:`False`)
+        concurrency (int, optional): Maximum jobs running, and connections held, at once.
+            (default: :obj:`1`)
+        connections (Callable[[JobT], int], optional): The most connections a job can use;
+            :obj:`concurrency` or more makes a job that starts alone the only
+            download until it gives them back. (default: one per job)
         settled (Callable[[ResultT], None], optional): Called on every successful result once
-            the consumer can take it, and waited for before the thread that loaded it
-            takes another job (and, with ``first_alone``, before other jobs start
-            after the first): a result handed over while its download goes on keeps
-            its connections until the download ends. It must not raise.
-            (default: :obj:`None`)
+            the consumer can take it, and waited for before its lease is given back
+            and the thread that loaded it takes another job: a result handed over
+            while its download goes on keeps its connections until the download ends.
+            It must not raise. (default: :obj:`None`)
     """
 
-    def __init__(self, jobs: Sequence[JobT], load: Callable[[JobT, CancelToken], ResultT], *,
-                 depth: int, concurrency: int = 1, first_alone: bool = False,
+    def __init__(self, jobs: Sequence[JobT],
+                 load: Callable[[JobT, CancelToken, Lease], ResultT], *,
+                 depth: int, concurrency: int = 1,
+                 connections: Callable[[JobT], int] | None = None,
                  settled: Callable[[ResultT], None] | None = None):
         if depth < 0 or concurrency < 1:
             raise ValueError(f"need depth >= 0 and concurrency >= 1, got {depth}, {concurrency}")
@@ -61,10 +96,12 @@ class Prefetcher(Generic[JobT, ResultT]):
         self._condition = threading.Condition()
         self._next_job = 0
         self._free_slots = depth
+        self._concurrency = concurrency
+        self._free_connections = concurrency
+        self._connections = connections or (lambda job: 1)
         self._results: dict[int, tuple[bool, object]] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._first_pending = first_alone  # later jobs wait while the first one runs
         self._settled = settled
         if depth > 0:
             for number in range(min(concurrency, depth, len(self.jobs))):
@@ -73,40 +110,47 @@ class Prefetcher(Generic[JobT, ResultT]):
                 self._threads.append(thread)
                 thread.start()
 
-    def _claim(self) -> int | None:
+    def _claim(self) -> tuple[int, Lease] | None:
         with self._condition:
             while not self._closed and self._next_job < len(self.jobs) and (
-                    self._free_slots == 0 or (self._first_pending and self._next_job > 0)):
+                    self._free_slots == 0 or self._free_connections == 0):
                 self._condition.wait()
             if self._closed or self._next_job >= len(self.jobs):
                 return None
-            self._free_slots -= 1
             claimed = self._next_job
+            wanted = min(max(self._connections(self.jobs[claimed]), 1), self._concurrency)
+            granted = min(wanted, self._free_connections)
+            self._free_slots -= 1
+            self._free_connections -= granted
             self._next_job += 1
-            return claimed
+            return claimed, Lease(granted, self._give_back)
+
+    def _give_back(self, connections: int) -> None:
+        with self._condition:
+            self._free_connections += connections
+            self._condition.notify_all()
 
     def _work(self) -> None:
-        while (index := self._claim()) is not None:
+        while (claimed := self._claim()) is not None:
+            index, lease = claimed
             try:
-                outcome = (True, self.load(self.jobs[index], self.cancel))
+                outcome = (True, self.load(self.jobs[index], self.cancel, lease))
             except StreamCancelled:
+                lease.release()
                 return
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 outcome = (False, error)
             settle = self._settled if outcome[0] else None
+            if settle is None:
+                lease.release()
             with self._condition:
-                if index == 0 and settle is None:
-                    self._first_pending = False
                 if self._closed:
                     return
                 self._results[index] = outcome
                 self._condition.notify_all()
             if settle is not None:
                 settle(outcome[1])  # returns when its download ends (or is cancelled)
-                if index == 0:
-                    with self._condition:
-                        self._first_pending = False
-                        self._condition.notify_all()
+                lease.release()
             del outcome, settle  # the consumer's copy must be the only reference once taken
 
     def __iter__(self) -> Iterator[ResultT]:
@@ -116,8 +160,10 @@ class Prefetcher(Generic[JobT, ResultT]):
     def _take(self, index: int) -> ResultT:
         if self.depth == 0:
             started = time.monotonic()
+            job = self.jobs[index]
+            lease = Lease(min(max(self._connections(job), 1), self._concurrency), lambda n: None)
             try:
-                return self.load(self.jobs[index], self.cancel)
+                return self.load(job, self.cancel, lease)
             finally:
                 self.wait_s += time.monotonic() - started
         started = time.monotonic()
