@@ -86,31 +86,33 @@ def test_a_part_failing_for_good_names_the_shard(big_file):
 
 
 def test_dataset_fetches_each_shard_over_the_connections_free_when_it_starts(tmp_path):
-    """Every shard takes the connections free when its download starts and gives them
-    back when its bytes are in: with a consumer that waits for every shard, shards come
-    one after another in three parts each; ``split_shards=False`` fetches them whole,
-    side by side."""
-    names = write_pt_shards(tmp_path, [400, 400, 400], atoms=8)
+    """Every shard takes the connections free when its download starts, one per part,
+    and gives them back when its bytes are in: with a consumer that waits for every
+    shard, shards come one after another in three parts each; a shard too small for
+    parts holds one connection, so the others run beside it; ``split_shards=False``
+    fetches them whole, side by side."""
+    names = write_pt_shards(tmp_path, [400, 400, 400, 20, 20], atoms=8)
     assert (tmp_path / names[0]).stat().st_size > 3 * MIN_PART_BYTES
+    assert (tmp_path / names[3]).stat().st_size < MIN_PART_BYTES
     for server in serve_directory(tmp_path, bandwidth=2_000_000):
-        # whole-shard streaming (streamed as it arrives, the default, the first shard
-        # comes in growing ranges in file order: test_stream_arriving.py)
-        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                     prefetch=2, concurrency=3, stream_shards="none")
-        ids = [int(sample.sample_id) for sample in dataset]
-        assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400)]
-        logs = [server.requests_for(name) for name in names]
-        for log in logs:
+        def stream(server=server, **options):
+            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+                                         prefetch=2, concurrency=3, stream_shards="none",
+                                         **options)
+            before = [len(server.requests_for(name)) for name in names]
+            ids = [int(sample.sample_id) for sample in dataset]
+            assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400),
+                           *range(3000, 3020), *range(4000, 4020)]
+            return [server.requests_for(name)[count:] for name, count in zip(names, before)]
+
+        logs = stream()
+        for log in logs[:3]:
             assert len(log) == 3 and all(entry.range for entry in log)
-        for earlier, later in zip(logs, logs[1:]):  # each over all three connections
+        for earlier, later in zip(logs[:3], logs[1:3]):  # each over all three connections
             assert min(e.started for e in later) >= max(e.finished for e in earlier) - 0.05
-        plain = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                   prefetch=2, concurrency=3, split_shards=False,
-                                   stream_shards="none")
-        before = [len(log) for log in logs]
-        assert len(list(plain)) == 1200
-        whole = [server.requests_for(name)[count:] for name, count in zip(names, before)]
-        assert [[e.range for e in log] for log in whole] == [[None]] * 3
+        assert [[e.range for e in log] for log in logs[3:]] == [[None], [None]]
+        whole = stream(split_shards=False)
+        assert [[e.range for e in log] for log in whole] == [[None]] * 5
         assert whole[1][0].started < whole[0][0].finished  # side by side
 
 

@@ -147,3 +147,29 @@ def test_sequential_loading_leases_what_a_job_can_use():
         lease.connections) or job, depth=0, concurrency=3, connections=lambda job: 5)
     assert list(prefetcher) == [0, 1]
     assert leased == [3, 3]  # capped at concurrency
+
+
+def test_a_shard_is_leased_no_more_connections_than_it_has_parts():
+    """A lease larger than a download's parts would hold connections nobody uses (and
+    keep other shards from starting): one part per MIN_PART_BYTES, at most the budget."""
+    from pyg_atompack.stream.loading import ShardLoader
+    from pyg_atompack.stream.sources import ShardInfo
+    from pyg_atompack.transport.http import MIN_PART_BYTES
+
+    class Ranged:
+        def fetch_in_parts(self, shard, cancel, parts):  # pragma: no cover - not called
+            raise AssertionError
+
+    class Whole:
+        pass
+
+    shards = [ShardInfo("tiny", size=MIN_PART_BYTES - 1), ShardInfo("two", size=2 * MIN_PART_BYTES),
+              ShardInfo("big", size=10 << 20), ShardInfo("unknown")]
+
+    def loader(source):
+        return ShardLoader(source, shards, trusted=False, verify=True, on_error="raise")
+
+    ranged = loader(Ranged())
+    assert [ranged.connections(i, 3) for i in range(4)] == [1, 2, 3, 1]
+    assert ranged.connections(2, 1) == 1
+    assert [loader(Whole()).connections(i, 3) for i in range(4)] == [1] * 4

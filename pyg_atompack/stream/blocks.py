@@ -247,17 +247,32 @@ class BlockLoader:
         on_error (str): ``"raise"`` or ``"skip"``.
         metas_kept (int, optional): Shard metadata kept in memory (most recently used).
             (default: :obj:`4`)
+        block_bytes (int, optional): The plan's block size (what :meth:`connections` splits).
+            (default: :data:`DEFAULT_BLOCK_BYTES`)
     """
 
     def __init__(self, source: Source, shards: Sequence[ShardInfo], plan: BlockPlan, *,
-                 cache_dir: str | Path | None, on_error: str, metas_kept: int = 4):
+                 cache_dir: str | Path | None, on_error: str, metas_kept: int = 4,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
         self.source = source
         self.shards = shards
         self.plan = plan
         self.cache_dir = cache_dir
         self.on_error = check_on_error(on_error)
+        self.block_bytes = block_bytes
         self._metas: OrderedDict[int, tuple[RangeReader, FileMeta]] = OrderedDict()
         self._metas_kept = metas_kept
+
+    def connections(self, budget: int) -> int:
+        """The most connections a block's download can use: one per :data:`MIN_PART_BYTES`.
+
+        Args:
+            budget (int): The connections of this stream (``concurrency``).
+
+        Returns:
+            At most ``budget``, at least 1.
+        """
+        return max(1, min(budget, self.block_bytes // MIN_PART_BYTES))
 
     def _shard(self, number: int) -> tuple[RangeReader, FileMeta]:
         found = self._metas.get(number)

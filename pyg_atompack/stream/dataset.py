@@ -163,9 +163,10 @@ class ShardStreamDataset(IterableDataset):
             byte ranges (sources with ``fetch_in_parts``, such as
             :class:`~pyg_atompack.stream.HTTPSource`,
             :class:`~pyg_atompack.stream.HubSource` and object stores; record blocks
-            always): a download takes every connection of ``concurrency`` that is free
-            when it starts (the first shard of an iteration all of them; parts of at
-            least 32 KiB, 1 MiB for blocks) and gives them back when its bytes are in.
+            always): a download takes the connections of ``concurrency`` that are free
+            when it starts, as many as it has parts (of at least 32 KiB, 1 MiB for
+            blocks; the first shard of an iteration finds them all free), and gives
+            them back when its bytes are in.
             Servers often cap each connection's bandwidth: shards then arrive one after
             another, each up to ``concurrency`` times sooner, at the same total rate, so
             the first sample comes sooner and a download-bound stream ends with one
@@ -440,7 +441,7 @@ class ShardStreamDataset(IterableDataset):
                           jobs: list[tuple[int, int]], recorder: TraceRecorder) -> Prefetcher:
         if isinstance(plan, BlockPlan):
             loader = BlockLoader(self.source, self.shards, plan, cache_dir=self.cache_dir,
-                                 on_error=self.on_error)
+                                 on_error=self.on_error, block_bytes=self.block_bytes)
         else:
             loader = ShardLoader(self.source, self.shards, trusted=self.trusted,
                                  verify=self.verify, on_error=self.on_error,
@@ -449,30 +450,31 @@ class ShardStreamDataset(IterableDataset):
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency, slot)
-        # a download takes every free connection it can use (Prefetcher)
-        split = concurrency if self.split_shards else 1
+        # a download takes the free connections it can use (Prefetcher)
+        budget = concurrency if self.split_shards else 1
+        first = jobs[0] if jobs else None
         if isinstance(plan, BlockPlan):
+            block_parts = loader.connections(budget)
             return Prefetcher(
                 jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
                                                              parts=lease.connections,
                                                              downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: split)
+                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts)
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
         # one, or all; a download keeps its connections until it ends. "First" is the
         # epoch's first shard of this slot, not the first left after a resume: whether a
         # shard arrives decides its sample order, which a resumed epoch must repeat
         every = self.stream_shards == "all" and prefetch > 0
-        first = jobs[0] if jobs else None
         opening = first if first is not None and first[0] == 0 else None
         arriving = (self.stream_shards != "none" and prefetch > 0 and opening is not None
                     and loader.streams_as_it_arrives(opening[1]))
-        if getattr(self.source, "fetch_in_parts", None) is None:
-            split = 1
 
         def connections(job: tuple[int, int]) -> int:
             # a first shard handed out as it arrives downloads alone: nothing else
             # takes its bandwidth while the consumer waits on its bytes
-            return concurrency if arriving and job is opening else split
+            if arriving and job is opening:
+                return concurrency
+            return loader.connections(job[1], budget)
 
         return Prefetcher(
             jobs, lambda job, cancel, lease: loader.load(

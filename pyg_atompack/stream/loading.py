@@ -20,6 +20,7 @@ from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.buffers import RangeIgnoredError
+from pyg_atompack.transport.http import MIN_PART_BYTES
 from pyg_atompack.transport.integrity import bytes_problem
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,23 @@ class ShardLoader:
         self.verify = verify
         self.verify_before_use = verify_before_use
         self.on_error = check_on_error(on_error)
+
+    def connections(self, shard_index: int, budget: int) -> int:
+        """The most connections a download of the shard can use at once: one per part.
+
+        Args:
+            shard_index (int): Index of the shard in the listing.
+            budget (int): The connections of this stream (``concurrency``).
+
+        Returns:
+            One per ``MIN_PART_BYTES`` (32 KiB) of its listed size, at most ``budget``;
+            1 for a source without ``fetch_in_parts`` or a shard of unknown size (one
+            plain download).
+        """
+        size = self.shards[shard_index].size
+        if budget <= 1 or size is None or getattr(self.source, "fetch_in_parts", None) is None:
+            return 1
+        return max(1, min(budget, size // MIN_PART_BYTES))
 
     def streams_as_it_arrives(self, shard_index: int) -> bool:
         """Whether :meth:`load` with ``arriving=True`` may hand out shard samples early.

@@ -18,12 +18,12 @@ from typing import Any
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import WritableBuffer, allocate
+from pyg_atompack.transport.http import MIN_PART_BYTES
 from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
 from pyg_atompack.transport.ranges import ObjectRangeReader
 from pyg_atompack.transport.retry import RetryPolicy
 
 #: Smallest byte range worth its own request when a shard is fetched in parts.
-MIN_PART_BYTES = 32 << 10  # as for HTTP (stream.http.MIN_PART_BYTES)
 
 
 class ObjectStoreSource:
