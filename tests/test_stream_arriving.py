@@ -110,6 +110,24 @@ def test_first_samples_come_before_the_rest_of_the_first_shard_has_arrived(shard
         assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+def test_with_split_shards_off_the_arriving_first_shard_is_one_range_downloaded_alone(
+        shards, monkeypatch):
+    """``split_shards=False``: the first shard streams over one connection (one range),
+    and no other download starts before it has ended; later shards come whole."""
+    root, names = shards
+    _without_hashes(root)
+    monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
+    for server in serve_directory(root, bandwidth=2_000_000):
+        samples = list(_dataset(server, split_shards=False))
+        assert sorted(_ids(samples)) == sorted(_expected())
+        first = server.requests_for(names[0])
+        size = (root / names[0]).stat().st_size
+        assert [entry.range for entry in first] == [f"bytes=0-{size - 1}"]
+        later = [entry for name in names[1:] for entry in server.requests_for(name)]
+        assert [entry.range for entry in later] == [None, None]
+        assert min(entry.started for entry in later) >= first[0].finished - 0.05
+
+
 def test_a_listed_hash_waits_for_the_whole_shard_only_when_asked_for(shards):
     """By default (``"records"``) a hashed shard streams, each record checked against its
     CRC-32; ``True`` hashes it whole before the first sample; ``False`` checks nothing."""

@@ -470,15 +470,16 @@ class ShardStreamDataset(IterableDataset):
                     and loader.streams_as_it_arrives(opening[1]))
 
         def connections(job: tuple[int, int]) -> int:
-            # a first shard handed out as it arrives downloads alone: nothing else
-            # takes its bandwidth while the consumer waits on its bytes
+            # a first shard handed out as it arrives downloads alone (over at most
+            # ``budget`` ranges): nothing else takes its bandwidth while the consumer
+            # waits on its bytes
             if arriving and job is opening:
                 return concurrency
             return loader.connections(job[1], budget)
 
         return Prefetcher(
             jobs, lambda job, cancel, lease: loader.load(
-                *job, cancel, recorder, parts=lease.connections,
+                *job, cancel, recorder, parts=min(lease.connections, budget),
                 arriving=every or (arriving and job is opening), downloaded=lease.release),
             depth=prefetch, concurrency=concurrency, connections=connections,
             settled=_download_ended if arriving or every else None,
