@@ -230,3 +230,40 @@ def test_a_file_too_large_for_memory_is_a_project_error(server):
         fetch_url_in_parts(target.url, size=1 << 62, parts=2, name="part_0.atp", policy=FAST,
                            cancel=CancelToken())
     assert isinstance(caught.value.__cause__, RemoteTooLargeError)
+
+
+def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
+    """Later shards are fetched in parts too (``split_shards``): each range goes through
+    the Hub's resolve (with the token) and its cross-origin 302 to the CDN (without it),
+    from the main process and from two DataLoader workers."""
+    import io
+
+    import torch
+    from servers.http_server import make_samples
+
+    from pyg_atompack.stream import HubSource, ShardStreamDataset
+    from pyg_atompack.transport.http import MIN_PART_BYTES
+
+    files = {}
+    for shard in range(3):
+        buffer = io.BytesIO()
+        torch.save(make_samples(shard, 400, atoms=8), buffer)
+        files[f"s/{shard}.pt"] = buffer.getvalue()
+    assert all(len(data) > 3 * MIN_PART_BYTES for data in files.values())
+    server.commit("org/split", files)
+    expected = sorted(shard * 1000 + i for shard in range(3) for i in range(400))
+    for workers in (0, 2):
+        before = len(server.requests)
+        dataset = ShardStreamDataset(HubSource("org/split", "s", endpoint=server.endpoint,
+                                               retry=FAST),
+                                     prefetch=2, concurrency=4, stream_shards="none")
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
+        assert sorted(int(sample.sample_id) for sample in loader) == expected
+        requests = server.requests[before:]
+        cdn = [r for r in requests if r.origin == "cdn"]
+        # every shard in two ranges or more (a stream's or a worker's share of the
+        # connections), each a resolve on the Hub and a ranged GET on the CDN
+        assert sum(r.status == 206 and "range" in r.headers for r in cdn) >= 2 * len(files)
+        assert all("authorization" not in r.headers for r in cdn)
+        assert all(r.headers.get("authorization") == f"Bearer {TOKEN}"
+                   for r in requests if r.origin == "hub")
