@@ -47,6 +47,7 @@ from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.atp_meta import load_meta
 from pyg_atompack.transport.buffers import allocate
 from pyg_atompack.transport.errors import RemoteIntegrityError
+from pyg_atompack.transport.http import part_count
 from pyg_atompack.transport.ranges import FileRangeReader, RangeReader, URLRangeReader
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class BlockLoader:
         Returns:
             At most ``budget``, at least 1.
         """
-        return max(1, min(budget, self.block_bytes // MIN_PART_BYTES))
+        return part_count(self.block_bytes, budget, MIN_PART_BYTES)
 
     def _shard(self, number: int) -> tuple[RangeReader, FileMeta]:
         found = self._metas.get(number)
@@ -347,7 +348,7 @@ MIN_PART_BYTES = 1 << 20
 def _read_in_parts(reader: RangeReader, start: int, out: memoryview, cancel: CancelToken,
                    parts: int) -> None:
     """``reader.read_into(start, out)`` over up to ``parts`` concurrent range requests."""
-    parts = max(1, min(parts, len(out) // MIN_PART_BYTES))
+    parts = part_count(len(out), parts, MIN_PART_BYTES)
     if parts == 1:
         reader.read_into(start, out, cancel)
         return

@@ -20,7 +20,7 @@ from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.buffers import RangeIgnoredError
-from pyg_atompack.transport.http import MIN_PART_BYTES
+from pyg_atompack.transport.http import part_count
 from pyg_atompack.transport.integrity import bytes_problem
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class ShardLoader:
         size = self.shards[shard_index].size
         if budget <= 1 or size is None or getattr(self.source, "fetch_in_parts", None) is None:
             return 1
-        return max(1, min(budget, size // MIN_PART_BYTES))
+        return part_count(size, budget)  # the ranges fetch_in_parts will open
 
     def streams_as_it_arrives(self, shard_index: int) -> bool:
         """Whether :meth:`load` with ``arriving=True`` may hand out shard samples early.

@@ -18,7 +18,7 @@ from typing import Any
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import WritableBuffer, allocate
-from pyg_atompack.transport.http import MIN_PART_BYTES
+from pyg_atompack.transport.http import part_count
 from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
 from pyg_atompack.transport.ranges import ObjectRangeReader
 from pyg_atompack.transport.retry import RetryPolicy
@@ -160,13 +160,13 @@ class ObjectStoreSource:
             shard (ShardInfo): One entry of :meth:`list_shards`.
             cancel (CancelToken): Aborts every part when cancelled.
             parts (int): Concurrent requests; fewer when parts would be smaller than
-                :data:`MIN_PART_BYTES`.
+                :data:`~pyg_atompack.transport.http.MIN_PART_BYTES`.
 
         Returns:
             The shard's bytes.
         """
         obj = self._object(shard)
-        parts = max(1, min(parts, obj.size // MIN_PART_BYTES))
+        parts = part_count(obj.size, parts)
         if parts == 1:
             return self.fetch(shard, cancel)
         buffer = allocate(obj.size)

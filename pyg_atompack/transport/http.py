@@ -67,13 +67,28 @@ from pyg_atompack.transport.retry import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "Probe", "fetch", "fetch_in_parts",
-           "fetch_range", "fetch_to_file", "open_response", "probe", "request_json",
+           "fetch_range", "fetch_to_file", "open_response", "part_count", "probe", "request_json",
            "response_validator", "VersionPin"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
 #: Smallest byte range worth its own connection when a file is fetched in parts.
 MIN_PART_BYTES = 32 << 10
+
+
+def part_count(size: int, parts: int, min_part: int = MIN_PART_BYTES) -> int:
+    """How many concurrent ranges a body of ``size`` bytes is fetched over.
+
+    Args:
+        size (int): The body's length in bytes.
+        parts (int): The connections allowed.
+        min_part (int, optional): The smallest range worth its own connection.
+            (default: :data:`MIN_PART_BYTES`)
+
+    Returns:
+        ``parts``, fewer when ranges would be smaller than ``min_part``, at least 1.
+    """
+    return max(1, min(parts, size // min_part))
 # headers that authenticate the sender: sent to their own origin only
 _CREDENTIAL_HEADERS = frozenset({"authorization", "cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -580,7 +595,7 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
     Returns:
         The body, in an anonymous memory map.
     """
-    parts = max(1, min(parts, size // MIN_PART_BYTES))
+    parts = part_count(size, parts)
     if parts == 1:
         return fetch(url, policy=policy, cancel=cancel, headers=headers)
     try:
