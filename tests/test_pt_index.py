@@ -11,6 +11,9 @@ import ctypes
 import io
 import mmap
 import os
+import sys
+import threading
+import time
 import tracemalloc
 import zipfile
 
@@ -127,6 +130,70 @@ def test_samples_are_zero_copy_views_with_storages_of_their_own():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     assert torch.equal(sample.pos, samples[17].pos)
 
+
+
+def test_every_kind_of_column_builds_the_tensor_torch_load_gives():
+    """One shard mixing the column kinds a sample is built from: a shape shared by every
+    row (sliced from one typed view of the buffer), shapes that differ, a dtype numpy
+    lacks (bfloat16), 0-d and empty tensors, a column some rows lack."""
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(40):
+        atoms = 1 + i % 5
+        sample = Data(pos=torch.randn(6, 3, generator=generator),  # the same in every row
+                      z=torch.randint(1, 9, (atoms,), generator=generator),  # differs
+                      energy=torch.tensor([float(i)], dtype=torch.float64),
+                      soft=torch.randn(atoms, 2, generator=generator).bfloat16(),
+                      scalar=torch.tensor(i, dtype=torch.int32),  # 0-d
+                      none=torch.zeros(0, 3))  # empty in every row
+        if i % 4:
+            sample.charge = torch.randn(atoms, generator=generator)  # missing in some
+        samples.append(sample)
+    buffer = _saved(samples)
+    decoded = index_pt(buffer)
+    assert isinstance(decoded, LazyPtSamples)
+    _assert_equal_samples(decoded, samples)
+    start, end = _address_range(buffer)
+    for sample in (decoded[0], decoded[17], decoded[39]):
+        for key in ("pos", "z", "energy", "soft", "scalar", "charge"):
+            if key in sample:
+                tensor = sample[key]
+                assert start <= tensor.data_ptr() < end, key  # in place, not copied
+                assert tensor.untyped_storage().nbytes() == (
+                    tensor.numel() * tensor.element_size()), key  # just this tensor
+
+
+def test_indexing_a_shard_lets_a_waiting_thread_have_the_gil():
+    """The prefetch thread indexes shards while the consumer sleeps through its steps:
+    a consumer waking up must not wait for the whole index to finish. With a switch
+    interval of one second, CPython would only take the GIL from a thread that never
+    lets go of it after a second; the machine lets go every ``YIELD_AFTER_S``."""
+    buffer = _saved(make_samples(0, 4000, atoms=4))
+    finished = {}
+
+    def index_in_background():
+        started = time.perf_counter()
+        finished["samples"] = len(index_pt(buffer))
+        finished["seconds"] = time.perf_counter() - started
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        worker = threading.Thread(target=index_in_background)
+        longest, steps = 0.0, 0
+        before = time.perf_counter()
+        worker.start()
+        while worker.is_alive():
+            time.sleep(0.001)  # a consumer's step that leaves the GIL free
+            now = time.perf_counter()
+            longest, steps, before = max(longest, now - before), steps + 1, now
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert finished["samples"] == 4000
+    assert finished["seconds"] > 0.05  # long enough for a stall to show
+    # the consumer kept stepping while the shard was indexed, never held up for long
+    assert steps >= 10 and longest < finished["seconds"] / 4, (steps, longest, finished)
 
 def test_zip64_archives_with_more_than_65535_records():
     # 16,400 samples x 4 tensors: the entry count needs the zip64 end record

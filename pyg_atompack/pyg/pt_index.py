@@ -37,6 +37,7 @@ import math
 import pickle
 import pickletools
 import struct
+import time
 import warnings
 from array import array
 from bisect import bisect_left
@@ -271,6 +272,15 @@ TUPLE, TUPLE1, TUPLE2, TUPLE3 = (
     pickle.TUPLE[0], pickle.TUPLE1[0], pickle.TUPLE2[0], pickle.TUPLE3[0])
 
 
+#: Longest stretch, in seconds, the machine runs before it lets other threads have the
+#: GIL. A thread that waits for the GIL only asks the holder to let go after
+#: ``sys.getswitchinterval()`` (5 ms): a consumer waking from a GPU step or a sleep would
+#: otherwise wait up to that long for every shard indexed behind it, measured as 4% of
+#: the wall time of a stream of FoldPipe-style shards at D/C = 0.5
+#: (``benchmarks/stream_overlap.py``).
+YIELD_AFTER_S = 200e-6
+
+
 class _ShardPickleMachine:
     """Runs a ``torch.save`` pickle of ``Data`` objects into per-attribute columns.
 
@@ -302,6 +312,7 @@ class _ShardPickleMachine:
         self.marks: list[int] = []
         self.memo = _Memo()
         self.geometries: dict[tuple, tuple[int, bool]] = {}  # see _geometry
+        self.yielded_at = time.perf_counter()
 
     def run(self) -> Any:  # noqa: C901 - one flat dispatch loop, kept flat for speed
         """Execute the pickle.
@@ -527,6 +538,10 @@ class _ShardPickleMachine:
         elif type(target) is _Sample:
             self._finish_sample(target, state)
             self.memo.forget_sample()
+            now = time.perf_counter()
+            if now - self.yielded_at > YIELD_AFTER_S:
+                time.sleep(0)  # gives the GIL to a thread waiting for it (YIELD_AFTER_S)
+                self.yielded_at = time.perf_counter()
         else:
             raise NotLazyLayout("state for an unknown object")
 
@@ -630,6 +645,20 @@ class _BufferTensors:
     def __init__(self, buffer: WritableBuffer) -> None:
         self.buffer = buffer
         self.bytes = np.frombuffer(buffer, dtype=np.uint8) if len(buffer) else None
+        self._typed: dict[np.dtype, np.ndarray] = {}
+
+    def typed(self, numpy_dtype: np.dtype) -> np.ndarray | None:
+        """The whole buffer as an array of ``numpy_dtype`` (:obj:`None` if empty).
+
+        Slicing it by element skips the per-tensor ``view`` of a byte slice (~2 us a
+        tensor instead of ~3 us); the caller keeps to aligned offsets.
+        """
+        view = self._typed.get(numpy_dtype)
+        if view is None and self.bytes is not None:
+            count = len(self.bytes) // numpy_dtype.itemsize
+            view = self._typed[numpy_dtype] = np.frombuffer(self.buffer, numpy_dtype,
+                                                            count=count)
+        return view
 
     def tensor(self, dtype: torch.dtype, numpy_dtype: np.dtype | None, offset: int,
                shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
@@ -637,7 +666,7 @@ class _BufferTensors:
             count = math.prod(shape)
             if not count:
                 return torch.empty(shape, dtype=dtype)
-            if numpy_dtype is not None:  # the faster route (~1 us against ~2 us)
+            if numpy_dtype is not None:  # the faster route (~3 us against ~3.5 us)
                 view = self.bytes[offset:offset + count * dtype.itemsize].view(numpy_dtype)
                 return torch.from_numpy(view.reshape(shape))
             return torch.frombuffer(self.buffer, dtype=dtype, count=count,
@@ -649,6 +678,17 @@ class _BufferTensors:
     def of(self, ref: _TensorRef) -> torch.Tensor:
         offset, dtype, shape, stride = ref
         return self.tensor(dtype, _numpy_dtype(dtype), offset, shape, stride)
+
+
+def _uniform_shape(shapes: array, ndim: int) -> tuple[int, ...] | None:
+    """The shape every row of a column has, or :obj:`None` if rows differ (or none)."""
+    rows = len(shapes) // ndim if ndim else 0
+    if not rows:
+        return None if ndim else ()
+    first = shapes[:ndim]
+    if 0 in first or first * rows != shapes:  # 0 also stands in for a missing row
+        return None
+    return tuple(first)
 
 
 class LazyPtSamples(BufferViewSamples):
@@ -671,25 +711,47 @@ class LazyPtSamples(BufferViewSamples):
                  object_columns: dict[str, list], length: int) -> None:
         super().__init__(length)
         self._views = _BufferTensors(buffer)
-        self._tensors = [(key, dtype, _numpy_dtype(dtype), offsets, shapes, strides, ndim)
-                         for key, (dtype, offsets, shapes, strides, ndim)
-                         in tensor_columns.items()]
+        self._tensors = []
+        for key, (dtype, offsets, shapes, strides, ndim) in tensor_columns.items():
+            numpy_dtype = _numpy_dtype(dtype)
+            # a column of contiguous rows numpy can type is sliced from one typed view
+            # of the buffer; the same shape in every row (per-molecule labels always,
+            # fixed-size molecules often) is kept once, not read back for every row
+            typed = (self._views.typed(numpy_dtype)
+                     if numpy_dtype is not None and strides is None else None)
+            self._tensors.append((key, dtype, numpy_dtype, offsets, shapes, strides, ndim,
+                                  typed, dtype.itemsize, _uniform_shape(shapes, ndim)))
         self._objects = object_columns
 
     def _build(self, index: int) -> Data:
         mapping = {}
-        tensor = self._views.tensor
-        for key, dtype, numpy_dtype, offsets, shapes, strides, ndim in self._tensors:
+        from_numpy = torch.from_numpy
+        for (key, dtype, numpy_dtype, offsets, shapes, strides, ndim, typed, itemsize,
+             shape) in self._tensors:
             offset = offsets[index]
-            if offset >= 0:
-                cut = slice(index * ndim, (index + 1) * ndim)
-                shape = tuple(shapes[cut])
-                stride = None
-                if strides is not None:
-                    stride = tuple(strides[cut])
-                    if stride == _contiguous_strides(shape):
-                        stride = None
-                mapping[key] = tensor(dtype, numpy_dtype, offset, shape, stride)
+            if offset < 0:
+                continue
+            if shape is None:
+                shape = tuple(shapes[index * ndim:(index + 1) * ndim])
+            if typed is not None:
+                start, misaligned = divmod(offset, itemsize)
+                if not misaligned:
+                    if ndim == 1:
+                        if shape[0]:
+                            mapping[key] = from_numpy(typed[start:start + shape[0]])
+                            continue
+                    else:
+                        count = math.prod(shape)
+                        if count:
+                            mapping[key] = from_numpy(typed[start:start + count]
+                                                      .reshape(shape))
+                            continue
+            stride = None
+            if strides is not None:
+                stride = tuple(strides[index * ndim:(index + 1) * ndim])
+                if stride == _contiguous_strides(shape):
+                    stride = None
+            mapping[key] = self._views.tensor(dtype, numpy_dtype, offset, shape, stride)
         for key, column in self._objects.items():
             value = column[index]
             if value is not _MISSING:
