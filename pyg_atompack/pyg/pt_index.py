@@ -37,6 +37,7 @@ import math
 import pickle
 import pickletools
 import struct
+import threading
 import time
 import warnings
 from array import array
@@ -277,7 +278,9 @@ TUPLE, TUPLE1, TUPLE2, TUPLE3 = (
 #: ``sys.getswitchinterval()`` (5 ms): a consumer waking from a GPU step or a sleep would
 #: otherwise wait up to that long for every shard indexed behind it, measured as 4% of
 #: the wall time of a stream of FoldPipe-style shards at D/C = 0.5
-#: (``benchmarks/stream_overlap.py``).
+#: (``benchmarks/stream_overlap.py``). Only a machine off the main thread yields:
+#: ``time.sleep(0)`` sleeps for the timer slack (~58 us here), which a converter or a
+#: consumer indexing on its own thread would pay for nothing.
 YIELD_AFTER_S = 200e-6
 
 
@@ -313,6 +316,7 @@ class _ShardPickleMachine:
         self.memo = _Memo()
         self.geometries: dict[tuple, tuple[int, bool]] = {}  # see _geometry
         self.yielded_at = time.perf_counter()
+        self.yields = threading.current_thread() is not threading.main_thread()
 
     def run(self) -> Any:  # noqa: C901 - one flat dispatch loop, kept flat for speed
         """Execute the pickle.
@@ -538,8 +542,7 @@ class _ShardPickleMachine:
         elif type(target) is _Sample:
             self._finish_sample(target, state)
             self.memo.forget_sample()
-            now = time.perf_counter()
-            if now - self.yielded_at > YIELD_AFTER_S:
+            if self.yields and time.perf_counter() - self.yielded_at > YIELD_AFTER_S:
                 time.sleep(0)  # gives the GIL to a thread waiting for it (YIELD_AFTER_S)
                 self.yielded_at = time.perf_counter()
         else:
