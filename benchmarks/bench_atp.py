@@ -12,7 +12,8 @@ by atompack-db once and cached under ``benchmarks/_work/`` (``regimes.build_file
 In each of three page-cache regimes (hot, first touch, cold; defined and verified
 in ``benchmarks/regimes.py``) every ``--access`` mode of ours and atompack-db read
 the same random indices per round, in alternating order, and the medians of the
-rounds are compared:
+rounds are compared; a fourth, *epoch* (a fresh reader reads every record once,
+shuffled, file in the page cache), compares the default access mode only:
 
 * per-record: our ``f[i]`` versus atompack-db ``db[i]``, touching positions,
   atomic_numbers, energy, forces, cell and pbc;
@@ -213,6 +214,7 @@ REAL_TARGETS = {("per-record", "hot"): 1.0, ("per-record", "first"): 1.0,
                 **{(f"read_batch({b})", r): 1.2 for b in BATCH_SIZES for r in ("hot", "first")},
                 **{(f"read_batch({b})", "cold"): 1.7 for b in BATCH_SIZES}}
 LIMIT_TARGET = 0.8  # cold per-record reads as a share of the machine's random-read limit
+EPOCH_ACCESS = "auto"  # the epoch regime (a whole pass: seconds a run) runs the default only
 
 
 def _per_record(handle, indices: list[int]) -> int:
@@ -302,7 +304,9 @@ def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
     limit = float("nan")
     operations = {"per-record": (_per_record, _touch_each)}
     operations.update({f"read_batch({b})": _batches_of(b) for b in BATCH_SIZES})
-    for regime in REGIMES:
+    for regime in (*REGIMES[:2], regimes.EPOCH, *REGIMES[2:]):
+        if regime == regimes.EPOCH and EPOCH_ACCESS not in accesses:
+            continue
         if regime == "cold":
             regimes.evict(path)
             print(f"[{label}] resident after eviction: {regimes.resident_fraction(path):.3f}",
@@ -310,13 +314,14 @@ def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
         for operation, (run, touch) in operations.items():
             arms = {f"ours {access}": regimes.Arm(
                         lambda access=access: atp.open(path, access=access), run, touch)
-                    for access in accesses}
+                    for access in (accesses if regime != regimes.EPOCH else [EPOCH_ACCESS])}
             arms["atompack-db"] = regimes.Arm(lambda: atompack.Database.open(str(path)), run,
                                               touch, close=lambda h: None)
             if regime == "cold" and operation == "per-record":
                 arms["plain os.pread"] = regimes.Arm(lambda: _PlainReads(path),
                                                      lambda h, work: h.run(work))
-            works = [rng.integers(0, count, records[regime]).tolist() for _ in range(rounds)]
+            works = [rng.permutation(count).tolist() if regime == regimes.EPOCH else
+                     rng.integers(0, count, records[regime]).tolist() for _ in range(rounds)]
             rates = regimes.paired(arms, regime, path, works)
             reference, reference_cpu = rates.pop("atompack-db")
             if "plain os.pread" in rates:
@@ -399,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="3 rounds and fewer records per run (about a third of the time)")
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "atp.md")
+    parser.add_argument("--figure", type=Path,
+                        default=Path(__file__).resolve().parent / "figures" / "atp_regimes.png",
+                        help="bar chart of the default access mode by regime")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     scale = 2 if args.quick else 1
@@ -469,10 +477,13 @@ def main(argv: list[str] | None = None) -> int:
              "random values) and cached under `benchmarks/_work/`. Regimes (see "
              "`benchmarks/regimes.py`): **hot** = one reader per arm, every record read "
              "through it first; **first** = file in the page cache, a fresh reader per run "
-             "(first touch of every page through that reader); **cold** = readers closed and "
+             "(first touch of every page through that reader); **epoch** = the same, but a "
+             "run reads every record of the file once in a shuffled order (a whole first "
+             "epoch; default access only); **cold** = readers closed and "
              "the file evicted with `posix_fadvise(DONTNEED)` before each run (checked with "
              "`mincore`). Per round every arm reads the same random indices "
-             f"({records['hot']:,} records hot / first, {records['cold']:,} cold), the arm "
+             f"({records['hot']:,} records hot / first, all of them epoch, "
+             f"{records['cold']:,} cold), the arm "
              f"order reverses every round; figures are medians of {rounds} rounds, "
              "records per wall-clock second; *ratio* is ours ÷ atompack-db by wall clock, "
              "*CPU ratio* the same by the process's CPU time (hot and first touch; the "
@@ -529,7 +540,53 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.output}")
+    if real_rows and f"ours {EPOCH_ACCESS}" in {row[3] for row in real_rows}:
+        draw(real_rows, f"ours {EPOCH_ACCESS}", args.figure)
+        print(f"wrote {args.figure}")
     return 0
+
+
+def draw(rows: list[tuple], arm: str, path: Path) -> None:
+    """Ours ÷ atompack-db of one access mode, by file, regime and operation (log scale).
+
+    Args:
+        rows (list[tuple]): The rows of :func:`real_size_rows`.
+        arm (str): The arm to draw (e.g. ``"ours auto"``).
+        path (Path): The PNG to write.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: skipping the figure")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [label for label in SIZES if any(row[0] == label for row in rows)]
+    regimes_drawn = [r for r in ("hot", "first", regimes.EPOCH, "cold")
+                     if any(row[1] == r for row in rows)]
+    operations = ["per-record", *(f"read_batch({b})" for b in BATCH_SIZES)]
+    ratio = {(row[0], row[1], row[2]): row[4] / row[5] for row in rows if row[3] == arm}
+    figure, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.4),
+                                sharey=True, squeeze=False)
+    width = 0.8 / len(operations)
+    for axis, label in zip(axes[0], labels):
+        for k, operation in enumerate(operations):
+            values = [ratio.get((label, r, operation), np.nan) for r in regimes_drawn]
+            axis.bar(np.arange(len(regimes_drawn)) + k * width, values, width,
+                     label=operation)
+        axis.axhline(1.0, color="k", lw=0.8)
+        axis.set_yscale("log")
+        axis.set_xticks(np.arange(len(regimes_drawn)) + width * (len(operations) - 1) / 2)
+        axis.set_xticklabels(regimes_drawn)
+        axis.set_title(f"{label} file", fontsize=9)
+    axes[0][0].set_ylabel(f"{arm} ÷ atompack-db (> 1: ours faster)")
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle("Reads by page-cache regime, wall clock", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def _reference_rate(rows: list[tuple], label: str) -> float:

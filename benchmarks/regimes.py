@@ -13,6 +13,13 @@ Three cache regimes, applied before every timed run of every arm:
   before the regime), but each run opens a fresh reader, so each record is the
   first touch of its page through that reader's mapping (page faults, page-table
   set-up, per-reader memos): the first epoch of a data set that fits in RAM.
+* ``epoch``: as ``first`` (file in the page cache, a fresh reader per run), but a
+  run reads *every* record once, in a shuffled order: a whole first epoch. A short
+  ``first`` run touches under 1% of a 1 GB file, so nearly every record it reads
+  pays a whole page fault (the kernel maps 16 pages around it; the run uses one or
+  two of them) and a fresh reader's per-size set-up is shared by a few records
+  only; over an epoch both are spread over every record. ``bench_atp.py`` runs it
+  for the default access mode only (a run takes seconds).
 * ``cold``: every reader is closed (a mapped page cannot be dropped) and the file
   is evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each run, so reads
   go to the disk: a data set larger than RAM. :func:`resident_fraction` (``mincore``
@@ -44,6 +51,7 @@ import numpy as np
 
 WORK = Path(__file__).resolve().parent / "_work"
 REGIMES = ("hot", "first", "cold")
+EPOCH = "epoch"  # a whole shuffled pass of a fresh reader (bench_atp.py)
 SIZES = {  # name -> (file stem, molecules, atoms per molecule or None for 10-300)
     "20k": ("ref64_20k", 20_000, 64),
     "640k": ("ref64_640k", 640_000, 64),
@@ -171,7 +179,7 @@ def paired(arms: dict[str, Arm], regime: str, path: Path,
 
     Args:
         arms: name -> arm.
-        regime: ``"hot"``, ``"first"`` or ``"cold"``.
+        regime: ``"hot"``, ``"first"``, ``"epoch"`` or ``"cold"``.
         path: the file (evicted before each cold run).
         works: one work item per round (e.g. an index list), the same for every arm.
 
@@ -190,7 +198,7 @@ def paired(arms: dict[str, Arm], regime: str, path: Path,
         for name in names:
             handles[name] = arms[name].open()
             arms[name].touch(handles[name])
-    elif regime == "first":
+    elif regime in ("first", EPOCH):
         warm(path)
     for number, work in enumerate(works):
         order = names if number % 2 == 0 else names[::-1]

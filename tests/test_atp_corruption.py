@@ -399,6 +399,95 @@ def test_record_decode_failure_names_the_record(valid_file, tmp_path, victim):
                 assert re.search(rf"\b{victim}\b", message), f"record index missing: {message}"
 
 
+@pytest.mark.parametrize("where", ["wraps around 2**64", "one byte past the end",
+                                   "below the data region"])
+def test_an_index_entry_outside_the_file_names_the_record(valid_file, tmp_path, where):
+    # a batch checks its entries with unsigned 64-bit sums: an offset near 2**64 makes
+    # offset + size wrap around to a small number, which must not pass for "inside"
+    source, reference = valid_file
+    layout = parse_layout(source)
+    victim = 3
+    size = source.stat().st_size
+    stored = int(layout.records[victim]["stored"])
+    offset = {"wraps around 2**64": 2**64 - 16, "one byte past the end": size - stored + 1,
+              "below the data region": DATA_START - 1}[where]
+    path = damaged_copy(source, tmp_path, "entry")
+    patch(path, layout.newest.index_offset + 8 + 20 * victim, struct.pack("<Q", offset))
+    for access in ACCESS_MODES:
+        with open_reader(path, access) as f:
+            assert_same_molecule(normalize_ours(f[0]), reference[0], f"{where} ({access})")
+            calls = {"f[i]": lambda: f[victim], "batch": lambda: f.read_batch([0, victim]),
+                     "batch of one size": lambda: f.read_batch([victim, victim])}
+            for call_name, call in calls.items():
+                with pytest.raises(atp.RecordDecodeError) as caught:
+                    call()
+                message = str(caught.value)
+                assert path.name in message, f"{where} ({access}, {call_name}): {message}"
+                assert re.search(rf"record {victim}\b", message), \
+                    f"{where} ({access}, {call_name}): {message}"
+
+
+@pytest.mark.parametrize("offset, stored", [(2**64 - 16, 92), (2**64 - 1, 1),
+                                            (10_000 - 91, 92), (8191, 92)])
+def test_batch_entry_check_refuses_every_range_outside_the_file(offset, stored):
+    # the check read_batch runs on its entries, alone: the layers behind it would
+    # catch a bad range too, so only this shows that the check itself does
+    from types import SimpleNamespace
+
+    from pyg_atompack.atp.cache import check_entries
+    from pyg_atompack.atp.index import INDEX_DTYPE
+
+    st = SimpleNamespace(size=10_000, codec=0, name="file.atp")
+    entries = np.array([(8192, 92, 92, 5), (offset, stored, stored, 5)], INDEX_DTYPE)
+    with pytest.raises(atp.RecordDecodeError, match=r"file\.atp: record 7: stored bytes"):
+        check_entries(st, np.array([4, 7]), entries)
+    check_entries(st, np.array([4, 7]), entries[[0, 0]])  # inside: no error
+
+
+@pytest.mark.parametrize("damage", ["section key", "section type tag"])
+def test_a_changed_header_amid_records_of_one_size_is_found_by_batches(tmp_path, damage):
+    # Records of one size and atom count share a layout; a batch of them is checked
+    # in one vectorised compare of every record's structural bytes against the layout's.
+    # A record whose section header differs (same size) must fail that compare: it is
+    # then decoded by its own header (a renamed builtin section is not energy) or, if
+    # that header is invalid, named in the error; never decoded with the layout's
+    # offsets as if nothing were different.
+    rng = np.random.default_rng(7)
+    count, atoms, victim = 40, 8, 23
+    energy = rng.standard_normal(count)
+    path = tmp_path / "uniform.atp"
+    db = atompack.Database(str(path), compression="none", overwrite=True)
+    db.add_arrays_batch(rng.standard_normal((count, atoms, 3)).astype(np.float32),
+                        rng.integers(1, 90, size=(count, atoms), dtype=np.uint8),
+                        energy=energy,
+                        forces=rng.standard_normal((count, atoms, 3)).astype(np.float32))
+    db.flush()
+    del db
+    layout = parse_layout(path)
+    start = int(layout.records[victim]["offset"])
+    record = path.read_bytes()[start:start + int(layout.records[victim]["stored"])]
+    key = record.index(b"energy")
+    # the key's last letter, or the type tag that follows the key
+    patch(path, start + key + (5 if damage == "section key" else 6), b"\x7f")
+    for access in ("auto", "auto-cold", "mmap", "pread", "bytes"):
+        with open_reader(path, access) as f:
+            f.read_batch(list(range(0, victim)))  # the layout is known and remembered
+            for batch in ([victim - 1, victim, victim + 1], list(range(victim, count))):
+                if damage == "section key":
+                    got = f.read_batch(batch)
+                    present = np.array([i != victim for i in batch])
+                    assert (got["mask"]["energy"] == present).all(), f"{access}: {batch}"
+                    assert np.array_equal(got["energy"][present], energy[batch][present])
+                    continue
+                with pytest.raises(atp.AtpError) as caught:
+                    f.read_batch(batch)
+                message = str(caught.value)
+                assert path.name in message, f"{damage} ({access}): {message}"
+                assert re.search(rf"\b{victim}\b", message), f"{damage} ({access}): {message}"
+            good = f.read_batch([victim + 1, victim + 2])
+            assert good["positions"].shape == (2 * atoms, 3)
+
+
 def rewrite_slot(path: Path, slot: int, **changes: int) -> None:
     """Change fields of a header slot and store a valid Adler-32 again (semantic damage)."""
     data = bytearray(path.read_bytes()[slot * SLOT_SIZE:(slot + 1) * SLOT_SIZE])

@@ -288,22 +288,23 @@ def _check_uniform(st, idx: np.ndarray,
         :obj:`None` when the batch needs the general path (another size, an entry
         or record that does not check out: that path names the record at fault).
     """
+    # At batch sizes a numpy reduction (min, max, all) costs ~1.5 µs, a bytes compare
+    # or a builtin over a short list a fraction of that: the checks below use those.
     cache = st.cache
     words = entries.view(_U32).reshape(len(entries), 5)  # offset (2 words), stored, raw, n
-    sizes = words[0, 2:].tolist()
-    if words[-1, 2:].tolist() != sizes:  # the cheap way out for a batch of mixed sizes
+    sizes = words[:, 2:]
+    if sizes.tobytes() != sizes[0].tobytes() * len(entries):  # not one size: the general path
         return None
-    stored, raw, n = sizes
+    stored, raw, n = sizes[0].tolist()
     layout = cache.layouts.get((raw, n))
-    if layout is None or layout.memo_id is None or stored != raw or \
-            not (words[:, 2:] == words[0, 2:]).all():
+    if layout is None or layout.memo_id is None or stored != raw:
         return None
-    offsets = entries["offset"]
-    if int(offsets.min()) < HEADER_SIZE or int(offsets.max()) + raw > st.size:
+    starts = entries["offset"].astype(np.int64)
+    listed = starts.tolist()
+    if min(listed) < HEADER_SIZE or max(listed) + raw > st.size:
         return None
-    starts = offsets.astype(np.int64)
     cols, expected = layout.check_arrays()
-    if not (st.u8[starts[:, None] + cols] == expected).all():
+    if st.u8[starts[:, None] + cols].tobytes() != expected.tobytes() * len(listed):
         return None
     cache.memo_array()[idx] = layout.memo_id
     return layout.memo_id, starts

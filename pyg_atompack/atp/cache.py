@@ -255,7 +255,15 @@ def check_entries(st, idx: np.ndarray, entries: np.ndarray) -> None:
             first such record.
     """
     offsets, stored = entries["offset"], entries["stored"]
+    if not len(offsets):
+        return
     ends = offsets + stored
+    # the common case in few numpy calls (each costs ~1.5 µs at batch sizes); an offset
+    # inside the file cannot wrap ``ends`` around (sizes are 32-bit)
+    if int(offsets.min()) >= HEADER_SIZE and int(offsets.max()) <= st.size and \
+            int(ends.max()) <= st.size and \
+            (st.codec != CODEC_NONE or stored.tobytes() == entries["raw"].tobytes()):
+        return
     bad = (offsets < HEADER_SIZE) | (ends > st.size) | (ends < offsets)
     if st.codec == CODEC_NONE:
         bad |= stored != entries["raw"]

@@ -72,7 +72,7 @@ class Structure:
 
     __slots__ = ("file_u8", "const_a", "const_b", "const_expected", "count_a", "count_b",
                  "count_mult", "size_a", "size_b", "fields", "stored", "key", "memo_id",
-                 "_row", "_a", "_b", "_n_atom_rows", "_windows", "_u32", "_mv")
+                 "_row", "_a", "_b", "_n_atom_rows", "_windows", "_u32", "_mv", "_const_bytes")
 
     def __init__(self, file_u8: np.ndarray, const: list[tuple[int, int, int]],
                  counts: list[tuple[int, int, int]], size: tuple[int, int],
@@ -81,6 +81,7 @@ class Structure:
         self.const_a, self.const_b, self.const_expected = (
             np.array(column, dtype=np.int64) for column in zip(*const))
         self.const_expected = self.const_expected.astype(_U8)
+        self._const_bytes = self.const_expected.tobytes()
         self.count_a, self.count_b, self.count_mult = (
             np.array(column, dtype=np.int64) for column in zip(*counts))
         self.size_a, self.size_b = size
@@ -142,12 +143,14 @@ class Structure:
             offsets, n = offsets[rows], n[rows]
         n_col = n[:, None]
         cols = offsets[:, None] + self.const_a + self.const_b * n_col
-        const = self.file_u8[cols] == self.const_expected
+        const = self.file_u8[cols]
         at = offsets[:, None] + self.count_a + self.count_b * n_col
         counts = self._u32[at] == self.count_mult * n_col
-        if everyone and const.all() and counts.all():  # the common case: one reduction
+        # the common case, every record fits: one bytes compare (a numpy reduction of
+        # a batch-sized array costs ~1.5 µs, the compare a fraction of that)
+        if everyone and const.tobytes() == self._const_bytes * len(offsets) and counts.all():
             return ok
-        good = const.all(axis=1) & counts.all(axis=1)
+        good = (const == self.const_expected).all(axis=1) & counts.all(axis=1)
         if everyone:
             return good
         ok[rows] = good
