@@ -293,7 +293,9 @@ def _check_uniform(st, idx: np.ndarray,
     cache = st.cache
     words = entries.view(_U32).reshape(len(entries), 5)  # offset (2 words), stored, raw, n
     sizes = words[:, 2:]
-    if sizes.tobytes() != sizes[0].tobytes() * len(entries):  # not one size: the general path
+    first = sizes[0].tobytes()
+    # not one size: the general path (the last entry says so for most mixed batches)
+    if sizes[-1].tobytes() != first or sizes.tobytes() != first * len(entries):
         return None
     stored, raw, n = sizes[0].tolist()
     layout = cache.layouts.get((raw, n))
