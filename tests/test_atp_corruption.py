@@ -19,6 +19,7 @@ import zlib
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import atompack
@@ -37,6 +38,7 @@ from atp_oracle import (
 )
 
 from pyg_atompack import atp
+from pyg_atompack.atp.cache import check_entries
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -432,13 +434,8 @@ def test_an_index_entry_outside_the_file_names_the_record(valid_file, tmp_path, 
 def test_batch_entry_check_refuses_every_range_outside_the_file(offset, stored):
     # the check read_batch runs on its entries, alone: the layers behind it would
     # catch a bad range too, so only this shows that the check itself does
-    from types import SimpleNamespace
-
-    from pyg_atompack.atp.cache import check_entries
-    from pyg_atompack.atp.index import INDEX_DTYPE
-
     st = SimpleNamespace(size=10_000, codec=0, name="file.atp")
-    entries = np.array([(8192, 92, 92, 5), (offset, stored, stored, 5)], INDEX_DTYPE)
+    entries = np.array([(8192, 92, 92, 5), (offset, stored, stored, 5)], INDEX_ENTRY)
     with pytest.raises(atp.RecordDecodeError, match=r"file\.atp: record 7: stored bytes"):
         check_entries(st, np.array([4, 7]), entries)
     check_entries(st, np.array([4, 7]), entries[[0, 0]])  # inside: no error
@@ -469,7 +466,7 @@ def test_a_changed_header_amid_records_of_one_size_is_found_by_batches(tmp_path,
     key = record.index(b"energy")
     # the key's last letter, or the type tag that follows the key
     patch(path, start + key + (5 if damage == "section key" else 6), b"\x7f")
-    for access in ("auto", "auto-cold", "mmap", "pread", "bytes"):
+    for access in ACCESS_MODES:
         with open_reader(path, access) as f:
             f.read_batch(list(range(0, victim)))  # the layout is known and remembered
             for batch in ([victim - 1, victim, victim + 1], list(range(victim, count))):
