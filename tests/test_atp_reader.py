@@ -168,9 +168,12 @@ def test_dropping_a_reader_frees_its_buffer_without_the_garbage_collector(golden
     gc.disable()  # a reference cycle would now keep the buffer exported
     try:
         reader = atp.Reader.from_bytes(owned, name=name, copy=False)
+        reader[0]
+        reader[len(reader) - 1]  # through the first-touch decoder where there is one
+        assert (reader._state().cache.touch is None) == name.endswith("_zstd.atp")
         reader.read_batch(range(len(reader)))
         reader.read_batch([0, 0])
-        reader[len(reader) - 1]
+        reader[len(reader) - 2]
         del reader
         owned.append(0)  # raises BufferError while any view of the buffer is alive
     finally:
@@ -811,6 +814,29 @@ def test_first_touch_check_in_place_refuses_a_record_of_another_structure(
             f[2]
 
 
+@pytest.mark.parametrize("access", ["auto", "mmap", "pread"])
+def test_records_of_one_size_and_two_structures_decode_in_any_order(tmp_path, access):
+    """Records of the same size and atom count whose section keys differ each decode
+    with their own structure, whichever was touched before (a first touch checks
+    against the last size's layout first)."""
+    path = tmp_path / "two.atp"
+    keys = ["aa" if j % 3 else "bb" for j in range(12)]
+    with atp.Writer(path) as w:
+        for j, key in enumerate(keys):
+            w.add(np.full((4, 3), j, np.float32), np.arange(1, 5), energy=float(j),
+                  properties={key: float(j)})
+    order = np.random.default_rng(0).permutation(len(keys)).tolist()
+    for indices in (range(len(keys)), order):
+        with atp.open(path, access=access) as f:
+            assert len(set(zip(f.index["raw"].tolist(), f.index["n_atoms"].tolist()))) == 1
+            for i in indices:
+                mol = f[i]
+                assert mol.properties == {keys[i]: float(i)}, i
+                assert mol.energy == float(i) and mol.positions[0, 0] == i
+            for i in indices:  # and once checked
+                assert f[i].properties == {keys[i]: float(i)}, i
+
+
 def test_auto_reads_the_index_into_the_page_cache_at_open(golden_dir, random_advice,
                                                           monkeypatch):
     """Not resident: one read through the descriptor at open (random f[i] then never
@@ -842,39 +868,49 @@ def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, ran
                                                                     monkeypatch):
     """While first touches wait for the disk, each asks for its record's pages first;
     only after ``FAST_TOUCHES_TO_WARM`` touches in a row served from memory do the
-    next ones skip the request, and one slow touch brings it back. Nothing is timed:
-    the clock is replaced."""
+    next ones skip the request. From then on one touch in ``TIMED_TOUCH_EVERY`` is
+    timed, and one slow timed touch brings the requests back. Nothing is timed for
+    real: the clock is replaced, and the readings it gave are counted."""
     from pyg_atompack.atp import cache, filestate
 
-    warm = cache.FAST_TOUCHES_TO_WARM
+    warm, every = cache.FAST_TOUCHES_TO_WARM, cache.TIMED_TOUCH_EVERY
     asked = []
     monkeypatch.setattr(filestate.FileState, "prefetch_record",
                         lambda self, offset, length: asked.append((offset, length)))
-    count = warm + 6
+    count = 2 * warm + every + 1
     path = _write_small(tmp_path / "same.atp", [4] * count)
+    read = []
 
     def clock(durations):
-        """perf_counter for touches taking ``durations`` seconds, one after another."""
+        """perf_counter for timed touches taking ``durations`` seconds, one after another."""
         now, readings = 0.0, []
         for duration in durations:
             readings += [now, now + duration]
             now += duration + 1.0
-        return iter(readings).__next__
+        readings = iter(readings)
+        return lambda: read.append(1) or next(readings)
 
     slow, fast = 1.0, 0.0
-    # record 0 is the first of its size (not timed); then one touch per record
+    # record 0 is the first of its size (not timed); while cold, every touch is timed
+    missed = warm + every  # the first timed touch once warm
     patterns = {
-        "every touch waits": ([slow] * (count - 1), list(range(count))),
-        "every touch is fast": ([fast] * (count - 1), list(range(warm + 1))),
+        "every touch waits": ([slow] * (count - 1), list(range(count)), count - 1),
+        # records 1..warm timed, then one in ``every``
+        "every touch is fast": ([fast] * count, list(range(warm + 1)),
+                                warm + (count - 1 - warm) // every),
         # one hit amid misses changes nothing
-        "a hit amid misses": ([slow, fast, slow] + [slow] * (count - 4), list(range(count))),
-        # warm, then a miss (not asked for): requests again from the next record
-        "a miss after warming": ([fast] * warm + [fast, slow] + [fast] * (count - warm - 3),
-                                 list(range(warm + 1)) + list(range(warm + 3, count))),
+        "a hit amid misses": ([slow, fast, slow] + [slow] * count, list(range(count)),
+                              count - 1),
+        # warm, untimed touches, then a timed miss (not asked for): requests again
+        # from the next record until ``warm`` fast ones in a row
+        "a miss after warming": ([fast] * warm + [slow] + [fast] * count,
+                                 list(range(warm + 1)) + list(range(missed + 1, count)),
+                                 warm + 1 + (count - 1 - missed)),
     }
-    for name, (durations, want) in patterns.items():
+    for name, (durations, want, timed) in patterns.items():
         monkeypatch.setattr(cache, "perf_counter", clock(durations))
         asked.clear()
+        read.clear()
         with atp.open(path) as f:
             for i in range(count):
                 assert f[i].energy == float(i)
@@ -883,6 +919,7 @@ def test_auto_asks_for_a_records_pages_before_its_first_touch_only(tmp_path, ran
             entries = f.index
         assert asked == [(int(entries["offset"][i]), int(entries["raw"][i])) for i in want], \
             name
+        assert len(read) == 2 * timed, name
     asked.clear()
     with atp.open(path, access="mmap") as f:  # the plain map keeps the kernel's read-ahead
         f[0]

@@ -14,7 +14,6 @@ import numpy as np
 
 from . import batch as _batch
 from . import cache as _cache
-from .cache import UNCHECKED
 from .codecs import CODEC_NAMES, decompress
 from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, RecordDecodeError
 from .fields import FieldInfo, fields_from_schema, merge_layout
@@ -216,9 +215,10 @@ class Reader(ReadOnlyReader):
                 # hot path: a record checked before (its committed bytes never change)
                 return plan.decode(st.buf, _OFFSET_UNPACK(st.index_buf, 8 + 20 * i)[0],
                                    self._name, i)
-            if cache.views is not None and cache.memo is not UNCHECKED:
+            touch = cache.touch
+            if touch is not None:
                 # first touch of a record of a mapped uncompressed file: checked in place
-                mol = _cache.first_touch(st, i)
+                mol = touch(st, i)
                 if mol is not None:
                     return mol
                 touched = True
