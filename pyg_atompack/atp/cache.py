@@ -64,7 +64,7 @@ _MAX_MEMO_IDS = 65535
 #: records fault page by page (0.1-0.4 disk reads per record more, bench_atp cold).
 FAST_TOUCHES_TO_WARM = 4
 #: Once first touches find their pages in memory, one in this many is timed (to notice
-#: the file leaving memory); timing every one cost ~0.2 µs a touch, ~5% of a first
+#: the file leaving memory); timing every one cost ~0.2 µs a touch, ~3% of a first
 #: ``reader[i]`` from the page cache.
 TIMED_TOUCH_EVERY = 8
 
