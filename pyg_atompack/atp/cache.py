@@ -32,6 +32,7 @@ here refers back to the state, so dropping the state frees the mapping at once.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from time import perf_counter
@@ -99,7 +100,7 @@ class DecodeCache:
 
     __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
                  "structures", "columns", "resolved", "touch", "batch_cold", "helper",
-                 "helper_reads", "helper_skip")
+                 "helper_reads", "helper_skip", "lock")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
@@ -123,6 +124,10 @@ class DecodeCache:
         self.helper: Future | None = None
         self.helper_reads: Any = None  # its request (start time: was a core free?)
         self.helper_skip = 0  # batches to fault in the calling thread alone
+        # threads reading one reader: the memos are made, and memo ids handed out,
+        # under it (an id seen before its plan exists, or two layouts given one id,
+        # would decode a record with another layout's plan)
+        self.lock = threading.Lock()
 
     def memo_array(self) -> np.ndarray:
         """The per-record memo of checked layout ids (uint16), created on first use.
@@ -133,8 +138,11 @@ class DecodeCache:
         records it touches.
         """
         if self.memo_ids is None:
-            self.memo_ids = np.zeros(self.count, np.uint16)
-            self.memo = memoryview(self.memo_ids)
+            with self.lock:
+                if self.memo_ids is None:
+                    memo_ids = np.zeros(self.count, np.uint16)
+                    self.memo = memoryview(memo_ids)
+                    self.memo_ids = memo_ids
         return self.memo_ids
 
     def untouched(self, idx: np.ndarray) -> np.ndarray | None:
@@ -159,7 +167,9 @@ class DecodeCache:
     def structure_memo(self) -> StructureMemo:
         """The mixed-size structure memo (:mod:`.structure`), created on first use."""
         if self.structures is None:
-            self.structures = StructureMemo(self.count)
+            with self.lock:
+                if self.structures is None:
+                    self.structures = StructureMemo(self.count)
         return self.structures
 
     def plan(self, layout: Layout) -> MappedPlan:
@@ -172,10 +182,15 @@ class DecodeCache:
         """Record that record ``i`` was checked against ``layout``."""
         self.memo_array()
         lid = layout.memo_id
-        if lid is None and len(self.memo_layouts) <= _MAX_MEMO_IDS:
-            lid = layout.memo_id = len(self.memo_layouts)
-            self.memo_layouts.append(layout)
-            self.plans.append(self.plan(layout) if self.views is not None else None)
+        if lid is None:
+            with self.lock:
+                lid = layout.memo_id
+                if lid is None and len(self.memo_layouts) <= _MAX_MEMO_IDS:
+                    plan = self.plan(layout) if self.views is not None else None
+                    self.memo_layouts.append(layout)
+                    self.plans.append(plan)
+                    # published last: a thread that sees the id finds its plan
+                    lid = layout.memo_id = len(self.memo_layouts) - 1
         if lid is not None:
             self.memo[i] = lid
 
@@ -362,17 +377,20 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
     timed = st.resident is not None
     cold = FAST_TOUCHES_TO_WARM  # see FAST_TOUCHES_TO_WARM (0: pages are not asked for)
     untimed = 0  # touches still to go before the next timed one, while warm
-    # the last (raw size, atom count) and its (memo id, checked decoder): records of a
-    # file of one size skip the lookup (a layout replaced since stays a valid check)
-    last_size, last_plan = None, None
+    # (raw size, atom count, memo id, checked decoder) of the last size touched: records
+    # of a file of one size skip the lookup (a layout replaced since stays a valid
+    # check). One tuple, read and replaced whole: threads sharing the reader never see
+    # one size's decoder under another size.
+    last = (None, None, 0, None)
 
     def touch(st: FileState, i: int) -> Molecule | None:
-        nonlocal cold, untimed, last_size, last_plan
+        nonlocal cold, untimed, last
         off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
         if stored != raw or off < HEADER_SIZE or off + raw > size:
             return None
-        if (raw, n) == last_size:
-            lid, checked = last_plan
+        known = last
+        if known[0] == raw and known[1] == n:
+            lid, checked = known[2], known[3]
         else:
             layout = layouts.get((raw, n))
             if layout is None:  # the first record of its size in this reader
@@ -387,7 +405,7 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
             if lid is None:
                 return None
             checked = plans[lid].checked
-            last_size, last_plan = (raw, n), (lid, checked)
+            last = (raw, n, lid, checked)
         if not timed:
             mol = checked(st.buf, off, st.name, i)
         elif untimed and not cold:
@@ -407,7 +425,7 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
         if mol is not None:
             memo[i] = lid
         else:
-            last_size = None  # another structure of this size: look it up next time
+            last = (None, None, 0, None)  # another structure of this size: look it up
         return mol
 
     return touch

@@ -25,6 +25,7 @@ compare instead of the byte checks.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -203,7 +204,7 @@ class StructureMemo:
         count (int): The number of records of the file.
     """
 
-    __slots__ = ("count", "_ids", "structures", "_by_key")
+    __slots__ = ("count", "_ids", "structures", "_by_key", "_lock")
 
     MAX_IDS = 255  # ids are stored as uint8 (1 byte per record); 0 means "not verified"
 
@@ -212,12 +213,17 @@ class StructureMemo:
         self._ids: np.ndarray | None = None
         self.structures: list[Structure | None] = [None]
         self._by_key: dict[tuple, Structure] = {}
+        # threads reading one reader: ids are made and handed out under it (two
+        # structures given one id would gather records of one with the other's offsets)
+        self._lock = threading.Lock()
 
     @property
     def ids(self) -> np.ndarray:
         """The verified structure id of every record (0: none yet), made on first use."""
         if self._ids is None:
-            self._ids = np.zeros(self.count, _U8)  # calloc: untouched pages cost nothing
+            with self._lock:
+                if self._ids is None:  # calloc: untouched pages cost nothing
+                    self._ids = np.zeros(self.count, _U8)
         return self._ids
 
     def canonical(self, structure: Structure) -> Structure:
@@ -232,10 +238,14 @@ class StructureMemo:
         known = self._by_key.get(structure.key)
         if known is not None:
             return known
-        if len(self.structures) <= self.MAX_IDS:
-            structure.memo_id = len(self.structures)
-            self.structures.append(structure)
-        self._by_key[structure.key] = structure
+        with self._lock:
+            known = self._by_key.get(structure.key)
+            if known is not None:
+                return known
+            if len(self.structures) <= self.MAX_IDS:
+                self.structures.append(structure)
+                structure.memo_id = len(self.structures) - 1
+            self._by_key[structure.key] = structure
         return structure
 
     def verify(self, structure: Structure, idx: np.ndarray, offsets: np.ndarray,
