@@ -57,16 +57,19 @@ def switch_often():
     sys.setswitchinterval(interval)
 
 
-def _run_threads(work, rounds: int) -> list:
-    """``work(seed, failures)`` on THREADS threads at once, ``rounds`` times."""
+def _on_fresh_readers(path: str, access: str, work, readers: int = 4) -> list:
+    """``work(reader, seed, failures)`` on THREADS threads sharing a fresh reader, for each
+    of ``readers`` readers (every record's first touch races); the failures seen."""
     failures: list = []
-    for round_ in range(rounds):
-        threads = [threading.Thread(target=work, args=(round_ * THREADS + t, failures))
-                   for t in range(THREADS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    for number in range(readers):
+        with atp.open(path, access=access) as reader:
+            threads = [threading.Thread(target=work,
+                                        args=(reader, number * THREADS + t, failures))
+                       for t in range(THREADS)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
         if failures:
             break
     return failures
@@ -76,9 +79,8 @@ def _run_threads(work, rounds: int) -> list:
 def test_threads_sharing_a_fresh_reader_read_every_record_as_itself(
         sizes_file, access, switch_often):
     path, sizes = sizes_file
-    reader = None
 
-    def work(seed, failures):
+    def work(reader, seed, failures):
         order = np.random.default_rng(seed).permutation(COUNT).tolist()
         try:
             for i in order:
@@ -90,20 +92,15 @@ def test_threads_sharing_a_fresh_reader_read_every_record_as_itself(
         except Exception as exc:  # any error here is a failure of the test
             failures.append(repr(exc))
 
-    for _ in range(4):  # fresh readers: every record's first touch races
-        reader = atp.open(path, access=access)
-        failures = _run_threads(work, rounds=1)
-        reader.close()
-        assert failures == []
+    assert _on_fresh_readers(path, access, work) == []
 
 
 @pytest.mark.parametrize("access", ["auto", "mmap"])
 def test_threads_mixing_batches_and_single_reads_of_a_fresh_reader(
         sizes_file, access, switch_often):
     path, sizes = sizes_file
-    reader = None
 
-    def work(seed, failures):
+    def work(reader, seed, failures):
         rng = np.random.default_rng(seed)
         try:
             for _ in range(60):
@@ -120,11 +117,7 @@ def test_threads_mixing_batches_and_single_reads_of_a_fresh_reader(
         except Exception as exc:  # any error here is a failure of the test
             failures.append(repr(exc))
 
-    for _ in range(4):
-        reader = atp.open(path, access=access)
-        failures = _run_threads(work, rounds=1)
-        reader.close()
-        assert failures == []
+    assert _on_fresh_readers(path, access, work) == []
 
 
 def test_a_thread_pool_mapping_dataset_get(sizes_file, switch_often):
