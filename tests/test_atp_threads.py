@@ -11,6 +11,7 @@ structures per size, written by atompack-db.
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -132,3 +133,34 @@ def test_a_thread_pool_mapping_dataset_get(sizes_file, switch_often):
     assert [float(g.energy) for g in graphs] == [float(i) for i in order]
     assert [g.num_nodes for g in graphs] == sizes[order].tolist()
     assert all(float(g.pos[0, 0]) == i for g, i in zip(graphs, order))
+
+
+def test_threads_opening_an_unpickled_reader_open_it_once(sizes_file, switch_often,
+                                                          monkeypatch):
+    """An unpickled (or closed) reader opens on first use; threads using it at once
+    open one state between them (each extra state leaked its file descriptor)."""
+    from pyg_atompack.atp import reader as reader_module
+
+    path, _ = sizes_file
+    opened = []
+    original = reader_module.FileState
+    monkeypatch.setattr(reader_module, "FileState",
+                        lambda *args: opened.append(1) or original(*args))
+    for _ in range(40):
+        reader = pickle.loads(pickle.dumps(atp.open(path)))
+        opened.clear()
+        start = threading.Barrier(THREADS)
+        energies = []
+
+        def first_read(reader=reader, start=start, energies=energies):
+            start.wait()
+            energies.append(reader[0].energy)
+
+        threads = [threading.Thread(target=first_read) for _ in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        reader.close()
+        assert energies == [0.0] * THREADS
+        assert len(opened) == 1

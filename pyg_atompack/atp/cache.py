@@ -349,9 +349,9 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
     decoder, and remembers it. It returns :obj:`None` when the entry, the layout or
     the structural bytes call for the full parse (:func:`molecule`). It is a
     closure over the cache's containers that tries the last size's layout before
-    the lookup by size: a first ``reader[i]`` costs 0.50-0.56 µs more than a
+    the lookup by size: a first ``reader[i]`` costs 0.50-0.64 µs more than a
     remembered one, where a function looking everything up on the state cost
-    0.56-0.77 µs more (``timeit``, 64-atom records). It holds no reference to the
+    0.56-0.84 µs more (``timeit``, ``benchmarks/RESULTS.md``). It holds no reference to the
     state or the cache (the state comes in as an argument), so dropping the state
     frees the mapping at once.
 

@@ -6,6 +6,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -31,8 +32,10 @@ _SCAN_CHUNK = 1024  # records read ahead at once by iteration (access="auto")
 
 
 def _forget_after_fork() -> None:
-    # a child process must never use the parent's descriptors or mappings
+    # a child process must never use the parent's descriptors or mappings; nor a lock
+    # another thread of the parent held when it forked
     for reader in list(_OPEN_READERS):
+        reader._opening = threading.Lock()
         reader._drop_state(close=True)
 
 
@@ -65,6 +68,7 @@ class Reader(ReadOnlyReader):
         self._access = access
         self._image: bytes | None = None
         self._st: FileState | None = None
+        self._opening = threading.Lock()
         self._load()
 
     @classmethod
@@ -92,14 +96,21 @@ class Reader(ReadOnlyReader):
         keep = not copy and isinstance(buffer, (bytearray, mmap.mmap))
         self._image = buffer if keep else bytes(buffer)
         self._st = None
+        self._opening = threading.Lock()
         self._load()
         return self
 
     # ------------------------------------------------------------------ opening
     def _load(self) -> FileState:
-        st = FileState(self._name, self._path, self._image, self._access)
-        self._st = st
+        # threads sharing a reader that is not open (unpickled, closed) open it once: a
+        # second state would leak its descriptor. Known to the fork hook before the lock
+        # is taken, so a child never inherits it held.
         _OPEN_READERS.add(self)
+        with self._opening:
+            st = self._st
+            if st is None:
+                st = self._st = FileState(self._name, self._path, self._image,
+                                          self._access)
         return st
 
     def _drop_state(self, close: bool) -> None:
@@ -130,6 +141,7 @@ class Reader(ReadOnlyReader):
         self._access = state["access"]
         self._image = state["image"]
         self._st = None
+        self._opening = threading.Lock()
 
     # ------------------------------------------------------------------ metadata
     @property
