@@ -207,7 +207,6 @@ def machine_description() -> list[str]:
 
 
 SIZES = regimes.SIZES
-REGIMES = regimes.REGIMES
 BATCH_SIZES = (32, 256)
 # (operation, regime) -> minimum ratio ours / atompack-db on the >= 1 GB files
 REAL_TARGETS = {("per-record", "hot"): 1.0, ("per-record", "first"): 1.0,
@@ -304,7 +303,7 @@ def real_size_rows(label: str, path: Path, accesses: list[str], rounds: int,
     limit = float("nan")
     operations = {"per-record": (_per_record, _touch_each)}
     operations.update({f"read_batch({b})": _batches_of(b) for b in BATCH_SIZES})
-    for regime in (*REGIMES[:2], regimes.EPOCH, *REGIMES[2:]):
+    for regime in regimes.READ_REGIMES:
         if regime == regimes.EPOCH and EPOCH_ACCESS not in accesses:
             continue
         if regime == "cold":
@@ -563,7 +562,7 @@ def draw(rows: list[tuple], arm: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [label for label in SIZES if any(row[0] == label for row in rows)]
-    regimes_drawn = [r for r in ("hot", "first", regimes.EPOCH, "cold")
+    regimes_drawn = [r for r in regimes.READ_REGIMES
                      if any(row[1] == r for row in rows)]
     operations = ["per-record", *(f"read_batch({b})" for b in BATCH_SIZES)]
     ratio = {(row[0], row[1], row[2]): row[4] / row[5] for row in rows if row[3] == arm}

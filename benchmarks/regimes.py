@@ -52,6 +52,7 @@ import numpy as np
 WORK = Path(__file__).resolve().parent / "_work"
 REGIMES = ("hot", "first", "cold")
 EPOCH = "epoch"  # a whole shuffled pass of a fresh reader (bench_atp.py)
+READ_REGIMES = ("hot", "first", EPOCH, "cold")  # bench_atp.py's order, tables and figure
 SIZES = {  # name -> (file stem, molecules, atoms per molecule or None for 10-300)
     "20k": ("ref64_20k", 20_000, 64),
     "640k": ("ref64_640k", 640_000, 64),

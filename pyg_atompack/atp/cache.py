@@ -408,7 +408,7 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
             last = (raw, n, lid, checked)
         if not timed:
             mol = checked(st.buf, off, st.name, i)
-        elif untimed and not cold:
+        elif untimed:  # nonzero only while warm: the timed touch that turns cold clears it
             untimed -= 1
             mol = checked(st.buf, off, st.name, i)
         else:
