@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from pyg_atompack.hub.errors import HubIntegrityError
 from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile, hub_headers, translate_errors
 from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.credentials import RequestHeaders
 from pyg_atompack.transport.errors import RemoteRangeError
 from pyg_atompack.transport.integrity import bytes_problem, file_problem
 from pyg_atompack.transport.retry import RetryPolicy
@@ -77,9 +78,10 @@ def _translate(remote_file: RemoteFile):
                             repo_type=remote_file.repo_type)
 
 
-def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str]:
-    # files listed from a plain URL (no repository) get no Hub token
-    return hub_headers(False if remote_file.repo_type == "url" else token)
+def _headers(remote_file: RemoteFile, token: str | bool | None) -> RequestHeaders:
+    # files listed from a plain URL (no repository) get no Hub token; a repository file's
+    # URL is built from the endpoint, so its origin is the Hub's
+    return hub_headers(False if remote_file.repo_type == "url" else token, remote_file.url)
 
 
 def fetch_range(
@@ -155,7 +157,7 @@ def fetch_bytes(
     """
     with _translate(remote_file):
         data = transport.fetch(remote_file.url, headers=_headers(remote_file, token),
-                               policy=policy or HUB_POLICY)
+                               policy=policy or HUB_POLICY, size=remote_file.size)
     check_bytes(remote_file, data, verify=verify)
     return bytes(data)
 
@@ -294,4 +296,4 @@ def _stream_to(remote_file: RemoteFile, temp: Path, *, token: str | bool | None,
                policy: RetryPolicy | None = None) -> None:
     with _translate(remote_file), open(temp, "wb") as handle:
         transport.fetch_to_file(remote_file.url, handle, headers=_headers(remote_file, token),
-                                policy=policy or HUB_POLICY)
+                                policy=policy or HUB_POLICY, size=remote_file.size)

@@ -33,6 +33,7 @@ from pyg_atompack.transport.errors import (
     TransportError,
     UnsupportedURLError,
 )
+from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -47,6 +48,8 @@ __all__ = [
     "RemoteTooLargeError",
     "UnsupportedURLError",
     "RetryPolicy",
+    "RequestHeaders",
+    "bind_headers",
     "redact_url",
     "RemoteAtpReader",
     "open_remote_atp",

@@ -8,6 +8,7 @@ pasted into an issue tracker.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _SECRET_PARAMS = ("signature", "token", "credential", "key", "sig", "policy", "auth",
@@ -42,3 +43,20 @@ def redact_url(url: str) -> str:
         query = urlencode([(k, "REDACTED" if _is_secret(k) else v) for k, v in pairs],
                           safe="/:")
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it redacted (:func:`redact_url`).
+
+    For messages of other libraries, which quote the URL they were given.
+
+    Args:
+        text (str): Any text.
+
+    Returns:
+        The text, URLs redacted.
+    """
+    return _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)
