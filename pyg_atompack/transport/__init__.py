@@ -22,6 +22,7 @@ resumable downloads and verification, and raises one error family
 """
 
 from pyg_atompack._moved import moved_names
+from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -33,7 +34,6 @@ from pyg_atompack.transport.errors import (
     TransportError,
     UnsupportedURLError,
 )
-from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 

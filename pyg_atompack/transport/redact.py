@@ -15,6 +15,9 @@ _SECRET_PARAMS = ("signature", "token", "credential", "key", "sig", "policy", "a
                   "password", "secret", "expires", "x-amz-", "x-goog-", "se", "sp", "sv")
 
 
+_USER_INFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
 def _is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(lowered == p or lowered.startswith(p) or p in lowered and len(p) > 3
@@ -32,8 +35,11 @@ def redact_url(url: str) -> str:
     """
     try:
         parts = urlsplit(url)
+        parts.port  # noqa: B018 - a malformed host or port raises here
     except ValueError:
-        return url
+        # too malformed to take apart: drop whatever could be user info and the query
+        return _USER_INFO.sub(r"\1", url).split("?", 1)[0].split("#", 1)[0] + (
+            "?REDACTED" if "?" in url else "")
     if not parts.scheme or not parts.netloc:
         return url
     netloc = parts.netloc.rpartition("@")[2]
