@@ -254,15 +254,15 @@ def child_random(spec: dict) -> dict:
                                   cache_bytes=spec["cache_bytes"])
         remote = [_digest(b) for b in AtompackLoader(dataset, batch_size=64, sampler=order)]
         elapsed = time.perf_counter() - started
-    reader = dataset.reader
-    stats = dict(getattr(reader, "cache", None).stats) if hasattr(reader, "cache") else {}
+    reader = dataset.reader  # a RemoteAtpReader: records through its page cache
+    stats = dict(reader.cache.stats)
     # the reference, after the measurement: the same batches from the local file
     local = AtompackDataset(spec["path"])
     same = remote == [_digest(b) for b in AtompackLoader(local, batch_size=64, sampler=order)]
     return {"samples": len(order), "elapsed_s": elapsed, "rate": len(order) / elapsed,
             "equal_to_local": same, "batches": len(remote),
             "peak_pages": memory.peak_disk["pages"], "peak_cache": memory.peak_disk["cache"],
-            "page_bytes": getattr(reader, "page_bytes", None),
+            "page_bytes": reader.page_bytes,
             "rss_growth": memory.peak, "anon_growth": memory.peak_anon,
             "reader": type(reader).__name__,
             "fetched_bytes": stats.get("fetched_bytes"), "requests": stats.get("requests"),
