@@ -52,7 +52,7 @@ from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile, hub_headers, transla
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.buffers import FileSink
-from pyg_atompack.transport.errors import RemoteRangeError
+from pyg_atompack.transport.errors import RemoteIntegrityError, RemoteRangeError
 from pyg_atompack.transport.integrity import bytes_problem, file_problem
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -340,6 +340,9 @@ def _stream_to(remote_file: RemoteFile, temp: Path, *, token: str | bool | None,
     version = remote_file.version if remote_file.repo_type == "url" else None
     with _translate(remote_file), open(temp, "wb") as handle:
         sink = FileSink(handle)
-        transport.fill(remote_file.url, sink, headers=_headers(remote_file, token),
-                       policy=policy or HUB_POLICY, validator=version)
+        try:
+            transport.fill(remote_file.url, sink, headers=_headers(remote_file, token),
+                           policy=policy or HUB_POLICY, validator=version)
+        except RemoteIntegrityError as error:  # another version: an integrity error
+            raise HubIntegrityError(str(error), url=error.url, status=error.status) from error
         sink.flush()

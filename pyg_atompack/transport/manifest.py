@@ -98,11 +98,11 @@ def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
             value = entry.get(key)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ManifestError(
-                    f"{where}: shards[{position}] ({name!r}): '{key}' must be "
+                    f"{where}: shards[{position}] ({name}): '{key}' must be "
                     f"{kind.__name__}, got {value!r}", url=where)
         for key in ("records", "bytes"):
             if entry.get(key) is not None and entry[key] < 0:
-                raise ManifestError(f"{where}: shards[{position}] ({name!r}): '{key}' must "
+                raise ManifestError(f"{where}: shards[{position}] ({name}): '{key}' must "
                                     f"not be negative, got {entry[key]}", url=where)
         sha256 = remote_cache.check_sha256(entry.get("sha256"), url=origin,
                                            field=f"sha256 of {name!r}")
