@@ -67,7 +67,7 @@ class BlockCache:
             (default: 16 MiB)
         workers (int, optional): Range requests in flight. (default: :obj:`8`)
         root (str | os.PathLike, optional): The cache root every written path must stay inside
-            once symlinks are resolved. (default: ``directory``)
+            once symlinks are resolved. (default: :obj:`directory`)
     """
 
     def __init__(self, directory: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES,
