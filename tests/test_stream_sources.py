@@ -153,7 +153,8 @@ def test_missing_file_is_permanent_and_not_retried(server):
     dataset = ShardStreamDataset(HTTPSource(urls, retry=FAST))
     with pytest.raises(ShardFetchError, match=r"missing\.pt: HTTP 404"):
         _ids(dataset)
-    assert len(server.requests_for("missing.pt")) == 1
+    # one size probe when listed, one download: neither retried
+    assert len(server.requests_for("missing.pt")) == 2
 
 
 def test_checksum_mismatch_retried_once_then_clear_error(server):

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, urljoin
 
 from pyg_atompack.hub.errors import (
     HubAuthError,
@@ -40,6 +40,7 @@ from pyg_atompack.hub.errors import (
 from pyg_atompack.hub.uri import normalize_path_in_repo
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.credentials import RequestHeaders, bind_headers, origin
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteNotFoundError,
@@ -136,22 +137,26 @@ def endpoint_url(endpoint: str | None) -> str:
     return (endpoint or constants.ENDPOINT).rstrip("/")
 
 
-def hub_headers(token: str | bool | None) -> dict[str, str]:
+def hub_headers(token: str | bool | None, endpoint: str | None = None) -> RequestHeaders:
     """Request headers for the Hub: user agent and, unless ``token=False``, the token.
 
     Args:
         token (str | bool | None): ``None``: the saved login / ``HF_TOKEN``; ``False``: none; a
             string: itself.
+        endpoint (str, optional): The Hub (or the URL of a file on it) the token is for.
+            (default: :func:`endpoint_url` ``(None)``)
 
     Returns:
-        The headers (the transport sends ``Authorization`` to the Hub's origin only).
+        The headers, the token bound to the Hub's origin: no redirect, CDN or pagination
+        link elsewhere receives it.
     """
     from huggingface_hub.utils import build_hf_headers
 
     from pyg_atompack import __version__
 
-    return dict(build_hf_headers(token=token, library_name="pyg_atompack",
-                                 library_version=__version__))
+    headers = build_hf_headers(token=token, library_name="pyg_atompack",
+                               library_version=__version__)
+    return bind_headers(dict(headers), endpoint or endpoint_url(None))
 
 
 def repo_page(repo_id: str, repo_type: str, endpoint: str | None = None) -> str:
@@ -315,7 +320,7 @@ def resolve_revision(
     with translate_errors(repo_id, revision, None, repo_type=repo_type, endpoint=endpoint):
         info, _ = transport.request_json(
             _api_url(endpoint, repo_type, repo_id, *tail) + "?expand=sha",
-            headers=hub_headers(token), policy=policy or HUB_POLICY)
+            headers=hub_headers(token, endpoint_url(endpoint)), policy=policy or HUB_POLICY)
     sha = info.get("sha") if isinstance(info, dict) else None
     if not is_commit_sha(sha):
         raise HubTransferError(
@@ -363,11 +368,21 @@ def _remote_file(entry: dict, *, repo_id, revision, repo_type, endpoint) -> Remo
     )
 
 
-def _next_link(headers) -> str | None:
+def _next_link(headers, page_url: str) -> str | None:
+    """The next page of a listing, from ``Link: <...>; rel="next"``.
+
+    The Hub paginates on its own origin; a link to any other is refused rather than
+    followed (the token would not go there, but neither should the listing).
+    """
     for part in (headers.get("Link") or "").split(","):
         target, _, params = part.partition(";")
         if 'rel="next"' in params.replace(" ", ""):
-            return target.strip().strip("<>")
+            link = urljoin(page_url, target.strip().strip("<>"))
+            if origin(link) != origin(page_url):
+                raise HubTransferError(
+                    f"{redact_url(page_url)}: the listing's next page is on another origin "
+                    f"({redact_url(link)}); refused", url=redact_url(page_url))
+            return link
     return None
 
 
@@ -422,7 +437,7 @@ def list_remote_files(
     _check_repo_type(repo_type)
     root = normalize_path_in_repo(path_in_repo)
     common = {"repo_id": repo_id, "revision": revision, "repo_type": repo_type}
-    headers = hub_headers(token)
+    headers = hub_headers(token, endpoint_url(endpoint))
     policy = policy or HUB_POLICY
     rev = quote(revision, safe="")
     with translate_errors(repo_id, revision, root, repo_type=repo_type, endpoint=endpoint):
@@ -433,7 +448,7 @@ def list_remote_files(
             while url:
                 page, page_headers = transport.request_json(url, headers=headers, policy=policy)
                 files += [e for e in page if isinstance(e, dict) and e.get("type") == "file"]
-                url = _next_link(page_headers)
+                url = _next_link(page_headers, url)
         except TransportError as error:
             # The tree route only lists directories: the path may name one file.
             if not root or getattr(error, "error_code", None) != "EntryNotFound" and \

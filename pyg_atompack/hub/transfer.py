@@ -52,6 +52,7 @@ from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile, hub_headers, transla
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.buffers import FileSink
+from pyg_atompack.transport.credentials import RequestHeaders
 from pyg_atompack.transport.errors import RemoteIntegrityError, RemoteRangeError
 from pyg_atompack.transport.integrity import bytes_problem, file_problem
 from pyg_atompack.transport.retry import RetryPolicy
@@ -75,9 +76,10 @@ def _translate(remote_file: RemoteFile):
                             repo_type=remote_file.repo_type)
 
 
-def _headers(remote_file: RemoteFile, token: str | bool | None) -> dict[str, str]:
-    # files listed from a plain URL (no repository) get no Hub token
-    return hub_headers(False if remote_file.repo_type == "url" else token)
+def _headers(remote_file: RemoteFile, token: str | bool | None) -> RequestHeaders:
+    # files listed from a plain URL (no repository) get no Hub token; a repository file's
+    # URL is built from the endpoint, so its origin is the Hub's
+    return hub_headers(False if remote_file.repo_type == "url" else token, remote_file.url)
 
 
 def fetch_range(
@@ -153,7 +155,7 @@ def fetch_bytes(
     """
     with _translate(remote_file):
         data = transport.fetch(remote_file.url, headers=_headers(remote_file, token),
-                               policy=policy or HUB_POLICY)
+                               policy=policy or HUB_POLICY, size=remote_file.size)
     check_bytes(remote_file, data, verify=verify)
     return bytes(data)
 
@@ -339,7 +341,8 @@ def _stream_to(remote_file: RemoteFile, temp: Path, *, token: str | bool | None,
     # error, never a copy stored under the old version's key
     version = remote_file.version if remote_file.repo_type == "url" else None
     with _translate(remote_file), open(temp, "wb") as handle:
-        sink = FileSink(handle)
+        # bounded by the listed size: no byte beyond it is written
+        sink = FileSink(handle, limit=remote_file.size)
         try:
             transport.fill(remote_file.url, sink, headers=_headers(remote_file, token),
                            policy=policy or HUB_POLICY, validator=version)

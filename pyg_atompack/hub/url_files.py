@@ -34,6 +34,7 @@ from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile
 from pyg_atompack.hub.transfer import cached_path
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
+from pyg_atompack.transport.credentials import bind_headers
 from pyg_atompack.transport.errors import TransportError, UnsupportedURLError
 from pyg_atompack.transport.manifest import MANIFEST_NAME, ManifestError, read_manifest_records
 from pyg_atompack.transport.redact import redact_url
@@ -84,6 +85,7 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
         HubTransferError: The server could not be read (after retries).
     """
     policy = policy or HUB_POLICY
+    headers = bind_headers(headers, url)  # the user's URL, not what its manifest names
     path = unquote(urlsplit(url).path)
     name = posixpath.basename(path)
     where = redact_url(url)
@@ -100,7 +102,8 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
             raise UnsupportedURLError(
                 f"{where}: an http(s) URL must name a .atp or .pt file, a manifest.json, or "
                 f"a directory ending in '/' that holds a manifest.json", url=where)
-        body = transport.fetch(url, policy=policy, headers=headers)
+        body = transport.fetch(url, policy=policy, headers=headers,
+                               limit=transport.DOCUMENT_LIMIT)
     except (HubTransferError, UnsupportedURLError):
         raise
     except TransportError as error:

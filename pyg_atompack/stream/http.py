@@ -11,6 +11,8 @@ import json
 import logging
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from urllib.parse import unquote, urljoin, urlsplit
 
 from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError
@@ -18,7 +20,9 @@ from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_re
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import ShardPart, WritableBuffer
+from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.errors import RemoteIntegrityError, TransportError
+from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -43,7 +47,9 @@ def shard_error(name: str, error: TransportError) -> ShardFetchError:
 
 
 def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
-              headers: Mapping[str, str] | None = None) -> WritableBuffer:
+              headers: RequestHeaders | Mapping[str, str] | None = None,
+              size: int | None = None,
+              limit: int = transport.UNLISTED_LIMIT) -> WritableBuffer:
     """Download ``url`` completely, retrying transient failures and resuming partial bodies.
 
     Args:
@@ -51,8 +57,12 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
         name (str): Shard name for messages.
         policy (RetryPolicy): Retry and timeout settings.
         cancel (CancelToken): Stops the transfer (and any backoff wait) when cancelled.
-        headers (Mapping[str, str], optional): Extra request headers (credentials go to the origin
-            of ``url`` only). (default: :obj:`None`)
+        headers (RequestHeaders | Mapping[str, str], optional): Request headers, credentials
+            bound to their origins. (default: :obj:`None`)
+        size (int, optional): The listed size: no more bytes are accepted.
+            (default: unknown)
+        limit (int, optional): The most bytes accepted when ``size`` is unknown.
+            (default: :data:`~pyg_atompack.transport.http.UNLISTED_LIMIT`)
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
@@ -63,14 +73,16 @@ def fetch_url(url: str, *, name: str, policy: RetryPolicy, cancel: CancelToken,
         StreamCancelled: ``cancel`` was cancelled meanwhile.
     """
     try:
-        return transport.fetch(url, policy=policy, cancel=cancel, headers=headers)
+        return transport.fetch(url, policy=policy, cancel=cancel, headers=headers, size=size,
+                               limit=limit)
     except TransportError as error:
         raise shard_error(name, error) from error
 
 
 def fetch_url_in_parts(url: str, *, size: int, parts: int, name: str, policy: RetryPolicy,
                        cancel: CancelToken,
-                       headers: Mapping[str, str] | None = None) -> WritableBuffer:
+                       headers: RequestHeaders | Mapping[str, str] | None = None
+                       ) -> WritableBuffer:
     """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
 
     See :func:`pyg_atompack.transport.http.fetch_in_parts`.
@@ -111,7 +123,7 @@ class URLShardSource:
     """
 
     _shards: tuple[ShardInfo, ...]
-    headers: dict[str, str]
+    headers: RequestHeaders
     retry: RetryPolicy
 
     def list_shards(self) -> Sequence[ShardInfo]:
@@ -138,7 +150,7 @@ class URLShardSource:
             StreamCancelled: ``cancel`` was cancelled during the transfer.
         """
         return fetch_url(shard.location, name=shard.name, policy=self.retry, cancel=cancel,
-                         headers=self.headers)
+                         headers=self.headers, size=shard.size)
 
     def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
                   cancel: CancelToken, progress: Callable[[int], None] | None = None,
@@ -206,45 +218,73 @@ class HTTPSource(URLShardSource):
             "sha256": "..."}, ...]}``; names are resolved relative to the manifest URL,
             and sizes, record counts and checksums come from it.
         headers (Mapping[str, str], optional): Extra request headers, e.g. ``{"Authorization":
-            "Bearer ..."}``. (default: :obj:`None`)
+            "Bearer ..."}``. Credentials go only to the origins of the URLs given here: a
+            manifest entry naming another host, or a redirect elsewhere, is read without
+            them. (default: :obj:`None`)
         retry (RetryPolicy, optional): Retry and timeout policy. (default: :class:`RetryPolicy()`)
 
     Interrupted transfers are resumed with ``Range`` requests; 429 and 5xx answers,
-    timeouts and connection resets are retried with exponential backoff and jitter.
+    timeouts and connection resets are retried with exponential backoff and jitter. Shards
+    listed without a size (a list of URLs, manifest entries without ``bytes``) are asked
+    for it (and for their version) once, here, so that every download is bounded by it and
+    big ``.atp`` files can be read by record blocks.
     """
 
     def __init__(self, urls_or_manifest: str | Sequence[str], *,
                  headers: Mapping[str, str] | None = None, retry: RetryPolicy | None = None):
-        self.headers = dict(headers or {})
+        self.headers = bind_headers(headers, urls_or_manifest)
         self.retry = retry or RetryPolicy()
         if isinstance(urls_or_manifest, str):
             self.manifest_url = urls_or_manifest
-            self._shards = self._list_manifest(urls_or_manifest)
+            shards = self._list_manifest(urls_or_manifest)
         else:
             self.manifest_url = None
             urls = list(urls_or_manifest)
             if not urls:
                 raise ShardFetchError("HTTPSource needs at least one URL")
-            self._shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
+            shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
+        self._shards = self._with_sizes(shards)
         # DataLoader workers forked from this process start with an HTTP client
         spare_client.keep_spare()
 
     def _list_manifest(self, url: str) -> tuple[ShardInfo, ...]:
+        where = redact_url(url)
         body = fetch_url(url, name="manifest.json", policy=self.retry, cancel=CancelToken(),
-                         headers=self.headers)
+                         headers=self.headers, limit=transport.DOCUMENT_LIMIT)
         try:
             document = json.loads(bytes(body).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ShardFetchError(f"{url}: manifest is not valid JSON: {error}") from error
-        entries = read_manifest_records(document, url)
+            raise ShardFetchError(f"{where}: manifest is not valid JSON: {error}",
+                                  url=where) from error
+        entries = read_manifest_records(document, where)
         if not entries:
-            raise ShardFetchError(f"{url}: manifest lists no shards (expected a 'shards' list)")
+            raise ShardFetchError(f"{where}: manifest lists no shards (expected a 'shards' list)",
+                                  url=where)
         return tuple(
             ShardInfo(name=name, size=entry.get("bytes"), sha256=entry.get("sha256"),
                       records=entry.get("records"), location=urljoin(url, name))
             for name, entry in entries.items()
         )
 
+    def _with_sizes(self, shards: tuple[ShardInfo, ...]) -> tuple[ShardInfo, ...]:
+        """``shards``, each one listed without a size asked for it (a one-byte range)."""
+        unsized = [shard for shard in shards if shard.size is None]
+        if not unsized:
+            return shards
+
+        def ask(shard: ShardInfo) -> ShardInfo:
+            try:
+                found = transport.probe(shard.location, policy=self.retry, headers=self.headers)
+            except TransportError:
+                # its download fails the same way, where on_error= decides what happens
+                return shard
+            return replace(shard, size=found.size) if found.size is not None else shard
+
+        with ThreadPoolExecutor(min(8, len(unsized))) as pool:
+            sized = dict(zip(map(id, unsized), pool.map(ask, unsized)))
+        return tuple(sized.get(id(shard), shard) for shard in shards)
+
     def __repr__(self) -> str:
-        origin = self.manifest_url or f"{len(self._shards)} URLs"
+        origin = redact_url(self.manifest_url) if self.manifest_url else \
+            f"{len(self._shards)} URLs"
         return f"{type(self).__name__}({origin!r}, shards={len(self._shards)})"

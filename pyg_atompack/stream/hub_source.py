@@ -15,6 +15,7 @@ from pyg_atompack.stream.sources import (
     read_manifest_records,
 )
 from pyg_atompack.transport import spare_client
+from pyg_atompack.transport.credentials import RequestHeaders
 
 
 class HubSource(URLShardSource):
@@ -53,6 +54,7 @@ class HubSource(URLShardSource):
                  token: str | bool | None = None, endpoint: str | None = None,
                  retry: RetryPolicy | None = None, suffixes: tuple[str, ...] | None = None):
         from pyg_atompack import hub
+        from pyg_atompack.hub.remote import endpoint_url
 
         self.repo_id = repo_id
         self.path_in_repo = path_in_repo.strip("/")
@@ -60,6 +62,8 @@ class HubSource(URLShardSource):
         self.pattern = pattern
         self.retry = retry or RetryPolicy()
         self.token = token
+        # the token's origin, fixed now: the shard URLs below are built from it
+        self.endpoint = endpoint_url(endpoint)
         common = {"repo_type": repo_type, "token": token, "endpoint": endpoint}
         self.revision = hub.resolve_revision(repo_id, revision, policy=self.retry, **common)
         files = hub.list_remote_files(repo_id, self.path_in_repo, revision=self.revision,
@@ -92,13 +96,14 @@ class HubSource(URLShardSource):
         spare_client.keep_spare()  # DataLoader workers forked from here start with a client
 
     @property
-    def headers(self) -> dict[str, str]:
+    def headers(self) -> RequestHeaders:
         """Request headers, built when needed: a token found in ``HF_TOKEN`` or the saved
         login is never stored in the source, so it is not in a pickled copy either (an
-        explicit ``token=`` is, so that DataLoader workers can download)."""
+        explicit ``token=`` is, so that DataLoader workers can download). The token is bound
+        to the Hub's origin."""
         from pyg_atompack.hub.remote import hub_headers
 
-        return hub_headers(self.token)
+        return hub_headers(self.token, self.endpoint)
 
     def _read_manifest(self, remote) -> dict[str, dict]:
         body = fetch_url(remote.url, name=remote.path, policy=self.retry, cancel=CancelToken(),

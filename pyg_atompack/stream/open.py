@@ -16,6 +16,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from pyg_atompack.stream.sources import MANIFEST_NAME, SHARD_SUFFIXES, LocalSource, Source
 from pyg_atompack.transport.errors import UnsupportedURLError
+from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.urls import check_scheme, object_store, url_scheme
 
 
@@ -70,7 +71,8 @@ def open_source(url: str | os.PathLike | Source, **storage_options: Any) -> Sour
             return HTTPSource(url, **storage_options)
         if name.endswith(SHARD_SUFFIXES):
             return HTTPSource([url], **storage_options)
+        where = redact_url(url)
         raise UnsupportedURLError(
-            f"{url!r}: an http(s) URL must name a manifest.json, a directory ending in '/' "
-            f"that holds one, or a .pt / .atp file", url=url)
+            f"{where!r}: an http(s) URL must name a manifest.json, a directory ending in '/' "
+            f"that holds one, or a .pt / .atp file", url=where)
     return object_store(url).ObjectStoreSource(url, **storage_options)

@@ -22,6 +22,7 @@ resumable downloads and verification, and raises one error family
 """
 
 from pyg_atompack._moved import moved_names
+from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -47,6 +48,8 @@ __all__ = [
     "RemoteTooLargeError",
     "UnsupportedURLError",
     "RetryPolicy",
+    "RequestHeaders",
+    "bind_headers",
     "redact_url",
     "RemoteAtpReader",
     "open_remote_atp",

@@ -19,8 +19,8 @@ import os
 from collections.abc import Callable
 from typing import BinaryIO
 
-__all__ = ["FileSink", "RangeIgnoredError", "ShardBuffer", "ShardPart", "WritableBuffer",
-           "allocate", "is_writable_buffer"]
+__all__ = ["BodyOverrunError", "FileSink", "RangeIgnoredError", "ShardBuffer", "ShardPart",
+           "WritableBuffer", "allocate", "is_writable_buffer"]
 
 WritableBuffer = bytearray | mmap.mmap
 
@@ -43,16 +43,39 @@ def is_writable_buffer(buffer: object) -> bool:
     return isinstance(buffer, (bytearray, mmap.mmap))
 
 
+class BodyOverrunError(ValueError):
+    """A server sent more bytes than the sink was listed to hold."""
+
+
 class _ResumableBody:
     """A whole body received from its first byte: resumes with ``Range: bytes=N-``.
 
-    Subclasses count the bytes they hold in ``_filled``.
+    Subclasses count the bytes they hold in ``_filled``; ``limit`` is the most the whole
+    body may hold (its listed size), :obj:`None` for no bound.
     """
 
     _filled: int
+    limit: int | None
 
     def __len__(self) -> int:
         return self._filled
+
+    def room(self, whole: bool) -> int | None:
+        """How many more bytes may arrive.
+
+        Args:
+            whole (bool): The answer restarts the body from its first byte.
+
+        Returns:
+            The bytes left under :attr:`limit`, or :obj:`None` without a limit.
+        """
+        if self.limit is None:
+            return None
+        return self.limit - (0 if whole else self._filled)
+
+    def _check_room(self, chunk: bytes) -> None:
+        if self.limit is not None and self._filled + len(chunk) > self.limit:
+            raise BodyOverrunError(f"more than the {self.limit} bytes listed arrived")
 
     @property
     def position(self) -> int:
@@ -80,10 +103,13 @@ class ShardBuffer(_ResumableBody):
 
     Args:
         name (str): Shard name for messages.
+        limit (int, optional): The most bytes the body may hold (its listed size); more
+            raise :class:`BodyOverrunError`. (default: :obj:`None`, no bound)
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, limit: int | None = None) -> None:
         self.name = name
+        self.limit = limit
         self._data: WritableBuffer = bytearray()
         self._filled = 0
 
@@ -110,7 +136,11 @@ class ShardBuffer(_ResumableBody):
 
         Args:
             chunk (bytes): The bytes; more than announced switch to a growable buffer.
+
+        Raises:
+            BodyOverrunError: The body would exceed :attr:`limit`.
         """
+        self._check_room(chunk)
         end = self._filled + len(chunk)
         if isinstance(self._data, mmap.mmap):
             if end <= len(self._data):
@@ -173,6 +203,11 @@ class ShardPart:
     def __len__(self) -> int:
         return self._filled
 
+    def room(self, whole: bool) -> int | None:
+        """How many more bytes of the range may arrive (:obj:`None` for a whole body, refused
+        by :meth:`whole_body` anyway)."""
+        return None if whole else self.end - self.position
+
     @property
     def complete(self) -> bool:
         """Whether every byte of the part arrived."""
@@ -210,17 +245,15 @@ class ShardPart:
         """Write the next bytes of the part into the shard buffer.
 
         Raises:
-            ValueError: The server sent more than the part holds.
+            BodyOverrunError: The server sent more than the part holds.
         """
         at = self.start + self._filled
         if at + len(chunk) > self.end:
-            raise ValueError(f"server sent past byte {self.end - 1} of a range request")
+            raise BodyOverrunError(f"server sent past byte {self.end - 1} of a range request")
         self.buffer[at - self.base:at - self.base + len(chunk)] = chunk
         self._filled += len(chunk)
         if self.on_data is not None:
             self.on_data(at + len(chunk))
-
-
 
 
 class FileSink(_ResumableBody):
@@ -231,10 +264,13 @@ class FileSink(_ResumableBody):
 
     Args:
         handle (BinaryIO): A file opened for writing in binary mode, positioned at its start.
+        limit (int, optional): The most bytes the body may hold (its listed size); more
+            raise :class:`BodyOverrunError` before they are written. (default: :obj:`None`)
     """
 
-    def __init__(self, handle: BinaryIO) -> None:
+    def __init__(self, handle: BinaryIO, limit: int | None = None) -> None:
         self.handle = handle
+        self.limit = limit
         self._filled = 0
 
     def whole_body(self, size: int | None) -> None:
@@ -248,7 +284,12 @@ class FileSink(_ResumableBody):
         self._filled = 0
 
     def append(self, chunk: bytes) -> None:
-        """Write the next bytes of the body."""
+        """Write the next bytes of the body.
+
+        Raises:
+            BodyOverrunError: The body would exceed :attr:`limit`.
+        """
+        self._check_room(chunk)
         self.handle.write(chunk)
         self._filled += len(chunk)
 

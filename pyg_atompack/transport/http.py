@@ -36,10 +36,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import (
+    BodyOverrunError,
     FileSink,
     RangeIgnoredError,
     ShardBuffer,
@@ -47,6 +48,7 @@ from pyg_atompack.transport.buffers import (
     WritableBuffer,
     allocate,
 )
+from pyg_atompack.transport.credentials import RequestHeaders, request_headers
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -55,10 +57,11 @@ from pyg_atompack.transport.errors import (
     RemoteTooLargeError,
     TransportError,
 )
-from pyg_atompack.transport.redact import redact_url
+from pyg_atompack.transport.redact import redact_text, redact_url
 from pyg_atompack.transport.retry import (
     RETRYABLE_STATUSES,
     RetryPolicy,
+    TransferClock,
     TransientError,
     server_wait,
     with_retries,
@@ -66,9 +69,9 @@ from pyg_atompack.transport.retry import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_REDIRECTS", "MIN_PART_BYTES", "Cancel", "Probe", "fetch", "fetch_in_parts",
-           "fetch_range", "fetch_to_file", "open_response", "part_count", "probe", "request_json",
-           "response_validator", "VersionPin"]
+__all__ = ["DOCUMENT_LIMIT", "MAX_REDIRECTS", "MIN_PART_BYTES", "UNLISTED_LIMIT", "Cancel",
+           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "open_response",
+           "part_count", "probe", "request_json", "response_validator", "VersionPin"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -89,10 +92,7 @@ def part_count(size: int, parts: int, min_part: int = MIN_PART_BYTES) -> int:
         ``parts``, fewer when ranges would be smaller than ``min_part``, at least 1.
     """
     return max(1, min(parts, size // min_part))
-# headers that authenticate the sender: sent to their own origin only
-_CREDENTIAL_HEADERS = frozenset({"authorization", "cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class Cancel(Protocol):
@@ -119,20 +119,6 @@ class _NeverCancelled:
 
 
 NEVER = _NeverCancelled()
-
-
-def origin(url: str) -> tuple[str, str, int]:
-    """``(scheme, host, port)`` of a URL, with the scheme's default port filled in.
-
-    Args:
-        url (str): An absolute URL.
-
-    Returns:
-        The origin triple.
-    """
-    parts = urlsplit(url)
-    return (parts.scheme.lower(), (parts.hostname or "").lower(),
-            parts.port or _DEFAULT_PORTS.get(parts.scheme.lower(), 0))
 
 
 def _client():
@@ -170,13 +156,6 @@ class _Interrupt:
             stream = info.get("return_value")
             if stream is not None:
                 self.watch(stream.get_extra_info("socket"))
-
-
-def _split_credentials(headers: Mapping[str, str]) -> tuple[dict, dict]:
-    plain, secret = {}, {}
-    for name, value in headers.items():
-        (secret if name.lower() in _CREDENTIAL_HEADERS else plain)[name] = value
-    return plain, secret
 
 
 def _transport_failure(error: BaseException) -> bool:
@@ -228,19 +207,22 @@ def permanent_error(status: int, headers: Mapping[str, str], url: str) -> Transp
 
 
 @contextlib.contextmanager
-def open_response(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
+def open_response(url: str, *, method: str = "GET",
+                  headers: RequestHeaders | Mapping[str, str] | None = None,
                   range_header: str | None = None, form: Mapping[str, Any] | None = None,
                   policy: RetryPolicy, cancel: Cancel = NEVER) -> Iterator[Any]:
     """One attempt: send a request, follow redirects hop by hop, yield the final response.
 
-    Credentials in ``headers`` (``Authorization``, ``Cookie``) go only to the origin of
-    ``url``; other headers go to every hop. The response is streamed: the body has not
-    been read when it is yielded.
+    Credentials go to a hop only when its origin is one they were bound to
+    (:class:`~pyg_atompack.transport.credentials.RequestHeaders`); other headers go to every
+    hop. The response is streamed: the body has not been read when it is yielded.
 
     Args:
         url (str): The address.
         method (str, optional): ``"GET"``, ``"HEAD"`` or ``"POST"``. (default: :obj:`"GET"`)
-        headers (Mapping[str, str], optional): Request headers. (default: none)
+        headers (RequestHeaders | Mapping[str, str], optional): Request headers; credentials
+            only bound to their origins (:func:`~pyg_atompack.transport.bind_headers`).
+            (default: none)
         range_header (str, optional): A ``Range`` header value, sent to every hop. (default: none)
         form (Mapping[str, Any], optional): Form fields for a ``POST`` (kept on 307/308, dropped on
             301-303). (default: :obj:`None`)
@@ -256,21 +238,22 @@ def open_response(url: str, *, method: str = "GET", headers: Mapping[str, str] |
     """
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    plain, secret = _split_credentials(headers or {})
-    home = origin(url)
+    bound = request_headers(headers)
     client = _client()
     for _ in range(MAX_REDIRECTS + 1):
         cancel.raise_if_cancelled()
-        hop_headers = {"Accept-Encoding": "identity", **plain}
-        if secret and origin(url) == home:
-            hop_headers.update(secret)
+        hop_headers = {"Accept-Encoding": "identity", **bound.for_url(url)}
         if range_header:
             hop_headers["Range"] = range_header
         interrupt = _Interrupt(cancel)
-        request = client.build_request(method, url, headers=hop_headers, data=form,
-                                       timeout=_timeout(policy),
-                                       extensions={"trace": interrupt.trace})
         where = redact_url(url)
+        try:
+            request = client.build_request(method, url, headers=hop_headers, data=form,
+                                           timeout=_timeout(policy),
+                                           extensions={"trace": interrupt.trace})
+        except Exception as error:  # noqa: BLE001 - only a malformed URL or header fails here
+            raise TransportError(f"{where}: not a valid URL ({type(error).__name__}: "
+                                 f"{redact_text(str(error))})", url=where) from None
         try:
             response = client.send(request, stream=True, follow_redirects=False)
         except OfflineModeIsEnabled as error:
@@ -398,14 +381,17 @@ class VersionPin:
                 status=status)
 
 
-def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Mapping[str, str],
-             policy: RetryPolicy, cancel: Cancel, pin: VersionPin) -> None:
+def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *,
+             headers: RequestHeaders | Mapping[str, str], policy: RetryPolicy, cancel: Cancel,
+             pin: VersionPin, clock: TransferClock) -> None:
     """One attempt: append the (rest of the) body at ``url`` to ``sink``.
 
     A sink holding some bytes asks for the rest (``Range: bytes=len-``); a server that
     ignores the range answers 200 and the sink starts over (a :class:`ShardPart` raises
     :class:`RangeIgnoredError` instead). An answer from another version of the file
-    than ``pin``'s is refused before its body is read.
+    than ``pin``'s is refused before its body is read, and so is one announcing more bytes
+    than the sink may hold; a body that sends more anyway is cut off at the first byte
+    too many, and one that outlives ``clock``'s deadline when the next bytes arrive.
     """
     range_header = sink.range_header()
     with open_response(url, headers=headers, range_header=range_header, policy=policy,
@@ -428,6 +414,11 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
         pin.check(url, response.headers, status)
         declared = response.headers.get("Content-Length")
         declared = int(declared) if declared and declared.isdigit() else None
+        room = sink.room(whole=status == 200)
+        if declared is not None and room is not None and declared > room:
+            raise RemoteIntegrityError(
+                f"{redact_url(url)}: the server announces {declared} bytes where "
+                f"{room} are listed; nothing was read", url=redact_url(url), status=status)
         if status == 200:  # the whole body (again): into a buffer of its announced size
             try:
                 sink.whole_body(declared)
@@ -443,27 +434,32 @@ def _receive(url: str, sink: ShardBuffer | ShardPart | FileSink, *, headers: Map
             for chunk in response.iter_raw():
                 cancel.raise_if_cancelled()
                 sink.append(chunk)
-        except ValueError as error:  # a part's server sent more than asked for
-            raise TransportError(f"{redact_url(url)}: {error}", url=redact_url(url)) from None
+                clock.check(len(sink))
+        except BodyOverrunError as error:
+            raise RemoteIntegrityError(f"{redact_url(url)}: {error}; the transfer was stopped",
+                                       url=redact_url(url), status=status) from None
         cancel.raise_if_cancelled()
         if expected_end is not None and len(sink) < expected_end:
             raise TransientError(f"connection closed after {len(sink)} of {expected_end} bytes")
 
 
 def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPolicy,
-         cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None,
+         cancel: Cancel = NEVER, headers: RequestHeaders | Mapping[str, str] | None = None,
          validator: str | None = None, pin: VersionPin | None = None) -> None:
     """Fill ``sink`` with the body at ``url``, retrying and resuming transient failures.
+
+    The transfer is bounded by the sink (its listed size) and by the policy's deadline
+    (:meth:`RetryPolicy.deadline_for` the sink's size).
 
     Args:
         url (str): The address.
         sink (ShardBuffer | ShardPart | FileSink): A :class:`ShardBuffer`, :class:`ShardPart` or
             :class:`FileSink`.
-        policy (RetryPolicy): Retries and timeouts.
+        policy (RetryPolicy): Retries, timeouts and the deadline.
         cancel (Cancel, optional): Stops the transfer (and any backoff wait) when cancelled.
             (default: :obj:`NEVER`)
-        headers (Mapping[str, str], optional): Request headers (credentials stay at the origin of
-            ``url``). (default: :obj:`None`)
+        headers (RequestHeaders | Mapping[str, str], optional): Request headers, credentials
+            bound to their origins. (default: :obj:`None`)
         validator (str, optional): The version the bytes must come from (a
             :func:`response_validator` value); an answer naming another is a
             :class:`RemoteIntegrityError`. (default: :obj:`None`: the first answer's)
@@ -472,63 +468,91 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
             (default: :obj:`None`: this transfer's own, so a resume never splices)
 
     Raises:
-        RemoteUnavailableError: Transient failures outlasted every retry.
+        RemoteUnavailableError: Transient failures outlasted every retry, or the transfer
+            outlived its deadline.
         RemoteIntegrityError: The server answered from another version than
-            ``validator``.
+            ``validator``, or announced or sent more bytes than listed.
         TransportError: A permanent failure (e.g. :class:`RemoteNotFoundError`).
     """
     pin = pin if pin is not None else VersionPin(validator)
+    headers = request_headers(headers)
+    clock = TransferClock(url, policy.deadline_for(sink.room(whole=True)
+                                                   if not isinstance(sink, ShardPart)
+                                                   else sink.end - sink.start))
 
     def attempt() -> None:
-        _receive(url, sink, headers=headers or {}, policy=policy, cancel=cancel, pin=pin)
+        clock.check(len(sink))
+        clock.start()
+        try:
+            _receive(url, sink, headers=headers, policy=policy, cancel=cancel, pin=pin,
+                     clock=clock)
+        finally:
+            clock.stop()
         if isinstance(sink, ShardPart) and not sink.complete:
             raise TransientError(f"range answered short, at byte {sink.position}")
 
     with_retries(attempt, url=url, policy=policy, cancel=cancel, position=lambda: sink.position)
 
 
+#: The most bytes a body of unknown size may bring into memory or a file (a listing without
+#: sizes, a server without ``Content-Length``); a listed size always bounds instead.
+UNLISTED_LIMIT = 8 << 30
+#: The most bytes of a JSON document (Hub API pages, ``manifest.json``).
+DOCUMENT_LIMIT = 64 << 20
+
+
 def fetch(url: str, *, policy: RetryPolicy, cancel: Cancel = NEVER,
-          headers: Mapping[str, str] | None = None, size: int | None = None) -> WritableBuffer:
+          headers: RequestHeaders | Mapping[str, str] | None = None,
+          size: int | None = None, limit: int = UNLISTED_LIMIT) -> WritableBuffer:
     """Download ``url`` completely into memory.
 
     Args:
         url (str): The address.
-        policy (RetryPolicy): Retries and timeouts.
+        policy (RetryPolicy): Retries, timeouts and the deadline.
         cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
-        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
-        size (int, optional): The expected size, if known (only preallocates). (default: unknown)
+        headers (RequestHeaders | Mapping[str, str], optional): Request headers.
+            (default: :obj:`None`)
+        size (int, optional): The listed size: no more bytes are accepted.
+            (default: unknown)
+        limit (int, optional): The most bytes accepted when ``size`` is unknown.
+            (default: :data:`UNLISTED_LIMIT`)
 
     Returns:
         The body, in an anonymous memory map of exactly its size when the server
         announced it (see :mod:`pyg_atompack.transport.buffers`), else in a bytearray.
     """
-    buffer = ShardBuffer(redact_url(url))
+    buffer = ShardBuffer(redact_url(url), limit=size if size is not None else limit)
     fill(url, buffer, policy=policy, cancel=cancel, headers=headers)
     return buffer.take()
 
 
 def fetch_to_file(url: str, handle: BinaryIO, *, policy: RetryPolicy, cancel: Cancel = NEVER,
-                  headers: Mapping[str, str] | None = None) -> int:
+                  headers: RequestHeaders | Mapping[str, str] | None = None,
+                  size: int | None = None) -> int:
     """Download ``url`` into an open binary file (resumed in place after a drop).
 
     Args:
         url (str): The address.
         handle (BinaryIO): A file opened ``"wb"`` (or ``"w+b"``).
-        policy (RetryPolicy): Retries and timeouts.
+        policy (RetryPolicy): Retries, timeouts and the deadline.
         cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
-        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
+        headers (RequestHeaders | Mapping[str, str], optional): Request headers.
+            (default: :obj:`None`)
+        size (int, optional): The listed size: no byte beyond it is written.
+            (default: :data:`UNLISTED_LIMIT` bounds the file)
 
     Returns:
         The number of bytes written.
     """
-    sink = FileSink(handle)
+    sink = FileSink(handle, limit=size if size is not None else UNLISTED_LIMIT)
     fill(url, sink, policy=policy, cancel=cancel, headers=headers)
     sink.flush()
     return len(sink)
 
 
 def fetch_range(url: str, start: int, length: int, *, policy: RetryPolicy,
-                cancel: Cancel = NEVER, headers: Mapping[str, str] | None = None) -> bytes:
+                cancel: Cancel = NEVER,
+                headers: RequestHeaders | Mapping[str, str] | None = None) -> bytes:
     """Read bytes ``[start, start + length)`` of ``url`` with a ``Range`` request.
 
     A server that ignores ranges answers with the whole body: it is read only up to the
@@ -556,7 +580,7 @@ def fetch_range(url: str, start: int, length: int, *, policy: RetryPolicy,
 
 
 def _prefix(url: str, end: int, *, policy: RetryPolicy, cancel: Cancel,
-            headers: Mapping[str, str] | None) -> bytes:
+            headers: RequestHeaders | Mapping[str, str] | None) -> bytes:
     def attempt() -> bytes:
         with open_response(url, headers=headers, policy=policy, cancel=cancel) as response:
             if response.status_code != 200:
@@ -572,7 +596,7 @@ def _prefix(url: str, end: int, *, policy: RetryPolicy, cancel: Cancel,
 
 
 def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
-                   cancel: Any, headers: Mapping[str, str] | None = None,
+                   cancel: Any, headers: RequestHeaders | Mapping[str, str] | None = None,
                    make_token: Callable[[], Any]) -> WritableBuffer:
     """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
 
@@ -597,7 +621,7 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
     """
     parts = part_count(size, parts)
     if parts == 1:
-        return fetch(url, policy=policy, cancel=cancel, headers=headers)
+        return fetch(url, policy=policy, cancel=cancel, headers=headers, size=size)
     try:
         buffer = allocate(size)
     except (OverflowError, MemoryError, ValueError, OSError) as error:
@@ -634,7 +658,7 @@ def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
     failures = [error for error in errors if not isinstance(error, cancelled)]
     if any(isinstance(error, RangeIgnoredError) for error in failures):
         logger.info("%s: the server ignores byte ranges; one download instead", redact_url(url))
-        return fetch(url, policy=policy, cancel=cancel, headers=headers)
+        return fetch(url, policy=policy, cancel=cancel, headers=headers, size=size)
     if failures:
         raise failures[0]
     return buffer
@@ -666,7 +690,8 @@ class Probe:
     validator: str | None
 
 
-def probe(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = None) -> Probe:
+def probe(url: str, *, policy: RetryPolicy,
+          headers: RequestHeaders | Mapping[str, str] | None = None) -> Probe:
     """The size and version of the file at ``url``, from a one-byte range request.
 
     Args:
@@ -696,7 +721,8 @@ def probe(url: str, *, policy: RetryPolicy, headers: Mapping[str, str] | None = 
     return with_retries(attempt, url=url, policy=policy)
 
 
-def request_json(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
+def request_json(url: str, *, method: str = "GET",
+                 headers: RequestHeaders | Mapping[str, str] | None = None,
                  form: Mapping[str, Any] | None = None, policy: RetryPolicy,
                  on_error: Callable[[TransportError], BaseException] | None = None
                  ) -> tuple[Any, Mapping[str, str]]:
@@ -721,7 +747,12 @@ def request_json(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
                            policy=policy) as response:
             if response.status_code >= 400:
                 raise permanent_error(response.status_code, response.headers, redact_url(url))
-            body = response.read()
+            body = bytearray()
+            for chunk in response.iter_bytes():  # decoded, so a compressed bomb is bounded too
+                body += chunk
+                if len(body) > DOCUMENT_LIMIT:
+                    raise TransportError(f"{redact_url(url)}: the answer exceeds "
+                                         f"{DOCUMENT_LIMIT} bytes", url=redact_url(url))
             try:
                 return json.loads(body.decode("utf-8")), response.headers
             except (UnicodeDecodeError, ValueError) as error:

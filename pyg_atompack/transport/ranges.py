@@ -162,8 +162,9 @@ class URLRangeReader(_Adapter):
         url (str): The file's URL.
         size (int): Its length (from a listing or manifest).
         sha256 (str, optional): Its hex sha256 when known. (default: :obj:`None`)
-        headers (dict, optional): Extra request headers (e.g. ``Authorization``; never
-            part of messages). (default: :obj:`None`)
+        headers (RequestHeaders | dict, optional): Request headers; credentials must come
+            bound to their origin (:func:`~pyg_atompack.transport.bind_headers`), never part
+            of messages. (default: :obj:`None`)
         retry (RetryPolicy, optional): Retries and timeouts.
             (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
         name (str, optional): How messages name it. (default: the URL)
@@ -173,12 +174,14 @@ class URLRangeReader(_Adapter):
     """
 
     def __init__(self, url: str, *, size: int, sha256: str | None = None,
-                 headers: dict[str, str] | None = None, retry: Any = None,
+                 headers: Any = None, retry: Any = None,
                  name: str | None = None, probe: Any = None) -> None:
+        from pyg_atompack.transport.credentials import request_headers
+
         self.url = url
         self.size = int(size)
         self.sha256 = sha256
-        self.headers = dict(headers or {})
+        self.headers = request_headers(headers)
         self.retry = retry
         self.name = name or url
         self._probe = probe

@@ -8,10 +8,14 @@ pasted into an issue tracker.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _SECRET_PARAMS = ("signature", "token", "credential", "key", "sig", "policy", "auth",
                   "password", "secret", "expires", "x-amz-", "x-goog-", "se", "sp", "sv")
+
+
+_USER_INFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 
 
 def _is_secret(name: str) -> bool:
@@ -31,8 +35,11 @@ def redact_url(url: str) -> str:
     """
     try:
         parts = urlsplit(url)
+        parts.port  # noqa: B018 - a malformed host or port raises here
     except ValueError:
-        return url
+        # too malformed to take apart: drop whatever could be user info and the query
+        return _USER_INFO.sub(r"\1", url).split("?", 1)[0].split("#", 1)[0] + (
+            "?REDACTED" if "?" in url else "")
     if not parts.scheme or not parts.netloc:
         return url
     netloc = parts.netloc.rpartition("@")[2]
@@ -42,3 +49,20 @@ def redact_url(url: str) -> str:
         query = urlencode([(k, "REDACTED" if _is_secret(k) else v) for k, v in pairs],
                           safe="/:")
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it redacted (:func:`redact_url`).
+
+    For messages of other libraries, which quote the URL they were given.
+
+    Args:
+        text (str): Any text.
+
+    Returns:
+        The text, URLs redacted.
+    """
+    return _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)

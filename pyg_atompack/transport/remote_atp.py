@@ -237,15 +237,16 @@ def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
     return ShardedReader.from_readers(shards, name=name)
 
 
-def _probe(url: str, headers: dict[str, str]) -> Any:
+def _probe(url: str, headers: Any) -> Any:
     """The length and version of the file at ``url``, from a one-byte range request."""
     from pyg_atompack.transport import http as transport_http
+    from pyg_atompack.transport.redact import redact_url
     from pyg_atompack.transport.retry import RetryPolicy
 
     found = transport_http.probe(url, policy=RetryPolicy(), headers=headers)
     if found.size is None:
-        raise OSError(f"{url}: the server announces no size (no Content-Range on a range "
-                      f"request, no Content-Length)")
+        raise OSError(f"{redact_url(url)}: the server announces no size (no Content-Range "
+                      f"on a range request, no Content-Length)")
     return found
 
 
@@ -257,8 +258,9 @@ def url_range_readers(source: str | Sequence[str], *,
         source (str | Sequence[str]): The URL of a ``manifest.json`` (the converter's: names, bytes,
             sha256 of the shards, relative to it; its `.atp` shards are used), of one `.atp` file,
             or a list of `.atp` URLs.
-        headers (dict[str, str], optional): Extra request headers (e.g. ``Authorization``).
-            (default: :obj:`None`)
+        headers (dict[str, str], optional): Extra request headers (e.g. ``Authorization``);
+            credentials go only to the origin of ``source`` (a manifest entry on another
+            host is read without them). (default: :obj:`None`)
 
     Returns:
         One :class:`~pyg_atompack.transport.ranges.URLRangeReader` per file, in order.
@@ -269,19 +271,24 @@ def url_range_readers(source: str | Sequence[str], *,
     import json
     from urllib.parse import urljoin
 
+    from pyg_atompack.transport.credentials import bind_headers
     from pyg_atompack.transport.ranges import URLRangeReader
+    from pyg_atompack.transport.redact import redact_url
 
-    headers = dict(headers or {})
+    # the credentials belong to the user's own URL(s), not to what a manifest names
+    headers = bind_headers(headers, source)
     if isinstance(source, str) and source.rsplit("?", 1)[0].endswith(".json"):
         from pyg_atompack.transport import http as transport_http
         from pyg_atompack.transport.manifest import read_manifest_records
         from pyg_atompack.transport.retry import RetryPolicy
 
-        body = transport_http.fetch(source, policy=RetryPolicy(), headers=headers)
+        body = transport_http.fetch(source, policy=RetryPolicy(), headers=headers,
+                                    limit=transport_http.DOCUMENT_LIMIT)
         try:
-            entries = read_manifest_records(json.loads(bytes(body).decode("utf-8")), source)
+            entries = read_manifest_records(json.loads(bytes(body).decode("utf-8")),
+                                            redact_url(source))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise OSError(f"{source}: manifest is not valid JSON: {error}") from error
+            raise OSError(f"{redact_url(source)}: manifest is not valid JSON: {error}") from error
         readers = []
         for name, entry in entries.items():
             if not name.endswith(".atp"):
@@ -293,7 +300,7 @@ def url_range_readers(source: str | Sequence[str], *,
                                           sha256=entry.get("sha256"), headers=headers,
                                           probe=found))
         if not readers:
-            raise OSError(f"{source}: the manifest lists no .atp shard")
+            raise OSError(f"{redact_url(source)}: the manifest lists no .atp shard")
         return readers
     urls = [source] if isinstance(source, str) else list(source)
     probes = [_probe(url, headers) for url in urls]

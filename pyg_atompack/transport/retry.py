@@ -64,6 +64,12 @@ class RetryPolicy:
             waiting for an answer or for the next bytes of a body. (default: 30.0)
         connect_timeout (float, optional): Seconds to establish a connection (TCP and TLS, or the
             proxy's tunnel). (default: 10.0)
+        deadline (float, optional): The most seconds one transfer may spend in its attempts
+            (connecting, waiting for answers, receiving), retries included and backoff waits
+            excluded: a server that drips bytes just faster than ``timeout`` is cut off.
+            :obj:`None` derives it per transfer (:meth:`deadline_for`). (default: :obj:`None`)
+        min_speed (float, optional): The slowest average speed, in bytes per second, the derived
+            deadline allows a body. (default: 131072, 128 KiB/s)
     """
 
     retries: int = 5
@@ -73,11 +79,29 @@ class RetryPolicy:
     max_retry_after: float = 300.0
     timeout: float = 30.0
     connect_timeout: float = 10.0
+    deadline: float | None = None
+    min_speed: float = 128 * 1024
 
     def __post_init__(self) -> None:
         if (self.retries < 0 or self.backoff < 0 or self.jitter < 0 or self.timeout <= 0
-                or self.connect_timeout <= 0):
+                or self.connect_timeout <= 0 or self.min_speed <= 0
+                or (self.deadline is not None and self.deadline <= 0)):
             raise ValueError(f"invalid retry policy {self}")
+
+    def deadline_for(self, size: int | None) -> float:
+        """Seconds one transfer of ``size`` bytes may spend in its attempts.
+
+        Args:
+            size (int | None): The body's length, if known.
+
+        Returns:
+            ``deadline`` when set; else every attempt's connect and read timeouts plus the
+            body at ``min_speed``.
+        """
+        if self.deadline is not None:
+            return self.deadline
+        attempts = (self.retries + 1) * (self.connect_timeout + self.timeout)
+        return attempts + (size or 0) / self.min_speed
 
     def delay(self, retry_number: int, retry_after: float | None = None,
               rng: random.Random | None = None) -> float:
@@ -155,6 +179,53 @@ def server_wait(headers: Mapping[str, str | None]) -> float | None:
     """
     wait = parse_retry_after(headers.get("Retry-After"))
     return wait if wait is not None else parse_ratelimit_reset(headers.get("RateLimit"))
+
+
+class TransferClock:
+    """The time one transfer has spent in its attempts, against its deadline.
+
+    Backoff waits between attempts do not count: the deadline bounds how long a server can
+    hold a transfer open, not how long a user waits out a rate limit it announced.
+
+    Args:
+        url (str): For messages (redacted here).
+        seconds (float): The deadline (see :meth:`RetryPolicy.deadline_for`).
+    """
+
+    def __init__(self, url: str, seconds: float) -> None:
+        self.url = url
+        self.seconds = seconds
+        self._spent = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        """An attempt begins."""
+        self._since = time.monotonic()
+
+    def stop(self) -> None:
+        """An attempt ended."""
+        if self._since is not None:
+            self._spent += time.monotonic() - self._since
+            self._since = None
+
+    def check(self, received: int | None = None) -> None:
+        """Raise once the deadline has passed.
+
+        Args:
+            received (int, optional): Bytes received so far, for the message.
+                (default: :obj:`None`)
+
+        Raises:
+            RemoteUnavailableError: The transfer outlived its deadline (not retried).
+        """
+        spent = self._spent + (time.monotonic() - self._since if self._since else 0.0)
+        if spent > self.seconds:
+            where = redact_url(self.url)
+            got = f" after {received} bytes" if received is not None else ""
+            raise RemoteUnavailableError(
+                f"{where}: the transfer outlived its {self.seconds:g} s deadline{got}; the "
+                f"server is too slow (raise RetryPolicy(deadline=) or lower min_speed for a "
+                f"slow link)", url=where)
 
 
 def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,

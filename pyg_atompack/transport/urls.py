@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from pyg_atompack.transport.errors import UnsupportedURLError
+from pyg_atompack.transport.redact import redact_url
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -85,9 +86,10 @@ def check_scheme(url: str) -> str:
     """
     scheme = url_scheme(url)
     if scheme not in supported_schemes():
+        where = redact_url(url)
         raise UnsupportedURLError(
-            f"{url!r}: unsupported URL scheme {scheme + '://' if scheme else '(none)'}; "
-            f"supported: {', '.join(s + '://' for s in supported_schemes())}", url=url)
+            f"{where!r}: unsupported URL scheme {scheme + '://' if scheme else '(none)'}; "
+            f"supported: {', '.join(s + '://' for s in supported_schemes())}", url=where)
     return scheme
 
 
@@ -106,12 +108,14 @@ def object_store(url: str):
     """
     scheme = check_scheme(url)
     backend = OBJECT_STORES.get(scheme)
+    where = redact_url(url)
     if backend is None:
-        raise UnsupportedURLError(f"{url!r}: {scheme}:// is not an object-store URL", url=url)
+        raise UnsupportedURLError(f"{where!r}: {scheme}:// is not an object-store URL",
+                                  url=where)
     try:
         return importlib.import_module(backend.module)
     except ImportError as error:
         raise UnsupportedURLError(
-            f"{url!r}: {scheme}:// URLs need the object-store backend ({backend.module}), "
-            f"which cannot be imported here ({error}); {backend.install}", url=url
+            f"{where!r}: {scheme}:// URLs need the object-store backend ({backend.module}), "
+            f"which cannot be imported here ({error}); {backend.install}", url=where
         ) from error
