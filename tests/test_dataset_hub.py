@@ -129,8 +129,7 @@ def test_hf_uri_source_in_a_subprocess(served, local_root, tmp_path):
         "print(len(ds), batch.energy.tolist(), batch.pos.dtype)\n"
     )
     env = served.subprocess_env()
-    env["PYG_ATOMPACK_HUB_CACHE"] = str(tmp_path / "cache")
-    env["PYG_ATOMPACK_CACHE"] = str(tmp_path / "pages")
+    env["PYG_ATOMPACK_CACHE"] = str(tmp_path / "cache")
     result = subprocess.run(
         [sys.executable, "-c", script, f"hf://datasets/{REPO}@{sha}/train/part_1.atp"],
         env=env, capture_output=True, text=True, timeout=120,

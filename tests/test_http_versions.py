@@ -36,7 +36,7 @@ def served(tmp_path, monkeypatch):
     root = tmp_path / "srv"
     root.mkdir()
     write_manifest(root, [NAME], [write_big_atp(root / NAME, RECORDS, compression="zstd")])
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "root"))
     atp_meta._MEMORY.clear()  # metadata from the disk cache or the server only
     server = ShardServer(root).start()
     try:

@@ -67,7 +67,6 @@ def proxy(moto, monkeypatch, tmp_path):
     for name, value in s3_environment(relay.endpoint_url).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
     atp_meta._MEMORY.clear()  # each test starts without metadata in memory (or on disk)
     yield relay
     relay.stop()

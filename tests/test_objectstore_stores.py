@@ -58,7 +58,7 @@ def store(request, store_servers):
 @pytest.fixture(autouse=True)
 def store_env(store, monkeypatch, tmp_path):
     use_store(monkeypatch, store)
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "root"))
 
 
 def _url(store, path: str) -> str:
@@ -177,7 +177,7 @@ def test_atompack_dataset_equals_local(store, atp_prefix, tmp_path, prefetch_sha
     if prefetch_shards:
         assert remote.reader.downloaded_shards() == [0, 1, 2]
     else:
-        assert not (tmp_path / "hub").exists()  # nothing downloaded whole
+        assert not (tmp_path / "root").exists()  # nothing downloaded whole
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["atp-meta", "pages"]
 
 

@@ -82,7 +82,7 @@ def _manifest(entries: list[tuple[str, int]]) -> dict:
 def test_a_manifest_entry_on_another_origin_gets_no_credentials(hostile, other, shard_bytes):
     size = len(shard_bytes)
     hostile.set_document("manifest.json", _manifest(
-        [("../honest/x.atp", size), (other.url("honest/x.atp"), size)]))
+        [(hostile.url("honest/x.atp"), size), (other.url("honest/x.atp"), size)]))
     headers = {"Authorization": SECRET, "Cookie": COOKIE, "X-Plain": "1"}
     source = HTTPSource(hostile.url("manifest/manifest.json"), headers=headers, retry=FAST)
     samples = list(ShardStreamDataset(source, shuffle=False))
@@ -144,7 +144,7 @@ def test_a_pagination_link_to_another_host_is_refused(hostile, other):
 def test_a_body_larger_than_listed_is_cut_off_at_the_listed_size(hostile, shard_bytes,
                                                                   behaviour):
     size = len(shard_bytes)
-    hostile.set_document("manifest.json", _manifest([(f"../{behaviour}/x.atp", size)]))
+    hostile.set_document("manifest.json", _manifest([(hostile.url(f"{behaviour}/x.atp"), size)]))
     source = HTTPSource(hostile.url("manifest/manifest.json"), retry=FAST)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     began = time.monotonic()
@@ -168,7 +168,7 @@ def test_a_content_length_beyond_the_listing_is_refused_before_reading(hostile, 
 def test_a_prefetched_download_never_writes_more_than_listed(hostile, shard_bytes, tmp_path,
                                                             monkeypatch):
     size = len(shard_bytes)
-    hostile.set_document("manifest.json", _manifest([("../endless/x.atp", size)]))
+    hostile.set_document("manifest.json", _manifest([(hostile.url("endless/x.atp"), size)]))
     cache = tmp_path / "cache"
     dataset = AtompackDataset(hostile.url("manifest/manifest.json"), prefetch_shards=True,
                               cache_dir=cache)
@@ -209,8 +209,11 @@ def test_the_derived_deadline_bounds_a_drip_under_the_read_timeout(hostile, shar
 
 def test_reprs_and_messages_carry_no_url_secret(hostile, shard_bytes):
     size = len(shard_bytes)
-    hostile.set_document("manifest.json", _manifest([("../honest/x.atp", size)]))
     port = hostile.server_address[1]
+    # manifest names never hold '..' (remote/cache.py): the shard is an absolute entry on
+    # the same origin, secrets in its URL too
+    hostile.set_document("manifest.json", _manifest(
+        [(f"http://alice:pa55word@127.0.0.1:{port}/honest/x.atp?token=t0k3n", size)]))
     url = f"http://alice:pa55word@127.0.0.1:{port}/manifest/manifest.json?token=t0k3n&x=1"
     source = HTTPSource(url, retry=FAST)
     dataset = ShardStreamDataset(source)

@@ -58,7 +58,7 @@ def _full_downloads(server) -> list[str]:
 
 
 def test_atompack_dataset_over_http_is_lazy_and_verified(server, www, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "cache"))
     local = AtompackDataset(www)
     # by default plain HTTP(S) is read record by record through the page cache
     for url in (server.url("manifest.json"), server.base_url + "/"):
@@ -149,7 +149,7 @@ def test_open_source_and_stream_dataset_take_urls(server, www):
 
 
 def test_cli_on_urls_reads_only_what_it_needs(server, www, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "cache"))
     url = server.url("manifest.json")
     assert main(["info", url]) == 0
     out = capsys.readouterr().out
@@ -184,8 +184,7 @@ def test_every_shard_request_goes_through_the_proxy(www, tmp_path):
                 env = fake.subprocess_env()
                 env.update({"HTTP_PROXY": proxy.url, "HTTPS_PROXY": proxy.url, "NO_PROXY": "",
                             "no_proxy": "", "HF_TOKEN": "hf_proxied_user",
-                            "PYG_ATOMPACK_HUB_CACHE": str(tmp_path / "cache"),
-                            "PYG_ATOMPACK_CACHE": str(tmp_path / "pages"),
+                            "PYG_ATOMPACK_CACHE": str(tmp_path / "cache"),
                             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent),
                                                            os.environ.get("PYTHONPATH", "")])})
                 result = subprocess.run(

@@ -21,8 +21,7 @@ def store(request, store_servers, monkeypatch, tmp_path):
     server = store_servers(request.param)
     server.create_bucket(BUCKET)
     use_store(monkeypatch, server)
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "objectstore"))
+    monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "cache"))
     return server
 
 

@@ -125,7 +125,6 @@ __all__ = [
 __getattr__ = moved_names(__name__, {
     "cached_path": "pyg_atompack.hub.transfer:cached_path",
     "check_bytes": "pyg_atompack.hub.transfer:check_bytes",
-    "default_cache_dir": "pyg_atompack.hub.transfer:default_cache_dir",
     "fetch_bytes": "pyg_atompack.hub.transfer:fetch_bytes",
     "fetch_range": "pyg_atompack.hub.transfer:fetch_range",
     "is_commit_sha": "pyg_atompack.hub.remote:is_commit_sha",

@@ -58,8 +58,9 @@ from pyg_atompack.hub.remote_atp import (
     remote_n_atoms,
     shard_uri,
 )
-from pyg_atompack.hub.transfer import default_cache_dir, download
+from pyg_atompack.hub.transfer import download
 from pyg_atompack.hub.uri import normalize_path_in_repo
+from pyg_atompack.remote.cache import cache_root
 
 
 class HubAtpReader(ShardedReader):
@@ -90,7 +91,7 @@ class HubAtpReader(ShardedReader):
         path_in_repo (str, optional): The listed directory or file, for ``repr`` and messages.
             (default: :obj:`""`)
         cache_dir (str | os.PathLike, optional): Download cache root
-            (default: :func:`default_cache_dir`).
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
         token (str | bool, optional): Hub token used for downloads. (default: :obj:`None`)
         verify (bool, optional): Verify each downloaded shard's sha256. (default: :obj:`True`)
         access (str, optional): Passed to ``atp.open`` for downloaded shards.
@@ -124,7 +125,7 @@ class HubAtpReader(ShardedReader):
         self._remote = list(shards)
         self.headers = [dict(h) for h in headers]
         self.path_in_repo = path_in_repo
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = cache_root(cache_dir)
         self.token = token
         self.verify = verify
         self.policy = policy
@@ -455,7 +456,7 @@ def open_hub_atp(
         revision (str, optional): Branch, tag or commit sha (default: the default branch). A
             branch is resolved once and the reader is pinned to that commit.
         cache_dir (str | os.PathLike, optional): Download cache root
-            (default: :func:`default_cache_dir`).
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
         token (str | bool, optional): Hub token; ``None`` uses the locally saved token, ``False``
             none. (default: :obj:`None`)
         endpoint (str, optional): Hub base URL; ``None`` uses huggingface_hub's configured endpoint.
@@ -486,30 +487,30 @@ def open_hub_atp(
     from huggingface_hub import constants
 
     path = normalize_path_in_repo(path_in_repo)
-    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_root_dir = cache_root(cache_dir)
     offline = constants.is_offline_mode()
     if is_commit_sha(revision):
         sha = revision
     elif offline:
-        sha = load_ref(cache_root, repo_id, repo_type, revision, endpoint)
+        sha = load_ref(cache_root_dir, repo_id, repo_type, revision, endpoint)
         if sha is None:
             raise HubOfflineError(
                 f"{describe_remote(repo_id, revision or 'the default branch', path or '/')}: "
                 f"HF_HUB_OFFLINE=1 is set and this revision was never resolved with the cache "
-                f"{cache_root}; pass a commit sha, or open it once online"
+                f"{cache_root_dir}; pass a commit sha, or open it once online"
             )
     else:
         sha = resolve_revision(repo_id, revision, repo_type=repo_type, token=token,
                                endpoint=endpoint, policy=policy)
-        store_ref(cache_root, repo_id, repo_type, revision, endpoint, sha)
-    cache_file = listing_file(cache_root, repo_id, repo_type, sha, path)
+        store_ref(cache_root_dir, repo_id, repo_type, revision, endpoint, sha)
+    cache_file = listing_file(cache_root_dir, repo_id, repo_type, sha, path)
     cached = load_listing(cache_file, endpoint)
     if cached is not None:
         shards, headers = cached
     elif offline:
         raise HubOfflineError(
             f"{describe_remote(repo_id, sha, path or '/')}: HF_HUB_OFFLINE=1 is set and the "
-            f"listing of this commit is not in the cache {cache_root}"
+            f"listing of this commit is not in the cache {cache_root_dir}"
         )
     else:
         shards = list_remote_files(
@@ -523,8 +524,8 @@ def open_hub_atp(
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
             headers = list(pool.map(
                 lambda s: read_shard_header(s, token=token, policy=policy), shards))
-        store_listing(cache_file, shards, headers)
+        store_listing(cache_file, shards, headers, cache_root_dir)
     return HubAtpReader(
-        shards, headers, path_in_repo=path, cache_dir=cache_root, token=token,
+        shards, headers, path_in_repo=path, cache_dir=cache_root_dir, token=token,
         verify=verify, access=access, policy=policy,
     )

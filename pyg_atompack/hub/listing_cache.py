@@ -3,8 +3,10 @@
 A commit never changes, so a listing made at a commit sha is valid forever:
 reopening a pinned dataset (a second training run, a restarted job) then costs
 no API call and no header range read. Files live under
-``{cache_dir}/{repo_type}s--{owner}--{name}/listings/{sha}/{hash of path}.json``
-and are written atomically (temporary name, then rename).
+``{root}/hub/{repo_type}s--{owner}--{name}/listings/{sha}/{hash of path}.json``
+and are written atomically, inside the cache root
+(:func:`pyg_atompack.remote.cache.write_atomically`); a read-only cache is read, never
+written (nothing is stored, and nothing fails).
 
 Each time a branch or tag is resolved online, the commit it pointed at is recorded in
 ``{repo folder}/refs/{hash of endpoint and revision}.json``; with ``HF_HUB_OFFLINE=1`` a
@@ -18,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
-from pyg_atompack.hub.remote import RemoteFile
+from pyg_atompack.hub.remote import RemoteFile, is_commit_sha
 from pyg_atompack.hub.transfer import repo_cache_folder
+from pyg_atompack.remote import cache as remote_cache
 
 _VERSION = 2
 
@@ -42,6 +44,10 @@ def listing_file(cache_dir: Path, repo_id: str, repo_type: str, sha: str, path: 
         The JSON file path.
     """
     key = hashlib.sha256(path.encode()).hexdigest()[:16]
+    if not is_commit_sha(sha):
+        raise remote_cache.RemoteNameError(
+            f"hf://{repo_type}s/{repo_id}: refusing the revision {sha!r} as a listing key: "
+            f"not a commit sha")
     return repo_cache_folder(cache_dir, repo_id, repo_type) / "listings" / sha / f"{key}.json"
 
 
@@ -79,25 +85,31 @@ def load_listing(
     return shards, headers
 
 
-def _write_json(file: Path, payload: dict) -> None:
-    """Write ``payload`` to ``file`` atomically; failures (a read-only cache) are ignored."""
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        temp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps(payload), encoding="utf-8")
-        os.replace(temp, file)
+def _write_json(file: Path, payload: dict, cache_dir: Path) -> None:
+    """Write ``payload`` to ``file`` atomically, inside the cache root ``cache_dir``.
+
+    A cache that cannot be written (read-only) only costs a fresh listing next time, so
+    that failure is ignored; a path leading out of the cache is not.
+    """
+    text = json.dumps(payload)
+    with contextlib.suppress(remote_cache.CacheReadOnlyError):
+        remote_cache.write_atomically(
+            file, remote_cache.cache_root(cache_dir),
+            lambda temp: temp.write_text(text, encoding="utf-8"))
 
 
-def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, int]]) -> None:
-    """Write a listing atomically; failures (read-only cache) are ignored.
+def store_listing(file: Path, shards: list[RemoteFile], headers: list[dict[str, int]],
+                  cache_dir: Path) -> None:
+    """Write a listing atomically; a read-only cache is left as it is.
 
     Args:
         file (Path): From :func:`listing_file`.
         shards (list[RemoteFile]): The listed shards.
         headers (list[dict[str, int]]): Per shard, the header facts.
+        cache_dir (Path): The cache root ``file`` must stay inside.
     """
     payload = {"version": _VERSION, "shards": [asdict(s) for s in shards], "headers": headers}
-    _write_json(file, payload)
+    _write_json(file, payload, cache_dir)
 
 
 def _ref_file(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
@@ -119,9 +131,11 @@ def store_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | Non
             default).
         sha (str): The commit.
     """
+    if load_ref(cache_dir, repo_id, repo_type, revision, endpoint) == sha:
+        return  # unchanged: no write (a read-only cache opens without one)
     file = _ref_file(cache_dir, repo_id, repo_type, revision, endpoint)
     payload = {"revision": revision, "endpoint": _endpoint_prefix(endpoint), "sha": sha}
-    _write_json(file, payload)
+    _write_json(file, payload, cache_dir)
 
 
 def load_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None,
@@ -144,4 +158,4 @@ def load_ref(cache_dir: Path, repo_id: str, repo_type: str, revision: str | None
         sha = data["sha"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return sha if isinstance(sha, str) and len(sha) == 40 else None
+    return sha if isinstance(sha, str) and is_commit_sha(sha) else None

@@ -38,6 +38,7 @@ from pyg_atompack.hub.errors import (
     describe_remote,
 )
 from pyg_atompack.hub.uri import normalize_path_in_repo
+from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers, origin
 from pyg_atompack.transport.errors import (
@@ -75,6 +76,10 @@ class RemoteFile:
             listed from an object store (``blob_id`` then holds its ETag).
         blob_id: The git blob id (sha1 of ``"blob {size}\\0" + content``), which
             lets plain git files be verified too; ``None`` when unknown.
+        version: For ``repo_type="url"``: the version the server named when the file was
+            listed (ETag, else ``"modified <Last-Modified>"``), which keys the cached copy
+            and pins its download; for ``"object"``: the GCS generation. ``None`` when the
+            listing named none.
     """
 
     path: str
@@ -85,6 +90,7 @@ class RemoteFile:
     repo_id: str = ""
     repo_type: str = "dataset"
     blob_id: str | None = None
+    version: str | None = None
 
     def describe(self) -> str:
         """Human-readable ``repo @ revision, path`` string (the URL, for plain URLs)."""
@@ -346,16 +352,19 @@ def file_url(repo_id: str, path: str, *, revision: str, repo_type: str,
 def _remote_file(entry: dict, *, repo_id, revision, repo_type, endpoint) -> RemoteFile:
     lfs = entry.get("lfs") or None
     sha256 = lfs.get("oid") or lfs.get("sha256") if isinstance(lfs, dict) else None
+    url = file_url(repo_id, entry["path"], revision=revision, repo_type=repo_type,
+                   endpoint=endpoint)
+    # the listing is untrusted: names and digests become cache paths (remote/cache.py)
     return RemoteFile(
-        path=entry["path"],
+        path=remote_cache.local_name(entry["path"], url=url),
         size=int(entry["size"]),
-        sha256=sha256,
-        url=file_url(repo_id, entry["path"], revision=revision, repo_type=repo_type,
-                     endpoint=endpoint),
+        sha256=remote_cache.check_sha256(sha256, url=url, field="lfs sha256"),
+        url=url,
         revision=revision,
         repo_id=repo_id,
         repo_type=repo_type,
-        blob_id=entry.get("oid"),
+        blob_id=remote_cache.check_digest(entry.get("oid"), url=url, field="oid",
+                                          lengths=(40, 64)),
     )
 
 

@@ -8,9 +8,15 @@ them exactly as it reads a Hub directory: header range reads when opening, verif
 downloads into the cache on first use. No Hub token is ever sent to such a URL; pass
 ``headers=`` for a server that needs credentials (they stay at that server's origin).
 
-Cache: files with a sha256 in the manifest are content-addressed (``blobs/{sha256}``);
-files without one go to ``unverified/`` under a folder per URL directory and are checked
-by size only.
+Cache (:mod:`pyg_atompack.remote.cache`): one folder per URL directory,
+``{root}/http/{host}--{hash of the directory URL}/``. Files with a sha256 in the manifest
+are content-addressed (``blobs/{sha256}``); files without one go to
+``versions/{version key}/{file name}``, keyed by the version the server names (the ETag,
+else Last-Modified) and downloaded pinned to it, so a file rewritten at the same size is
+fetched again. A file's local name is the last component of its URL's path, decoded;
+an absolute manifest entry (``https://mirror/x.atp``, a supported mirror) is stored the
+same way, under the folder of its own origin and directory. Manifest names and digests are
+checked when the manifest is read (:mod:`pyg_atompack.transport.manifest`).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 from collections.abc import Mapping
 from urllib.parse import unquote, urljoin, urlsplit
 
 from pyg_atompack.hub.errors import HubNoShardsError, HubTransferError
 from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile
+from pyg_atompack.hub.transfer import cached_path
+from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.credentials import bind_headers
 from pyg_atompack.transport.errors import TransportError, UnsupportedURLError
@@ -35,16 +44,21 @@ _SUFFIXES = (".atp", ".pt")
 
 
 def _folder_key(url: str) -> str:
-    # one cache folder per URL directory, named readably and made unique by a hash
+    # one cache folder per URL directory, named readably and made unique by a hash; the
+    # host is reduced to safe characters (the hash keeps folders apart)
     parts = urlsplit(url)
     directory = posixpath.dirname(parts.path)
     digest = hashlib.sha256(f"{parts.scheme}://{parts.netloc}{directory}".encode()).hexdigest()
-    return f"{parts.hostname or 'host'}/{digest[:16]}"
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "host")[:64]
+    return f"{host}--{digest[:16]}"
 
 
-def _entry(url: str, name: str, size: int, sha256: str | None) -> RemoteFile:
-    return RemoteFile(path=name, size=size, sha256=sha256, url=url, revision="",
-                      repo_id=_folder_key(url), repo_type="url")
+def _entry(url: str, name: str, size: int, sha256: str | None,
+           version: str | None = None) -> RemoteFile:
+    entry = RemoteFile(path=name, size=size, sha256=sha256, url=url, revision="",
+                       repo_id=_folder_key(url), repo_type="url", version=version)
+    cached_path(entry)  # its local name is checked now, at listing, not in a download
+    return entry
 
 
 def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
@@ -66,6 +80,7 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
 
     Raises:
         UnsupportedURLError: The URL names none of the above.
+        RemoteNameError: A manifest name or sha256 cannot safely name a file.
         HubNoShardsError: The manifest lists no file with the suffix.
         HubTransferError: The server could not be read (after retries).
     """
@@ -76,11 +91,11 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
     where = redact_url(url)
     try:
         if name.endswith(_SUFFIXES):
-            size = transport.probe(url, policy=policy, headers=headers).size
-            if size is None:
+            found = transport.probe(url, policy=policy, headers=headers)
+            if found.size is None:
                 raise HubTransferError(f"{where}: the server does not tell the file's size",
                                        url=where)
-            return [_entry(url, name, size, None)]
+            return [_entry(url, name, found.size, None, found.validator)]
         if path.endswith("/"):
             url = urljoin(url, MANIFEST_NAME)
         elif name != MANIFEST_NAME:
@@ -95,11 +110,13 @@ def list_url_files(url: str, *, pattern_suffix: str | None = ".atp",
         raise HubTransferError(str(error), url=error.url, status=error.status) from error
     try:
         document = json.loads(bytes(body).decode("utf-8"))
-        entries = read_manifest_records(document, redact_url(url))
     except (UnicodeDecodeError, ValueError) as error:
-        kind = "" if isinstance(error, ManifestError) else "manifest is not valid JSON: "
-        raise HubTransferError(f"{redact_url(url)}: {kind}{error}",
+        raise HubTransferError(f"{redact_url(url)}: manifest is not valid JSON: {error}",
                                url=redact_url(url)) from error
+    try:
+        entries = read_manifest_records(document, url)  # names and sha256 checked there
+    except ManifestError as error:
+        raise HubTransferError(str(error), url=redact_url(url)) from error
     files = []
     for entry_name, entry in entries.items():
         if pattern_suffix and not entry_name.endswith(pattern_suffix):
@@ -124,8 +141,8 @@ def open_url_atp(url: str, *, cache_dir: str | os.PathLike | None = None, verify
 
     Args:
         url (str): See :func:`list_url_files`.
-        cache_dir (str | os.PathLike, optional): Download cache root
-            (default: :func:`~pyg_atompack.hub.transfer.default_cache_dir`).
+        cache_dir (str | os.PathLike, optional): Cache root
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
         verify (bool, optional): Verify each download against the manifest's sha256.
             (default: :obj:`True`)
         access (str, optional): ``atp.open`` access mode of downloaded shards.
@@ -137,16 +154,14 @@ def open_url_atp(url: str, *, cache_dir: str | os.PathLike | None = None, verify
         A :class:`~pyg_atompack.hub.HubAtpReader` named by the (redacted) URL.
     """
     from concurrent.futures import ThreadPoolExecutor
-    from pathlib import Path
 
     from pyg_atompack.hub.atp_reader import HubAtpReader
     from pyg_atompack.hub.remote_atp import read_shard_header
-    from pyg_atompack.hub.transfer import default_cache_dir
 
     shards = list_url_files(url, policy=policy)
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
         headers = list(pool.map(lambda s: read_shard_header(s, policy=policy), shards))
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = remote_cache.cache_root(cache_dir)
     return HubAtpReader(shards, headers, path_in_repo="", cache_dir=root, token=False,
                         verify=verify, access=access, policy=policy, name=redact_url(url))
 
@@ -198,7 +213,8 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
 
     Args:
         url (str): ``s3://bucket/prefix/`` (or one object, or a ``manifest.json``).
-        cache_dir (str | os.PathLike, optional): Download cache root (default: the backend's).
+        cache_dir (str | os.PathLike, optional): Cache root
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
         verify (bool, optional): Kept for the signature of the other openers; the backend always
             verifies. (default: :obj:`True`)
         access (str, optional): ``atp.open`` access mode of downloaded shards.
@@ -221,7 +237,8 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
         storage_options["retry"] = policy
     store, objects = list_objects(url, suffixes=(".atp",), **storage_options)
     shards = [RemoteFile(path=o.name, size=o.size, sha256=o.sha256, url=o.url, revision="",
-                         repo_id="", repo_type="object", blob_id=o.etag) for o in objects]
+                         repo_id="", repo_type="object", blob_id=o.etag,
+                         version=o.generation) for o in objects]
     if not shards:
         raise HubNoShardsError(f"{redact_url(url)}: no .atp object below this URL")
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:

@@ -217,6 +217,9 @@ def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
 
     Raises:
         ShardFetchError: The manifest does not have the documented shape.
+        RemoteNameError: A name or sha256 cannot safely name a file (``..``, an absolute
+            path, a control character, ...; a :class:`~pyg_atompack.transport.TransportError`
+            too): refused here, when the manifest is listed.
     """
     try:
         return manifest.read_manifest_records(document, origin)

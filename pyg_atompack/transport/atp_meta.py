@@ -4,11 +4,13 @@ The index of a multi-GB shard is hundreds of MB (20 bytes a record). :func:`load
 fetches it by range reads of at most :data:`META_CHUNK_BYTES` each, several at once,
 each resumed by the range reader when a connection drops; it is checked against the
 header that announced it (:func:`pyg_atompack.atp.images.parse_meta`) and written to
-``{cache_dir}/atp-meta/{key}.atpmeta``, where ``key`` hashes the file's content identity
-(sha256 from the listing, else location and size). A file lock makes one process fetch
-while the others (DataLoader workers, ranks on the same machine) wait and then read the
-cached copy; a later run reads it too. The cached file ends with the sha256 of its
+``{root}/atp-meta/{key}.atpmeta``, where ``key`` hashes the file's content identity
+(sha256 from the listing, else location, size and version). A file lock makes one process
+fetch while the others (DataLoader workers, ranks on the same machine) wait and then read
+the cached copy; a later run reads it too. The cached file ends with the sha256 of its
 contents, and is parsed and checked again on every load, so a damaged copy is refetched.
+Writes go through :mod:`pyg_atompack.remote.cache` (inside the root after resolving
+symlinks); in a read-only cache a miss is fetched into memory and not stored.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,25 +25,15 @@ from typing import Any
 
 from pyg_atompack.atp.header import HEADER_SIZE, select_header
 from pyg_atompack.atp.images import FileMeta, parse_meta
+from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport.ranges import RangeReader, read_range
 
-__all__ = ["META_CHUNK_BYTES", "default_cache_dir", "fetch_meta", "load_meta", "meta_path"]
+__all__ = ["META_CHUNK_BYTES", "fetch_meta", "load_meta", "meta_path"]
 
 #: Largest range request used for metadata (the index of a big shard is fetched in pieces).
 META_CHUNK_BYTES = 16 << 20
 _MAGIC = b"ATPMETA1"
 _LENGTHS = struct.Struct("<QQQQ")  # file size, identity length, schema length, index length
-_CACHE_ENV = "PYG_ATOMPACK_CACHE"
-
-
-def default_cache_dir() -> Path:
-    """The cache root used when none is given.
-
-    Returns:
-        ``$PYG_ATOMPACK_CACHE`` if set, else ``~/.cache/pyg_atompack``.
-    """
-    env = os.environ.get(_CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pyg_atompack"
 
 
 def meta_path(cache_dir: str | os.PathLike, identity: str, size: int) -> Path:
@@ -57,7 +48,7 @@ def meta_path(cache_dir: str | os.PathLike, identity: str, size: int) -> Path:
         The path (whether or not it exists).
     """
     key = hashlib.sha256(f"{identity}|{size}".encode()).hexdigest()[:40]
-    return Path(cache_dir) / "atp-meta" / f"{key}.atpmeta"
+    return remote_cache.kind_folder(remote_cache.META, cache_dir) / f"{key}.atpmeta"
 
 
 def _read_chunked(reader: RangeReader, start: int, stop: int, workers: int) -> bytes:
@@ -157,7 +148,8 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
 
     Args:
         reader (RangeReader): The file.
-        cache_dir (str | os.PathLike, optional): Cache root (default: :func:`default_cache_dir`).
+        cache_dir (str | os.PathLike, optional): Cache root
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
         workers (int, optional): Range requests in flight for a large index. (default: :obj:`4`)
         stats (dict[str, Any], optional): When given, ``stats["fetched"]`` is incremented when this
             call fetched the metadata over the network (for tests and traces).
@@ -166,14 +158,12 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
     Returns:
         The :class:`~pyg_atompack.atp.images.FileMeta` (its ``name`` is the reader's).
     """
-    from filelock import FileLock
-
     key = (reader.identity, reader.size)
     kept = _MEMORY.get(key)
     if kept is not None and kept.name == reader.name:
         _MEMORY.move_to_end(key)
         return kept
-    meta = _load_meta(reader, cache_dir, workers, stats, FileLock)
+    meta = _load_meta(reader, cache_dir, workers, stats)
     _MEMORY[key] = meta
     while len(_MEMORY) > MEMORY_ENTRIES:
         _MEMORY.popitem(last=False)
@@ -181,33 +171,37 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
 
 
 def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, workers: int,
-               stats: dict[str, Any] | None, FileLock: Any) -> FileMeta:  # noqa: N803
-    path = meta_path(cache_dir if cache_dir is not None else default_cache_dir(),
-                     reader.identity, reader.size)
+               stats: dict[str, Any] | None) -> FileMeta:
+    root = remote_cache.cache_root(cache_dir)
+    path = remote_cache.check_inside(meta_path(root, reader.identity, reader.size), root,
+                                     url=reader.name)
+    found: list[FileMeta] = []
 
-    def cached() -> FileMeta | None:
+    def cached(candidate: Path) -> bool:
         try:
-            return _decode(path.read_bytes(), reader)
+            meta = _decode(candidate.read_bytes(), reader)
         except FileNotFoundError:
-            return None
+            return False
         except Exception:  # noqa: BLE001 - a damaged cache entry is refetched
-            return None
-
-    meta = cached()
-    if meta is not None:
-        return meta
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        meta = cached()  # another process fetched it while this one waited
+            return False
         if meta is not None:
-            return meta
+            found[:] = [meta]
+        return meta is not None
+
+    def fetch() -> FileMeta:
         meta = fetch_meta(reader, workers=workers)
         if stats is not None:
             stats["fetched"] = stats.get("fetched", 0) + 1
-        temp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            temp.write_bytes(_encode(meta, reader.identity))
-            os.replace(temp, path)
-        finally:
-            temp.unlink(missing_ok=True)
-    return meta
+        return meta
+
+    def write(temp: Path) -> None:
+        meta = fetch()
+        found[:] = [meta]
+        temp.write_bytes(_encode(meta, reader.identity))
+
+    try:
+        remote_cache.cached_file(path, root, complete=cached, write=write, url=reader.name)
+    except remote_cache.CacheReadOnlyError:
+        if not found:  # a read-only cache: this process keeps the metadata in memory only
+            found[:] = [fetch()]
+    return found[0]

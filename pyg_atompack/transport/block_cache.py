@@ -23,7 +23,11 @@ Concurrency rules (DataLoader workers, ranks on one node):
 * a hit refreshes the page's modification time (the LRU clock); a page evicted between
   listing and reading is simply a miss;
 * each page file ends with the CRC-32 of its bytes: a damaged page is deleted and
-  fetched again.
+  fetched again;
+* every path written (the folder, the lock, temporary and page files) is checked to stay
+  inside the cache root after resolving symlinks (:mod:`pyg_atompack.remote.cache`);
+* a read-only cache (a shared, pre-filled one) serves its pages without writing: the LRU
+  clock is not moved, and missing pages are fetched into memory and not stored.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ import contextlib
 import hashlib
 import os
 import struct
-import uuid
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport.ranges import RangeReader, read_range
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_PAGE_BYTES", "BlockCache"]
@@ -62,14 +66,17 @@ class BlockCache:
         max_request_bytes (int, optional): Largest range request for a run of missing pages.
             (default: 16 MiB)
         workers (int, optional): Range requests in flight. (default: :obj:`8`)
+        root (str | os.PathLike, optional): The cache root every written path must stay inside
+            once symlinks are resolved. (default: :obj:`directory`)
     """
 
     def __init__(self, directory: str | os.PathLike, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  *, page_bytes: int = DEFAULT_PAGE_BYTES, max_request_bytes: int = 16 << 20,
-                 workers: int = 8) -> None:
+                 workers: int = 8, root: str | os.PathLike | None = None) -> None:
         if cache_bytes < 0 or page_bytes < 1 or max_request_bytes < page_bytes:
             raise ValueError("need cache_bytes >= 0 and max_request_bytes >= page_bytes >= 1")
         self.directory = Path(directory)
+        self.root = Path(root) if root is not None else self.directory
         self.cache_bytes = int(cache_bytes)
         self.page_bytes = int(page_bytes)
         self.max_request_bytes = int(max_request_bytes)
@@ -95,7 +102,8 @@ class BlockCache:
         if not self.directory.is_dir():
             return found
         for folder in os.scandir(self.directory):
-            if not folder.is_dir():
+            # never into a symlinked folder: eviction deletes what it finds
+            if not folder.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(folder.path):
                 if entry.name.endswith(_SUFFIX):
@@ -115,11 +123,20 @@ class BlockCache:
         body, crc = data[:-_CRC.size], data[-_CRC.size:]
         if len(data) != length + _CRC.size or _CRC.unpack(crc)[0] != zlib.crc32(body):
             self.stats["damaged"] += 1
-            path.unlink(missing_ok=True)  # damaged: fetched again below
+            self._without_writes(path.unlink, missing_ok=True)  # damaged: fetched again
             return None
-        with contextlib.suppress(FileNotFoundError):  # evicted meanwhile: still a hit
-            os.utime(path)  # the LRU clock
+        self._without_writes(os.utime, path)  # the LRU clock
         return body
+
+    @staticmethod
+    def _without_writes(operation: Any, *args: Any, **kwargs: Any) -> None:
+        # an LRU touch or a cleanup: a page evicted meanwhile, or a read-only cache (which
+        # evicts nothing, so needs no clock), leaves it undone
+        try:
+            operation(*args, **kwargs)
+        except OSError as error:
+            if not (isinstance(error, FileNotFoundError) or remote_cache.read_only(error)):
+                raise
 
     def _page_length(self, reader: RangeReader, page: int) -> int:
         return min(self.page_bytes, reader.size - page * self.page_bytes)
@@ -155,10 +172,14 @@ class BlockCache:
     def _store(self, folder: Path, pages: dict[int, bytes]) -> None:
         if not self.cache_bytes or not pages:
             return
-        from filelock import FileLock
+        # a read-only cache: the pages were fetched and are served from memory, unstored
+        with contextlib.suppress(remote_cache.CacheReadOnlyError):
+            self._store_locked(folder, pages)
 
-        folder.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.directory / ".lock")):
+    def _store_locked(self, folder: Path, pages: dict[int, bytes]) -> None:
+        remote_cache.make_folder(folder, self.root)
+        with remote_cache.writes_to(self.directory), \
+                remote_cache.file_lock(self.directory / ".lock", self.root):
             entries = self._entries()
             present = {path for _, _, path in entries}
             new = [(page, data) for page, data in sorted(pages.items())
@@ -180,13 +201,9 @@ class BlockCache:
                     if total + need <= budget:
                         break
             for page, data in kept:
-                final = self._page_path(folder, page)
-                temp = final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-                try:
-                    temp.write_bytes(data + _CRC.pack(zlib.crc32(data)))
-                    os.replace(temp, final)
-                finally:
-                    temp.unlink(missing_ok=True)
+                body = data + _CRC.pack(zlib.crc32(data))
+                remote_cache.write_atomically(self._page_path(folder, page), self.root,
+                                              lambda temp, body=body: temp.write_bytes(body))
 
     # ----------------------------------------------------------------- reads
     def pages(self, reader: RangeReader, ranges: Sequence[tuple[int, int]],

@@ -55,7 +55,6 @@ import mmap
 import os
 import posixpath
 import threading
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -63,6 +62,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -83,7 +83,6 @@ __all__ = [
     "OBJECT_STORE_SCHEMES",
     "ObjectInfo",
     "ObjectStore",
-    "default_cache_dir",
     "download",
     "is_object_store_url",
     "list_objects",
@@ -97,7 +96,6 @@ OBJECT_STORE_SCHEMES = {scheme: backend.package for scheme, backend in BACKENDS.
 SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 8 << 20
-_CACHE_ENV = "PYG_ATOMPACK_CACHE"
 # storage options that hold a credential: kept in memory, never pickled, never printed
 _SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "password",
                              "account_key", "sas_token", "connection_string",
@@ -128,18 +126,6 @@ class CancelLike(Protocol):
 def is_object_store_url(url: object) -> bool:
     """Whether ``url`` is a string with one of :data:`OBJECT_STORE_SCHEMES`."""
     return isinstance(url, str) and urlsplit(url).scheme in OBJECT_STORE_SCHEMES
-
-
-def default_cache_dir() -> Path:
-    """Where :func:`download` keeps verified objects when no cache is given.
-
-    Returns:
-        ``$PYG_ATOMPACK_CACHE/objectstore`` if set, else
-        ``~/.cache/pyg_atompack/objectstore``.
-    """
-    root = os.environ.get(_CACHE_ENV)
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "pyg_atompack"
-    return base / "objectstore"
 
 
 @dataclass(frozen=True)
@@ -502,6 +488,9 @@ class ObjectStore:
             RemoteIntegrityError: A listed size disagrees with the manifest.
             RemoteAuthError: Missing or refused credentials.
             RemoteUnavailableError: The endpoint stayed unreachable through every retry.
+            RemoteNameError: A listed key cannot safely name a file (``..``, an absolute or
+                empty component, a control character, a backslash, too long: see
+                :func:`pyg_atompack.remote.cache.local_name`).
         """
         if self.key.endswith(".json"):
             directory = posixpath.dirname(self.key)
@@ -518,11 +507,11 @@ class ObjectStore:
                         f"{url}: named by the manifest {self.url} but not in the bucket",
                         url=url)
                 objects.append(_with_manifest(listed[name], entry, self.url))
-            return sorted(objects, key=lambda o: o.name)
+            return _checked(self.url, sorted(objects, key=lambda o: o.name))
         single = bool(self.key) and posixpath.splitext(self.key)[1] in SHARD_SUFFIXES
         if single:
             with contextlib.suppress(RemoteNotFoundError):
-                return [self._info(self.key)]
+                return _checked(self.url, [self._info(self.key)])
         everything = self._list_prefix(self.key)
         if single and not everything:
             raise RemoteNotFoundError(f"{self.url}: no such object", url=self.url)
@@ -545,7 +534,7 @@ class ObjectStore:
             url = self.object_url(f"{self.key}/{missing[0]}" if self.key else missing[0])
             raise RemoteNotFoundError(
                 f"{url}: named by the manifest {manifest_url} but not in the bucket", url=url)
-        return objects
+        return _checked(self.url, objects)
 
     def _list_prefix(self, prefix: str) -> list[ObjectInfo]:
         root = f"{self.bucket}/{prefix}".rstrip("/")
@@ -675,39 +664,52 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ downloads
     def cached_path(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None) -> Path:
-        """Where :meth:`download` keeps ``obj`` (content-addressed when sha256 is known).
+        """Where :meth:`download` keeps ``obj``: by content with a sha256, else by version.
+
+        Every listed value is checked (:mod:`pyg_atompack.remote.cache`): the key through
+        ``local_name``, the sha256 as 64 hex digits; the ETag and generation are hashed.
 
         Args:
             obj (ObjectInfo): A listed object.
             cache_dir (str | os.PathLike, optional): Cache root.
-                (default: :func:`default_cache_dir`)
+                (default: :func:`~pyg_atompack.remote.cache.cache_root`)
 
         Returns:
-            ``{cache}/{scheme}--{bucket}/blobs/sha256-{digest}/{file name}``, or
-            ``{cache}/{scheme}--{bucket}/etag/{etag}/{name}`` without a digest.
+            ``{root}/objectstore/{scheme}--{bucket}/blobs/sha256-{digest}/{file name}``, else
+            ``.../versions/{version key of ETag, generation}/{key}`` (``unversioned/{key}``,
+            never reused, when the store names no version).
+
+        Raises:
+            RemoteNameError: The key, bucket or sha256 cannot safely name a file.
         """
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        folder = root / f"{self.scheme}--{self.bucket}"
-        if obj.sha256:  # the file keeps its name, so messages about it name the shard
-            return folder / "blobs" / f"sha256-{obj.sha256.lower()}" / posixpath.basename(
-                obj.name)
-        tag = (obj.etag or f"size-{obj.size}").replace("/", "_")
-        return folder / "etag" / tag / obj.name
+        # the listing's URL names the error: a hostile key may hold control characters
+        name = remote_cache.local_name(obj.name, url=self.url)
+        bucket = remote_cache.local_component(self.bucket, url=self.url, field="bucket")
+        folder = remote_cache.kind_folder(remote_cache.OBJECTSTORE, cache_dir) / \
+            f"{self.scheme}--{bucket}"
+        sha256 = remote_cache.check_sha256(obj.sha256, url=self.url)
+        if sha256:  # the file keeps its name, so messages about it name the shard
+            return folder / "blobs" / f"sha256-{sha256}" / posixpath.basename(name)
+        if obj.etag is None and obj.generation is None:
+            return folder / "unversioned" / name
+        return folder / "versions" / remote_cache.version_key(obj.etag, obj.generation) / name
 
     def download(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None,
                  *, cancel: CancelLike | None = None) -> Path:
         """A verified local copy of ``obj`` in the cache, downloading it if needed.
 
-        The bytes go to a temporary file next to the destination (resumed by range
-        after transient failures), are checked against the listed size and the
-        manifest's sha256, and only then renamed into place; a failed or unverified
-        download leaves nothing in the cache. A file lock makes concurrent processes
-        download once.
+        A copy is reused only at the listed version (sha256, else ETag / generation:
+        see :meth:`cached_path`). The bytes go to a temporary file next to the
+        destination (ranged reads pinned to the listed version, resumed after transient
+        failures), are checked against the listed size and the manifest's sha256, and
+        only then renamed into place; a failed or unverified download leaves nothing in
+        the cache. A file lock makes concurrent processes download once. A hit writes
+        nothing, so a read-only cache serves it.
 
         Args:
             obj (ObjectInfo): A listed object.
             cache_dir (str | os.PathLike, optional): Cache root.
-                (default: :func:`default_cache_dir`)
+                (default: :func:`~pyg_atompack.remote.cache.cache_root`)
             cancel (CancelLike, optional): Stops the transfer. (default: :obj:`None`)
 
         Returns:
@@ -715,32 +717,28 @@ class ObjectStore:
 
         Raises:
             RemoteIntegrityError: Size or sha256 differs from the listing.
+            RemoteNameError: A listed value cannot safely name a file.
+            CacheReadOnlyError: Not cached, and the cache cannot be written.
             TransportError: The transfer failed (see :meth:`read_into`).
         """
-        from filelock import FileLock
-
         final = self.cached_path(obj, cache_dir)
-        if _is_complete(final, obj.size):
-            return final
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(final) + ".lock"):
-            if _is_complete(final, obj.size):
-                return final
-            temp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-                                   f".incomplete")
-            try:
-                with open(temp, "wb") as handle:
-                    handle.truncate(obj.size)
-                with open(temp, "r+b") as handle:
-                    if obj.size:
-                        with mmap.mmap(handle.fileno(), obj.size) as mapped:
-                            self.read_into(obj, mapped, cancel=cancel)
-                            mapped.flush()
-                verify_file(obj, temp)
-                os.replace(temp, final)
-            finally:
-                temp.unlink(missing_ok=True)
-        return final
+        versioned = bool(obj.sha256 or obj.etag is not None or obj.generation is not None)
+
+        def complete(path: Path) -> bool:
+            return versioned and _is_complete(path, obj.size)
+
+        def write(temp: Path) -> None:
+            with open(temp, "wb") as handle:
+                handle.truncate(obj.size)
+            with open(temp, "r+b") as handle:
+                if obj.size:
+                    with mmap.mmap(handle.fileno(), obj.size) as mapped:
+                        self.read_into(obj, mapped, cancel=cancel)
+                        mapped.flush()
+            verify_file(obj, temp)
+
+        return remote_cache.cached_file(final, remote_cache.cache_root(cache_dir),
+                                        complete=complete, write=write, url=obj.url)
 
 
 def _split_secrets(options: dict) -> tuple[dict, dict]:
@@ -784,6 +782,13 @@ def _is_complete(path: Path, size: int) -> bool:
         return False
 
 
+def _checked(url: str, objects: list[ObjectInfo]) -> list[ObjectInfo]:
+    """``objects`` listed at ``url``, after checking each name can safely become a path."""
+    for obj in objects:
+        remote_cache.local_name(obj.name, url=url)
+    return objects
+
+
 def _object_info(store: ObjectStore, entry: dict, name: str) -> ObjectInfo:
     etag = entry.get("ETag") or entry.get("etag") or entry.get("md5Hash")
     generation = entry.get("generation")
@@ -805,7 +810,9 @@ def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> Ob
 
 
 def parse_manifest(document: Any, url: str) -> dict[str, dict]:
-    """``{name: entry}`` from a shard manifest (``docs/architecture.md``, "Shard manifests").
+    """``{name: entry}`` from a shard manifest: the one parser,
+    :func:`pyg_atompack.transport.manifest.read_manifest_records` (names and sha256
+    checked there).
 
     Args:
         document (Any): The parsed JSON.
@@ -816,25 +823,11 @@ def parse_manifest(document: Any, url: str) -> dict[str, dict]:
         ``sha256``); empty for documents without a ``"shards"`` list.
 
     Raises:
-        TransportError: An entry is malformed (the message names the entry and field).
+        TransportError: An entry is malformed or unsafe (the message names the entry).
     """
-    shards = document.get("shards") if isinstance(document, dict) else None
-    if shards is None:
-        return {}
-    if not isinstance(shards, list):
-        raise TransportError(f"{url}: 'shards' must be a list", url=url)
-    entries: dict[str, dict] = {}
-    for position, entry in enumerate(shards):
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise TransportError(f"{url}: shards[{position}] needs a string 'name'", url=url)
-        for field, kind in (("records", int), ("bytes", int), ("sha256", str)):
-            value = entry.get(field)
-            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-                raise TransportError(
-                    f"{url}: shards[{position}] ({entry['name']}): '{field}' must be "
-                    f"{kind.__name__}, got {value!r}", url=url)
-        entries[entry["name"]] = entry
-    return entries
+    from pyg_atompack.transport.manifest import read_manifest_records
+
+    return read_manifest_records(document, url)
 
 
 def verify_file(obj: ObjectInfo, path: str | os.PathLike) -> None:
@@ -908,7 +901,8 @@ def download(store: ObjectStore, obj: ObjectInfo,
     Args:
         store (ObjectStore): The handle that listed ``obj``.
         obj (ObjectInfo): A listed object.
-        cache_dir (str | os.PathLike, optional): Cache root. (default: :func:`default_cache_dir`)
+        cache_dir (str | os.PathLike, optional): Cache root.
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`)
 
     Returns:
         The local path.

@@ -21,7 +21,6 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,8 @@ from pyg_atompack.atp import batch as _batch
 from pyg_atompack.atp.errors import AtpError
 from pyg_atompack.atp.images import FileMeta, gathered_image
 from pyg_atompack.atp.index import molecule_index
-from pyg_atompack.transport.atp_meta import default_cache_dir, load_meta
+from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.transport.atp_meta import load_meta
 from pyg_atompack.transport.block_cache import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_PAGE_BYTES,
@@ -58,7 +58,7 @@ class RemoteAtpReader:
                  cache_bytes: int = DEFAULT_CACHE_BYTES,
                  page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
         self.range_reader = reader
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = remote_cache.cache_root(cache_dir)
         self.cache_bytes = int(cache_bytes)
         self.page_bytes = int(page_bytes)
         self._init_runtime()
@@ -66,8 +66,9 @@ class RemoteAtpReader:
     def _init_runtime(self) -> None:
         self._meta: FileMeta | None = None
         self._fields: dict | None = None
-        self.cache = BlockCache(self.cache_dir / "pages", self.cache_bytes,
-                                page_bytes=self.page_bytes)
+        self.cache = BlockCache(remote_cache.kind_folder(remote_cache.PAGES, self.cache_dir),
+                                self.cache_bytes, page_bytes=self.page_bytes,
+                                root=self.cache_dir)
 
     def __getstate__(self) -> dict[str, Any]:
         # location and settings only: each process reloads the metadata from the disk cache
