@@ -7,15 +7,14 @@ command line's ``info`` / ``verify`` / ``head`` look a URL's scheme up here. A s
 
 Built in: ``hf://`` (:mod:`pyg_atompack.hub`) and ``http://`` / ``https://``
 (:mod:`pyg_atompack.transport.http`). Object stores join :data:`OBJECT_STORES` with one
-line each, naming the client library they need and what to install; until that library
-is installed, their URLs raise :class:`UnsupportedURLError` saying so. Object-store URLs
-are served by :mod:`pyg_atompack.transport.objectstore` (``list_objects``, ``read_range``,
-``download``) and, for streams, by ``ObjectStoreSource``.
+line each, naming the module that serves them and what to install; until that module
+can be imported, their URLs raise :class:`UnsupportedURLError` saying so (and until the
+store's client library is installed, the module's first request does, naming it).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 from dataclasses import dataclass
 
@@ -29,8 +28,8 @@ class Backend:
     """An object-store backend.
 
     Attributes:
-        module: The client library the scheme needs (e.g. ``"s3fs"``), looked up without
-            importing it.
+        module: The torch-free module serving the scheme (``list_objects``,
+            ``read_range``, ``download``); streams wrap it in ``ObjectStoreSource``.
         install: What to install for it, e.g. ``"pip install s3fs"``.
     """
 
@@ -40,11 +39,11 @@ class Backend:
 
 #: Object-store schemes -> their backend (the one place a new store joins).
 OBJECT_STORES: dict[str, Backend] = {
-    "s3": Backend("s3fs", "pip install s3fs"),
-    "gs": Backend("gcsfs", "pip install gcsfs"),
-    "gcs": Backend("gcsfs", "pip install gcsfs"),
-    "az": Backend("adlfs", "pip install adlfs"),
-    "abfs": Backend("adlfs", "pip install adlfs"),
+    "s3": Backend("pyg_atompack.transport.objectstore", "pip install s3fs"),
+    "gs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
+    "gcs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
+    "az": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
+    "abfs": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
 }
 
 BUILTIN_SCHEMES = ("hf", "http", "https")
@@ -90,30 +89,27 @@ def check_scheme(url: str) -> str:
     return scheme
 
 
-def object_store(url: str) -> Backend:
-    """The backend of an object-store URL, once its client library is known to be installed.
+def object_store(url: str):
+    """The module serving an object-store URL.
 
     Args:
         url (str): An ``s3://``, ``gs://`` or ``az://`` URL.
 
     Returns:
-        The scheme's :class:`Backend`.
+        The imported backend module.
 
     Raises:
-        UnsupportedURLError: The scheme is no object store, or the library its backend
-            needs is not installed; the message says what to install.
+        UnsupportedURLError: The scheme is no object store, or its backend (or the
+            library it needs) is not installed; the message says what to install.
     """
     scheme = check_scheme(url)
     backend = OBJECT_STORES.get(scheme)
     if backend is None:
         raise UnsupportedURLError(f"{url!r}: {scheme}:// is not an object-store URL", url=url)
     try:
-        # found, not imported: the client is imported when the first request needs it
-        found = importlib.util.find_spec(backend.module) is not None
-    except ImportError:  # a dotted name whose parent package is missing
-        found = False
-    if not found:
+        return importlib.import_module(backend.module)
+    except ImportError as error:
         raise UnsupportedURLError(
             f"{url!r}: {scheme}:// URLs need the object-store backend ({backend.module}), "
-            f"which is not installed here; {backend.install}", url=url)
-    return backend
+            f"which cannot be imported here ({error}); {backend.install}", url=url
+        ) from error
