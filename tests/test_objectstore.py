@@ -201,20 +201,6 @@ def test_retries_argument_of_the_stream_sets_the_store_policy(pt_prefix):
     assert source.retry is FAST and source.store.retry is FAST  # the original is untouched
 
 
-def test_keywords_of_before_the_retry_policy_still_work_and_warn(pt_prefix, server, proxy):
-    # ObjectStore(retries=, backoff=, read_timeout=) predate RetryPolicy: they must not fall
-    # through to the backend as storage options, nor be silently ignored
-    with pytest.warns(DeprecationWarning, match=r"retry=RetryPolicy\(retries=, backoff=, "
-                                                r"timeout="):
-        store = ObjectStore(f"s3://{BUCKET}/pt/", retries=1, backoff=0.01, read_timeout=7.0)
-    assert (store.retry.retries, store.retry.backoff, store.retry.timeout) == (1, 0.01, 7.0)
-    assert not {"retries", "backoff", "read_timeout"} & set(store.storage_options)
-    assert [o.name for o in store.list()] == [o.name for o in ObjectStore(
-        f"s3://{BUCKET}/pt/").list()]
-    with pytest.raises(TypeError, match="either retry=RetryPolicy"):
-        ObjectStore(f"s3://{BUCKET}/pt/", retry=FAST, retries=1)
-
-
 def test_endpoint_for_s3_wins_over_the_generic_one(pt_prefix, server, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)

@@ -1,11 +1,28 @@
-"""Names dropped from a package's public API keep working for one release, with a warning."""
+"""Each package's public API is its ``__all__``; a name that moved lives in one place only.
+
+Nothing has been released, so a name that leaves a package is moved with its users:
+no module ``__getattr__`` resolves old names, no module re-exports another's, and no
+keyword is kept under an old name.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import inspect
+from pathlib import Path
 
 import pytest
 
+from pyg_atompack.transport import RetryPolicy
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pyg_atompack"
+PACKAGES = ["pyg_atompack", "pyg_atompack.atp", "pyg_atompack.convert", "pyg_atompack.data",
+            "pyg_atompack.graph", "pyg_atompack.hub", "pyg_atompack.pyg",
+            "pyg_atompack.stream", "pyg_atompack.transport"]
+
+# names that left a package's list, and the one module they live in
 MOVED = [
     ("pyg_atompack.hub", "fetch_bytes", "pyg_atompack.hub.transfer"),
     ("pyg_atompack.hub", "fetch_range", "pyg_atompack.hub.transfer"),
@@ -14,7 +31,7 @@ MOVED = [
     ("pyg_atompack.convert", "MANIFEST_FORMAT", "pyg_atompack.convert.shards"),
     ("pyg_atompack.graph", "plan_blocks", "pyg_atompack.graph._blocks"),
     ("pyg_atompack.transport", "RangeReader", "pyg_atompack.transport.ranges"),
-    ("pyg_atompack.data.memmap_layout", "MemmapLayout", "pyg_atompack.memmap_layout"),
+    ("pyg_atompack.transport", "HubRangeReader", "pyg_atompack.hub.atp_reader"),
     ("pyg_atompack.stream", "PYG_SAFE_GLOBALS", "pyg_atompack.pyg"),
     ("pyg_atompack.stream", "RetryPolicy", "pyg_atompack.transport"),
     ("pyg_atompack.atp", "select_header", "pyg_atompack.atp.header"),
@@ -24,12 +41,53 @@ MOVED = [
 
 
 @pytest.mark.parametrize(("package", "name", "home"), MOVED)
-def test_moved_names_warn_and_still_resolve(package, name, home):
+def test_a_moved_name_lives_in_its_home_only(package, name, home):
     module = importlib.import_module(package)
     assert name not in getattr(module, "__all__", ())
-    with pytest.warns(DeprecationWarning, match=f"{package}.{name} .* import it from {home}"):
-        value = getattr(module, name)
-    assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match=f"no attribute {name!r}"):
+        getattr(module, name)
+    assert hasattr(importlib.import_module(home), name)
+
+
+@pytest.mark.parametrize("gone", ["pyg_atompack._moved", "pyg_atompack.stream.retry",
+                                  "pyg_atompack.data.memmap_layout"])
+def test_old_module_locations_are_gone(gone):
+    # looked up in this checkout: an editable install of another one may still serve it
+    spec = importlib.util.find_spec(gone)
+    assert spec is None or not Path(spec.origin).is_relative_to(PACKAGE)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_listed_name_resolves_and_a_lazy_package_resolves_no_other(package):
+    module = importlib.import_module(package)
+    assert not {name for name in module.__all__ if not hasattr(module, name)}
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    lazy = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+            and node.name == "__getattr__"]
+    # the only module __getattr__ allowed imports torch-backed names on first use
+    assert not any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__getattr__" in
+                   ast.unparse(node).split("=")[0] for node in tree.body)
+    if lazy:
+        for name in ("fetch_bytes", "RetryPolicy", "memmap_layout_old", "no_such_thing"):
+            with pytest.raises(AttributeError, match=f"no attribute {name!r}"):
+                getattr(module, name)
+
+
+def test_nothing_in_the_package_warns_about_deprecation():
+    found = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+             if "DeprecationWarning" in path.read_text(encoding="utf-8")]
+    assert found == []
+
+
+def test_keywords_are_taken_under_their_one_name():
+    from pyg_atompack.stream import ShardStreamDataset
+    from pyg_atompack.transport.objectstore import ObjectStore
+
+    assert "split_first" not in inspect.signature(ShardStreamDataset).parameters
+    assert "split_shards" in inspect.signature(ShardStreamDataset).parameters
+    # retries and timeouts come from the one RetryPolicy: no keyword is read as one of them
+    store = ObjectStore("s3://bucket/prefix/", retries=1)
+    assert store.retry == RetryPolicy()
 
 
 def test_unknown_names_are_still_attribute_errors():

@@ -114,12 +114,3 @@ def test_dataset_fetches_each_shard_over_the_connections_free_when_it_starts(tmp
         whole = stream(split_shards=False)
         assert [[e.range for e in log] for log in whole] == [[None]] * 5
         assert whole[1][0].started < whole[0][0].finished  # side by side
-
-
-def test_the_old_name_of_split_shards_still_works_for_a_release(tmp_path):
-    write_pt_shards(tmp_path, [10], atoms=4)
-    for server in serve_directory(tmp_path):
-        with pytest.warns(DeprecationWarning, match="split_shards"):
-            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                         split_first=False)
-        assert dataset.split_shards is False and len(list(dataset)) == 10

@@ -21,8 +21,8 @@ from pyg_atompack.stream import (
     Source,
 )
 from pyg_atompack.stream.errors import StreamCancelled
-from pyg_atompack.stream.retry import parse_retry_after
 from pyg_atompack.transport import RetryPolicy
+from pyg_atompack.transport.retry import parse_retry_after
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
 

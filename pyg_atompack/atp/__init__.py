@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-from pyg_atompack._moved import moved_names
-
 from .check import describe, verify
 from .errors import (
     AtpError,
@@ -86,11 +84,3 @@ __all__ = [
     "open",
     "verify",
 ]
-
-# building blocks of readers of files held in pieces (remote files), which the layers
-# above import from their modules (kept for one release, with a DeprecationWarning)
-__getattr__ = moved_names(__name__, {
-    "index_n_atoms": "pyg_atompack.atp.index:index_n_atoms",
-    "schema_block_fields": "pyg_atompack.atp.fields:schema_block_fields",
-    "select_header": "pyg_atompack.atp.header:select_header",
-})

@@ -20,8 +20,6 @@ part of a source into a shard directory and :func:`merge_parts` combines the par
 (:mod:`.parallel`, :mod:`.merge`).
 """
 
-from pyg_atompack._moved import moved_names
-
 from .base import StructureReader, StructureWriter
 from .errors import ConversionNote, ConvertError
 from .merge import merge_parts
@@ -70,12 +68,3 @@ __all__ = [
     "shard",
     "voigt_to_matrix",
 ]
-
-# names that left the public API (kept for one release, with a DeprecationWarning);
-# FORMATS holds no plugin formats until they are loaded: formats() does load them
-__getattr__ = moved_names(__name__, {
-    "FORMATS": "pyg_atompack.convert.registry:FORMATS",
-    "MANIFEST_FORMAT": "pyg_atompack.convert.shards:MANIFEST_FORMAT",
-    "ENERGY_UNITS_EV": "pyg_atompack.convert.units:ENERGY_UNITS_EV",
-    "LENGTH_UNITS_ANGSTROM": "pyg_atompack.convert.units:LENGTH_UNITS_ANGSTROM",
-})

@@ -11,8 +11,6 @@ neighbour), ``edge_index[1]`` the target ``i`` (the centre), as PyG's
 ``pos[j] + shift @ cell - pos[i]``.
 """
 
-from pyg_atompack._moved import moved_names
-
 from .interaction import InteractionGraph, SchNetWithGraph
 from .radius import DEFAULT_MAX_PAIRS, NeighbourGraph, radius_graph, torch_cluster_available
 
@@ -24,9 +22,3 @@ __all__ = [
     "radius_graph",
     "torch_cluster_available",
 ]
-
-# the search's block planning left the public API (kept for one release, with a warning)
-__getattr__ = moved_names(__name__, {
-    "SearchBlock": "pyg_atompack.graph._blocks:SearchBlock",
-    "plan_blocks": "pyg_atompack.graph._blocks:plan_blocks",
-})

@@ -70,7 +70,6 @@ readers to untrusted places.
 
 from __future__ import annotations
 
-from pyg_atompack._moved import moved_names
 from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp
 from pyg_atompack.hub.errors import (
     HubAuthError,
@@ -120,13 +119,3 @@ __all__ = [
     "push",
     "resolve_revision",
 ]
-
-# plumbing that left the public API (kept for one release, with a DeprecationWarning)
-__getattr__ = moved_names(__name__, {
-    "cached_path": "pyg_atompack.hub.transfer:cached_path",
-    "check_bytes": "pyg_atompack.hub.transfer:check_bytes",
-    "fetch_bytes": "pyg_atompack.hub.transfer:fetch_bytes",
-    "fetch_range": "pyg_atompack.hub.transfer:fetch_range",
-    "is_commit_sha": "pyg_atompack.hub.remote:is_commit_sha",
-    "list_url_files": "pyg_atompack.hub.url_files:list_url_files",
-})

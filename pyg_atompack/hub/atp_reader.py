@@ -58,9 +58,10 @@ from pyg_atompack.hub.remote_atp import (
     remote_n_atoms,
     shard_uri,
 )
-from pyg_atompack.hub.transfer import download
+from pyg_atompack.hub.transfer import download, fetch_range
 from pyg_atompack.hub.uri import normalize_path_in_repo
 from pyg_atompack.remote.cache import cache_root
+from pyg_atompack.transport.ranges import RangeAdapter
 
 
 class HubAtpReader(ShardedReader):
@@ -407,6 +408,33 @@ class _PagedShard(_DownloadedShard):
         return self.reader().read_resolved(indices, infos)
 
 
+class HubRangeReader(RangeAdapter):
+    """Range reads of a listed Hub file, through :func:`~pyg_atompack.hub.transfer.fetch_range`.
+
+    Args:
+        remote_file (RemoteFile): A file of a Hub listing.
+        token (str | bool, optional): Hub token (``None``: the saved login, ``False``: none).
+            (default: :obj:`None`)
+        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
+    """
+
+    def __init__(self, remote_file: RemoteFile, *, token: str | bool | None = None,
+                 policy: Any = None) -> None:
+        self.remote_file = remote_file
+        self.token = token
+        self.policy = policy
+        self.size = int(remote_file.size)
+        self.name = (f"hf://{remote_file.repo_type}s/{remote_file.repo_id}@"
+                     f"{remote_file.revision}/{remote_file.path}")
+        digest = remote_file.sha256 or remote_file.blob_id
+        self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
+            f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
+
+    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+        out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
+                             policy=self.policy)
+
+
 def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
                        policy: Any = None, store: Any = None) -> Any:
     """The :class:`~pyg_atompack.transport.ranges.RangeReader` of a listed file.
@@ -421,7 +449,7 @@ def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
     Returns:
         Range reads of that file, named as messages name it.
     """
-    from pyg_atompack.transport.ranges import HubRangeReader, ObjectRangeReader, URLRangeReader
+    from pyg_atompack.transport.ranges import ObjectRangeReader, URLRangeReader
 
     if remote.repo_type == "url":
         return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,

@@ -22,7 +22,6 @@ Example::
         print(dataset.stats())
 """
 
-from pyg_atompack._moved import moved_names
 from pyg_atompack.stream.dataset import ShardStreamDataset
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
@@ -57,9 +56,3 @@ __all__ = [
     "ShardDecodeError",
     "UnsafePayloadError",
 ]
-
-# names with one home elsewhere (kept for one release, with a DeprecationWarning)
-__getattr__ = moved_names(__name__, {
-    "PYG_SAFE_GLOBALS": "pyg_atompack.pyg:PYG_SAFE_GLOBALS",
-    "RetryPolicy": "pyg_atompack.transport:RetryPolicy",
-})

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -37,10 +36,10 @@ from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_acr
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
-from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
 from pyg_atompack.stream.trace import TraceRecorder, merge_traces, summarize
+from pyg_atompack.transport.retry import RetryPolicy
 
 
 def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
@@ -173,8 +172,6 @@ class ShardStreamDataset(IterableDataset):
             shard to consume after its last byte instead of ``concurrency``. The cost is
             more requests per shard (mind request-rate limits with many small shards).
             :obj:`False`: one connection per shard. (default: :obj:`True`)
-        split_first (bool, optional): Deprecated name of ``split_shards`` (kept for one
-            release, with a :class:`DeprecationWarning`). (default: :obj:`None`)
         rename (Mapping[str, str], optional): Give sample attributes other names, e.g. ``{"forces":
             "force"}``, before ``transform`` and batching (see
             :class:`~pyg_atompack.AtompackDataset`). (default: :obj:`None`)
@@ -255,14 +252,8 @@ class ShardStreamDataset(IterableDataset):
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None,
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records", split_first: bool | None = None):
+                 verify_before_use: bool | str = "records"):
         super().__init__()
-        if split_first is not None:
-            warnings.warn("ShardStreamDataset(split_first=) is now split_shards= (every shard "
-                          "is fetched over the connections free when it starts, not only "
-                          "the first)",
-                          DeprecationWarning, stacklevel=2)
-            split_shards = split_first
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
             raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "

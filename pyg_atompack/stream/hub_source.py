@@ -7,7 +7,6 @@ import json
 
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.http import URLShardSource, fetch_url
-from pyg_atompack.stream.retry import RetryPolicy
 from pyg_atompack.stream.sources import (
     MANIFEST_NAME,
     CancelToken,
@@ -16,6 +15,7 @@ from pyg_atompack.stream.sources import (
 )
 from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.credentials import RequestHeaders
+from pyg_atompack.transport.retry import RetryPolicy
 
 
 class HubSource(URLShardSource):

@@ -2,9 +2,9 @@
 
 The scheme decides (:mod:`pyg_atompack.transport.urls`): ``hf://`` gives a
 :class:`~pyg_atompack.stream.HubSource`, ``http(s)://`` an
-:class:`~pyg_atompack.stream.HTTPSource`, object-store schemes their backend's
-``ObjectStoreSource``. A string without ``scheme://`` is a local directory or glob
-(:class:`~pyg_atompack.stream.LocalSource`).
+:class:`~pyg_atompack.stream.HTTPSource`, object-store schemes an
+:class:`~pyg_atompack.stream.ObjectStoreSource`. A string without ``scheme://`` is a local
+directory or glob (:class:`~pyg_atompack.stream.LocalSource`).
 """
 
 from __future__ import annotations
@@ -75,4 +75,7 @@ def open_source(url: str | os.PathLike | Source, **storage_options: Any) -> Sour
         raise UnsupportedURLError(
             f"{where!r}: an http(s) URL must name a manifest.json, a directory ending in '/' "
             f"that holds one, or a .pt / .atp file", url=where)
-    return object_store(url).ObjectStoreSource(url, **storage_options)
+    object_store(url)  # the backend is installed (else: what to install)
+    from pyg_atompack.stream.objectstore_source import ObjectStoreSource
+
+    return ObjectStoreSource(url, **storage_options)

@@ -21,7 +21,6 @@ resumable downloads and verification, and raises one error family
   bounded disk page cache).
 """
 
-from pyg_atompack._moved import moved_names
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
@@ -57,14 +56,3 @@ __all__ = [
 
 # record-level reads of big remote .atp files (issue 14)
 from pyg_atompack.transport.remote_atp import RemoteAtpReader, open_remote_atp  # noqa: E402
-
-# their plumbing left the public API (kept for one release, with a DeprecationWarning)
-__getattr__ = moved_names(__name__, {
-    "RangeReader": "pyg_atompack.transport.ranges:RangeReader",
-    "FileRangeReader": "pyg_atompack.transport.ranges:FileRangeReader",
-    "URLRangeReader": "pyg_atompack.transport.ranges:URLRangeReader",
-    "HubRangeReader": "pyg_atompack.transport.ranges:HubRangeReader",
-    "ObjectRangeReader": "pyg_atompack.transport.ranges:ObjectRangeReader",
-    "BlockCache": "pyg_atompack.transport.block_cache:BlockCache",
-    "load_meta": "pyg_atompack.transport.atp_meta:load_meta",
-})

@@ -55,7 +55,6 @@ import mmap
 import os
 import posixpath
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -252,28 +251,6 @@ class _Truncated(Exception):
     """The body ended before the requested range did."""
 
 
-# ObjectStore's keywords before the one retry policy (2026-12-01), mapped onto it for
-# one release: left in ``storage_options`` they would reach the backend silently.
-_OLD_RETRY_OPTIONS = {"retries": "retries", "backoff": "backoff",
-                      "connect_timeout": "connect_timeout", "read_timeout": "timeout"}
-
-
-def _policy_from_old_options(retry: RetryPolicy | None,
-                             storage_options: dict[str, Any]) -> RetryPolicy:
-    old = {name: storage_options.pop(name) for name in list(storage_options)
-           if name in _OLD_RETRY_OPTIONS}
-    if not old:
-        return retry or RetryPolicy()
-    if retry is not None:
-        raise TypeError(f"pass either retry=RetryPolicy(...) or {', '.join(old)}, not both")
-    fields = {_OLD_RETRY_OPTIONS[name]: value for name, value in old.items()}
-    warnings.warn(
-        f"ObjectStore({', '.join(f'{k}=' for k in old)}) is deprecated; pass "
-        f"retry=RetryPolicy({', '.join(f'{k}=' for k in fields)}) from "
-        "pyg_atompack.transport instead", DeprecationWarning, stacklevel=3)
-    return RetryPolicy(**fields)
-
-
 class ObjectStore:
     """A fork-safe, picklable handle on one object-store prefix, object or manifest.
 
@@ -310,7 +287,7 @@ class ObjectStore:
         self.anon = anon
         self.profile = profile
         self.endpoint_url = endpoint_url
-        self.retry = _policy_from_old_options(retry, storage_options)
+        self.retry = retry or RetryPolicy()
         self.storage_options, self._secrets = _split_secrets(storage_options)
         self._secrets_dropped = False
         self._fs: Any = None

@@ -11,11 +11,13 @@ wrap the transport's range reads:
   :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
   missing byte, under the source's retry policy), pinned to the server's ``ETag`` /
   ``Last-Modified``;
-* :class:`HubRangeReader`: a listed Hub file, through :func:`pyg_atompack.hub.transfer.fetch_range`;
 * :class:`ObjectRangeReader`: a listed object-store object (``s3://``, ``gs://``,
   ``az://``), through :meth:`pyg_atompack.transport.objectstore.ObjectStore.read_into`
   (a ranged ``GET`` pinned to the listed ETag, resumed after a dropped connection under
   the store's retry policy).
+
+A layer above adds its own adapter on :class:`RangeAdapter` (the Hub's is
+:class:`pyg_atompack.hub.atp_reader.HubRangeReader`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["FileRangeReader", "HubRangeReader", "ObjectRangeReader", "RangeReader",
+__all__ = ["FileRangeReader", "ObjectRangeReader", "RangeAdapter", "RangeReader",
            "URLRangeReader", "read_range"]
 
 
@@ -77,7 +79,7 @@ def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -
     return out
 
 
-class _Adapter:
+class RangeAdapter:
     """What every adapter shares: the one ``read_into`` (bounds check, then the read).
 
     Subclasses set ``name``, ``size`` and ``identity`` and implement ``_read``.
@@ -119,7 +121,7 @@ class _Adapter:
         return f"{type(self).__name__}({self.name!r}, size={self.size})"
 
 
-class FileRangeReader(_Adapter):
+class FileRangeReader(RangeAdapter):
     """Range reads of a local file.
 
     Args:
@@ -147,7 +149,7 @@ class FileRangeReader(_Adapter):
             os.close(fd)
 
 
-class URLRangeReader(_Adapter):
+class URLRangeReader(RangeAdapter):
     """Range reads of a file served over HTTP(S), pinned to one version of it.
 
     The version is the server's validator (``ETag``, else ``Last-Modified``), learnt from
@@ -223,36 +225,7 @@ class URLRangeReader(_Adapter):
                             validator=self.validator)
 
 
-class HubRangeReader(_Adapter):
-    """Range reads of a listed Hub file.
-
-    Args:
-        remote_file (Any): A :class:`~pyg_atompack.hub.RemoteFile`.
-        token (str | bool, optional): Hub token (``None``: the saved login, ``False``: none).
-            (default: :obj:`None`)
-        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
-    """
-
-    def __init__(self, remote_file: Any, *, token: str | bool | None = None,
-                 policy: Any = None) -> None:
-        self.remote_file = remote_file
-        self.token = token
-        self.policy = policy
-        self.size = int(remote_file.size)
-        self.name = (f"hf://{remote_file.repo_type}s/{remote_file.repo_id}@"
-                     f"{remote_file.revision}/{remote_file.path}")
-        digest = remote_file.sha256 or remote_file.blob_id
-        self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
-            f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
-
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
-        from pyg_atompack.hub.transfer import fetch_range
-
-        out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
-                             policy=self.policy)
-
-
-class ObjectRangeReader(_Adapter):
+class ObjectRangeReader(RangeAdapter):
     """Range reads of a listed object-store object.
 
     Picklable without secrets and fork-safe: the store handle makes its client lazily in

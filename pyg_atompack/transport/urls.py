@@ -8,7 +8,8 @@ command line's ``info`` / ``verify`` / ``head`` look a URL's scheme up here. A s
 Built in: ``hf://`` (:mod:`pyg_atompack.hub`) and ``http://`` / ``https://``
 (:mod:`pyg_atompack.transport.http`). Object stores join :data:`OBJECT_STORES` with one
 line each, naming the module that serves them and what to install; until that module
-can be imported, their URLs raise :class:`UnsupportedURLError` saying so.
+can be imported, their URLs raise :class:`UnsupportedURLError` saying so (and until the
+store's client library is installed, the module's first request does, naming it).
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ class Backend:
     """An object-store backend.
 
     Attributes:
-        module: The module serving the scheme: it provides ``ObjectStoreSource(url,
-            **storage_options)`` (a stream :class:`~pyg_atompack.stream.Source`);
-            ``AtompackDataset`` and the command line read through
-            :mod:`pyg_atompack.transport.objectstore` (``list_objects``, ``read_range``,
-            ``download``).
+        module: The torch-free module serving the scheme (``list_objects``,
+            ``read_range``, ``download``); streams wrap it in ``ObjectStoreSource``.
         install: What to install for it, e.g. ``"pip install s3fs"``.
     """
 
@@ -42,11 +40,11 @@ class Backend:
 
 #: Object-store schemes -> their backend (the one place a new store joins).
 OBJECT_STORES: dict[str, Backend] = {
-    "s3": Backend("pyg_atompack.stream.objectstore_source", "pip install s3fs"),
-    "gs": Backend("pyg_atompack.stream.objectstore_source", "pip install gcsfs"),
-    "gcs": Backend("pyg_atompack.stream.objectstore_source", "pip install gcsfs"),
-    "az": Backend("pyg_atompack.stream.objectstore_source", "pip install adlfs"),
-    "abfs": Backend("pyg_atompack.stream.objectstore_source", "pip install adlfs"),
+    "s3": Backend("pyg_atompack.transport.objectstore", "pip install s3fs"),
+    "gs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
+    "gcs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
+    "az": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
+    "abfs": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
 }
 
 BUILTIN_SCHEMES = ("hf", "http", "https")
