@@ -183,7 +183,7 @@ def _warm_imports() -> None:
 
     import pyg_atompack.stream  # noqa: F401
     from pyg_atompack import AtompackDataset, AtompackLoader  # noqa: F401
-    from pyg_atompack.transport import remote_atp  # noqa: F401
+    from pyg_atompack.remote import record_reader  # noqa: F401
 
 
 def child_stream(spec: dict) -> dict:

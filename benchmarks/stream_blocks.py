@@ -182,7 +182,7 @@ def child_random_big(spec: dict) -> dict:
     about ``fraction`` of the pages, so the hit ratio is that of steady training.
     """
     from pyg_atompack import AtompackDataset, AtompackLoader
-    from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+    from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
 
     options = {"cache_dir": spec["cache"], "cache_bytes": spec["cache_bytes"]}
     if spec.get("page_bytes"):
@@ -236,12 +236,12 @@ def shuffle_distances(path: Path, block: int, interleave: int, buffer: int) -> n
     from types import SimpleNamespace
 
     from pyg_atompack.atp.images import plan_blocks
+    from pyg_atompack.remote.atp_meta import load_meta
+    from pyg_atompack.remote.ranges import FileRangeReader
     from pyg_atompack.stream.blocks import Block, plan_block_stream
     from pyg_atompack.stream.ordering import interleave_shards, mix_across_shards
     from pyg_atompack.stream.progress import StreamProgress
     from pyg_atompack.stream.splitting import StreamSlot
-    from pyg_atompack.transport.atp_meta import load_meta
-    from pyg_atompack.transport.ranges import FileRangeReader
 
     meta = load_meta(FileRangeReader(path), WORK / "cache-e")
     bounds = plan_blocks(meta, block).tolist()

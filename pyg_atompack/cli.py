@@ -151,7 +151,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _is_url(path: str) -> bool:
-    from pyg_atompack.transport.urls import url_scheme
+    from pyg_atompack.remote.urls import url_scheme
 
     return url_scheme(path) is not None
 

@@ -293,9 +293,9 @@ def test_block_split_is_exact_at_record_granularity():
 
 
 def test_damaged_metadata_cache_is_refetched(tmp_path):
-    from pyg_atompack.transport import atp_meta
-    from pyg_atompack.transport.atp_meta import load_meta, meta_path
-    from pyg_atompack.transport.ranges import FileRangeReader
+    from pyg_atompack.remote import atp_meta
+    from pyg_atompack.remote.atp_meta import load_meta, meta_path
+    from pyg_atompack.remote.ranges import FileRangeReader
 
     write_big_atp(tmp_path / "f.atp", 64)
     reader = FileRangeReader(tmp_path / "f.atp")
@@ -315,7 +315,7 @@ def test_damaged_metadata_cache_is_refetched(tmp_path):
 
 
 def test_auto_blocks_only_for_sources_with_range_reads(small_shards, tmp_path):
-    from pyg_atompack.transport.ranges import FileRangeReader
+    from pyg_atompack.remote.ranges import FileRangeReader
 
     class WholeFiles:  # a custom source without range reads (like an object store today)
         def list_shards(self):

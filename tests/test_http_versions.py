@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from pyg_atompack import AtompackDataset
+from pyg_atompack.remote import atp_meta
+from pyg_atompack.remote.ranges import URLRangeReader
 from pyg_atompack.stream import CancelToken, HTTPSource, ShardStreamDataset
-from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, atp_meta
+from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy
 from pyg_atompack.transport import http as transport_http
 from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
-from pyg_atompack.transport.ranges import URLRangeReader
 from tests.big_atp import write_big_atp, write_manifest
 from tests.servers.http_server import ShardServer
 

@@ -45,8 +45,9 @@ NEVER_LOADS: dict[str, tuple[str, ...]] = {
                                "pyg_atompack.stream", "pyg_atompack.data",
                                "pyg_atompack.convert", "pyg_atompack.pyg",
                                "pyg_atompack.graph"),
-    "pyg_atompack.remote": (*_TORCH, "pyg_atompack.stream", "pyg_atompack.data",
-                            "pyg_atompack.pyg", "pyg_atompack.graph"),
+    "pyg_atompack.remote": (*_TORCH, "pyg_atompack.hub", "pyg_atompack.stream",
+                            "pyg_atompack.data", "pyg_atompack.convert", "pyg_atompack.pyg",
+                            "pyg_atompack.graph"),
     "pyg_atompack.hub": (*_TORCH, "pyg_atompack.stream", "pyg_atompack.data",
                          "pyg_atompack.pyg", "pyg_atompack.graph"),
     "pyg_atompack.data": ("pyg_atompack.stream",),
@@ -178,15 +179,15 @@ def served(tmp_path_factory):
     yield from serve_directory(root)
 
 
-def test_transport_reads_a_remote_atp_by_record_without_torch(served, tmp_path):
+def test_remote_reads_a_remote_atp_by_record_without_torch(served, tmp_path):
     loaded = _loaded_by(f"""
-        from pyg_atompack.transport.remote_atp import open_remote_atp, url_range_readers
+        from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
         readers = url_range_readers([{served.url("part_0.atp")!r}, {served.url("part_1.atp")!r}])
         with open_remote_atp(readers, cache_dir={str(tmp_path / "pages")!r}) as dataset:
             assert len(dataset) == 7
             assert float(dataset[4].energy) == 201
     """)
-    _check("pyg_atompack.transport", loaded)
+    _check("pyg_atompack.remote", loaded)
 
 
 def test_hub_lists_and_reads_without_torch(served, tmp_path):
@@ -218,14 +219,13 @@ def test_object_store_work_loads_no_torch(store_servers, monkeypatch, tmp_path):
     server.upload_directory(tmp_path / "atp", "layers", "atp")
     use_store(monkeypatch, server)
     monkeypatch.setenv("PYG_ATOMPACK_CACHE", str(tmp_path / "objects"))
-    monkeypatch.setenv("PYG_ATOMPACK_HUB_CACHE", str(tmp_path / "hub"))
     url = "s3://layers/atp/"
     head = (tmp_path / "atp" / "part_0.atp").read_bytes()[:64]
-    transport = _loaded_by(f"""
-        from pyg_atompack.transport.objectstore import download, list_objects
-        from pyg_atompack.transport.remote_atp import open_remote_atp
-        from pyg_atompack.transport.objectstore import object_range_readers
-        from pyg_atompack.transport.urls import object_store
+    remote = _loaded_by(f"""
+        from pyg_atompack.remote.objectstore import download, list_objects
+        from pyg_atompack.remote.record_reader import open_remote_atp
+        from pyg_atompack.remote.objectstore import object_range_readers
+        from pyg_atompack.remote.urls import object_store
         object_store({url!r})
         store, objects = list_objects({url!r})
         assert [o.name for o in objects] == ["part_0.atp"]
@@ -235,7 +235,7 @@ def test_object_store_work_loads_no_torch(store_servers, monkeypatch, tmp_path):
                              cache_dir={str(tmp_path / "pages")!r}) as dataset:
             assert float(dataset[2].energy) == 102
     """)
-    _check("pyg_atompack.transport", transport)
+    _check("pyg_atompack.remote", remote)
     hub = _loaded_by(f"""
         from pyg_atompack import hub
         with hub.open_remote_atp({url!r}) as dataset:

@@ -23,6 +23,7 @@ from servers.moto_s3 import ACCESS_KEY, SECRET_KEY, SESSION_TOKEN
 from servers.stores import use_store
 from servers.tcp_proxy import ThrottlingProxy
 
+from pyg_atompack.remote.objectstore import ObjectStore
 from pyg_atompack.stream import (
     CancelToken,
     ObjectStoreSource,
@@ -38,7 +39,6 @@ from pyg_atompack.transport import (
     TransportError,
     UnsupportedURLError,
 )
-from pyg_atompack.transport.objectstore import ObjectStore
 
 BUCKET = "atompack-test"
 FAST = RetryPolicy(retries=2, backoff=0.01, jitter=0.0)
@@ -237,7 +237,7 @@ def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, 
 
 
 def test_transport_module_is_torch_free():
-    code = ("import sys, pyg_atompack.transport.objectstore as m; "
+    code = ("import sys, pyg_atompack.remote.objectstore as m; "
             "m.ObjectStore('s3://b/p/'); print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)

@@ -22,16 +22,15 @@ from servers.tcp_proxy import ThrottlingProxy
 from torch.utils.data import DataLoader
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
+from pyg_atompack.remote import RemoteAtpReader, atp_meta
+from pyg_atompack.remote.ranges import ObjectRangeReader
 from pyg_atompack.stream import ObjectStoreSource, ShardStreamDataset
 from pyg_atompack.transport import (
-    RemoteAtpReader,
     RemoteAuthError,
     RemoteIntegrityError,
     RemoteNotFoundError,
     RetryPolicy,
-    atp_meta,
 )
-from pyg_atompack.transport.ranges import ObjectRangeReader
 from tests.big_atp import write_big_atp, write_manifest
 
 BUCKET = "atp-records"

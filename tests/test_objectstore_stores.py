@@ -2,7 +2,7 @@
 
 Each test runs for ``s3://`` (moto), ``gs://`` (gcp-storage-emulator) and ``az://``
 (Azurite) unless its parameters say otherwise (``tests/servers/stores.py``): the code
-under test is the same :class:`~pyg_atompack.transport.objectstore.ObjectStore` for all
+under test is the same :class:`~pyg_atompack.remote.objectstore.ObjectStore` for all
 three, with a small backend per store. Faults (dropped connections, throttling, refused
 requests) come from a TCP relay in front of the server (``servers/tcp_proxy.py``).
 S3-only behaviour (profiles, anonymous buckets, stalls, ``AWS_ENDPOINT_URL_S3``) is in
@@ -27,6 +27,7 @@ from servers.tcp_proxy import ThrottlingProxy
 from torch_geometric.loader import DataLoader
 
 from pyg_atompack import AtompackDataset
+from pyg_atompack.remote.objectstore import ObjectStore
 from pyg_atompack.stream import (
     CancelToken,
     ObjectStoreSource,
@@ -40,7 +41,6 @@ from pyg_atompack.transport import (
     RemoteUnavailableError,
     RetryPolicy,
 )
-from pyg_atompack.transport.objectstore import ObjectStore
 
 BUCKET = "atompack-stores"
 FAST = RetryPolicy(retries=2, backoff=0.01, jitter=0.0)

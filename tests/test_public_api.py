@@ -30,7 +30,7 @@ MOVED = [
     ("pyg_atompack.convert", "FORMATS", "pyg_atompack.convert.registry"),
     ("pyg_atompack.convert", "MANIFEST_FORMAT", "pyg_atompack.convert.shards"),
     ("pyg_atompack.graph", "plan_blocks", "pyg_atompack.graph._blocks"),
-    ("pyg_atompack.transport", "RangeReader", "pyg_atompack.transport.ranges"),
+    ("pyg_atompack.transport", "RangeReader", "pyg_atompack.remote.ranges"),
     ("pyg_atompack.transport", "HubRangeReader", "pyg_atompack.hub.atp_reader"),
     ("pyg_atompack.stream", "PYG_SAFE_GLOBALS", "pyg_atompack.pyg"),
     ("pyg_atompack.stream", "RetryPolicy", "pyg_atompack.transport"),
@@ -80,8 +80,8 @@ def test_nothing_in_the_package_warns_about_deprecation():
 
 
 def test_keywords_are_taken_under_their_one_name():
+    from pyg_atompack.remote.objectstore import ObjectStore
     from pyg_atompack.stream import ShardStreamDataset
-    from pyg_atompack.transport.objectstore import ObjectStore
 
     assert "split_first" not in inspect.signature(ShardStreamDataset).parameters
     assert "split_shards" in inspect.signature(ShardStreamDataset).parameters

@@ -25,10 +25,10 @@ from servers.http_server import serve_directory
 from servers.stores import use_store
 
 from pyg_atompack import AtompackDataset, hub
-from pyg_atompack.remote import CachePathError, CacheReadOnlyError, RemoteNameError
+from pyg_atompack.remote import CachePathError, CacheReadOnlyError, RemoteNameError, atp_meta
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.stream import ShardStreamDataset
-from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, TransportError, atp_meta
+from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, TransportError
 
 TESTS_DIR = Path(__file__).resolve().parent
 FAST = RetryPolicy(retries=1, backoff=0.01, max_backoff=0.02, jitter=0.0, timeout=5.0,
@@ -305,7 +305,7 @@ def test_a_hostile_bucket_key_is_refused_when_listed(s3, tmp_path, case):
 
 
 def _raw_listing(url: str):
-    from pyg_atompack.transport.objectstore import ObjectStore
+    from pyg_atompack.remote.objectstore import ObjectStore
 
     store = ObjectStore(url)
     return store._list_prefix(store.key)

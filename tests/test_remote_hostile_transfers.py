@@ -20,6 +20,8 @@ from pyg_atompack import AtompackDataset
 from pyg_atompack.hub import list_remote_files
 from pyg_atompack.hub.errors import HubTransferError
 from pyg_atompack.hub.url_files import list_url_files
+from pyg_atompack.remote.record_reader import url_range_readers
+from pyg_atompack.remote.urls import check_scheme
 from pyg_atompack.stream import HTTPSource, ShardStreamDataset
 from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError
 from pyg_atompack.transport import (
@@ -31,8 +33,6 @@ from pyg_atompack.transport import (
     bind_headers,
 )
 from pyg_atompack.transport import http as transport
-from pyg_atompack.transport.remote_atp import url_range_readers
-from pyg_atompack.transport.urls import check_scheme
 from tests.big_atp import write_big_atp
 from tests.servers.hostile_http import MAX_SENT, HostileServer
 from tests.servers.http_server import ShardServer

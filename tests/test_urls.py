@@ -18,6 +18,7 @@ from servers.http_server import serve_directory, write_manifest, write_pt_shards
 
 from pyg_atompack import AtompackDataset, hub
 from pyg_atompack.cli import main
+from pyg_atompack.remote import urls as url_rules
 from pyg_atompack.stream import HTTPSource, HubSource, ShardStreamDataset, open_source
 from pyg_atompack.transport import (
     RemoteNotFoundError,
@@ -25,7 +26,6 @@ from pyg_atompack.transport import (
     TransportError,
     UnsupportedURLError,
 )
-from pyg_atompack.transport import urls as url_rules
 
 TESTS_DIR = Path(__file__).resolve().parent
 FAST = RetryPolicy(retries=2, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0,

@@ -110,7 +110,7 @@ class ShardedReader(ReadOnlyReader):
 
         The shard *opener* is the caller's: local :class:`Reader` objects (mmap, pread,
         in-memory images) or remote ones such as
-        :class:`pyg_atompack.transport.remote_atp.RemoteAtpReader`; the global index and
+        :class:`pyg_atompack.remote.record_reader.RemoteAtpReader`; the global index and
         the batching are this class's for all of them: each shard is read once per
         batch (with ``read_resolved(indices, infos)`` when it has one, so a remote shard
         fetches all its records of the batch together).

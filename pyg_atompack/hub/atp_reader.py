@@ -61,7 +61,7 @@ from pyg_atompack.hub.remote_atp import (
 from pyg_atompack.hub.transfer import download, fetch_range
 from pyg_atompack.hub.uri import normalize_path_in_repo
 from pyg_atompack.remote.cache import cache_root
-from pyg_atompack.transport.ranges import RangeAdapter
+from pyg_atompack.remote.ranges import RangeAdapter
 
 
 class HubAtpReader(ShardedReader):
@@ -79,7 +79,7 @@ class HubAtpReader(ShardedReader):
       cache the first time a record inside it is read, then opened with the format
       layer (messages name the remote file, never the cache path);
     * :meth:`by_record` reads only the records asked for, through the bounded page
-      cache (:class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`).
+      cache (:class:`~pyg_atompack.remote.record_reader.RemoteAtpReader`).
 
     Either way a shard's length comes from its listed header, so opening downloads
     nothing. Pickling keeps the listing, the counts and the settings, never open files,
@@ -166,7 +166,7 @@ class HubAtpReader(ShardedReader):
         Returns:
             A new :class:`HubAtpReader` over the same shards.
         """
-        from pyg_atompack.transport.block_cache import DEFAULT_CACHE_BYTES
+        from pyg_atompack.remote.block_cache import DEFAULT_CACHE_BYTES
 
         state = self.__getstate__()
         state["_pages"] = {"cache_dir": cache_dir,
@@ -218,7 +218,7 @@ class HubAtpReader(ShardedReader):
 
     def shard_reader(self, shard: int) -> Any:
         """The reader of one shard: downloaded (verified) and opened if needed, or, after
-        :meth:`by_record`, its :class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`.
+        :meth:`by_record`, its :class:`~pyg_atompack.remote.record_reader.RemoteAtpReader`.
 
         Args:
             shard (int): Shard number in global order.
@@ -385,9 +385,9 @@ class _PagedShard(_DownloadedShard):
         self._remote_reader: Any = None
 
     def reader(self) -> Any:
-        """The shard's :class:`~pyg_atompack.transport.remote_atp.RemoteAtpReader`."""
+        """The shard's :class:`~pyg_atompack.remote.record_reader.RemoteAtpReader`."""
         if self._remote_reader is None:
-            from pyg_atompack.transport.remote_atp import RemoteAtpReader
+            from pyg_atompack.remote.record_reader import RemoteAtpReader
 
             owner = self.owner
             self._remote_reader = RemoteAtpReader(
@@ -437,7 +437,7 @@ class HubRangeReader(RangeAdapter):
 
 def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
                        policy: Any = None, store: Any = None) -> Any:
-    """The :class:`~pyg_atompack.transport.ranges.RangeReader` of a listed file.
+    """The :class:`~pyg_atompack.remote.ranges.RangeReader` of a listed file.
 
     Args:
         remote (RemoteFile): A file of a Hub, URL or object-store listing.
@@ -449,7 +449,7 @@ def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
     Returns:
         Range reads of that file, named as messages name it.
     """
-    from pyg_atompack.transport.ranges import ObjectRangeReader, URLRangeReader
+    from pyg_atompack.remote.ranges import ObjectRangeReader, URLRangeReader
 
     if remote.repo_type == "url":
         return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,

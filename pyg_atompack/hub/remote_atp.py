@@ -19,7 +19,7 @@ from pyg_atompack.hub.remote import RemoteFile
 from pyg_atompack.hub.transfer import fetch_range
 
 if TYPE_CHECKING:
-    from pyg_atompack.transport.objectstore import ObjectStore
+    from pyg_atompack.remote.objectstore import ObjectStore
     from pyg_atompack.transport.retry import RetryPolicy
 
 HEADER_BYTES = 8192  # both header slots (spec §2)

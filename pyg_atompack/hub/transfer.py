@@ -58,11 +58,11 @@ from pyg_atompack.transport.integrity import bytes_problem, file_problem
 from pyg_atompack.transport.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from pyg_atompack.transport.objectstore import ObjectStore
+    from pyg_atompack.remote.objectstore import ObjectStore
 
 def object_info(remote_file: RemoteFile):
     """The object-store backend's description of a file it listed."""
-    from pyg_atompack.transport.objectstore import ObjectInfo
+    from pyg_atompack.remote.objectstore import ObjectInfo
 
     return ObjectInfo(name=remote_file.path, url=remote_file.url, size=remote_file.size,
                       etag=remote_file.blob_id, sha256=remote_file.sha256,

@@ -16,7 +16,7 @@ else Last-Modified) and downloaded pinned to it, so a file rewritten at the same
 fetched again. A file's local name is the last component of its URL's path, decoded;
 an absolute manifest entry (``https://mirror/x.atp``, a supported mirror) is stored the
 same way, under the folder of its own origin and directory. Manifest names and digests are
-checked when the manifest is read (:mod:`pyg_atompack.transport.manifest`).
+checked when the manifest is read (:mod:`pyg_atompack.remote.manifest`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pyg_atompack.hub.errors import HubNoShardsError, HubTransferError
 from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile
 from pyg_atompack.hub.transfer import cached_path
 from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.remote.manifest import MANIFEST_NAME, ManifestError, read_manifest_records
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.credentials import bind_headers
 from pyg_atompack.transport.errors import TransportError, UnsupportedURLError
-from pyg_atompack.transport.manifest import MANIFEST_NAME, ManifestError, read_manifest_records
 from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -171,7 +171,7 @@ def open_remote_atp(url: str, **options):
 
     ``hf://`` goes to :func:`~pyg_atompack.hub.open_hub_atp`, ``http(s)://`` to
     :func:`open_url_atp`, object-store schemes to their backend's ``open_atp``
-    (see :mod:`pyg_atompack.transport.urls`).
+    (see :mod:`pyg_atompack.remote.urls`).
 
     Args:
         url (str): The URL.
@@ -184,7 +184,7 @@ def open_remote_atp(url: str, **options):
     Raises:
         UnsupportedURLError: The scheme is unknown, or its backend is not installed.
     """
-    from pyg_atompack.transport.urls import check_scheme, object_store
+    from pyg_atompack.remote.urls import check_scheme, object_store
 
     scheme = check_scheme(url)
     if scheme == "hf":
@@ -207,7 +207,7 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
                           **storage_options):
     """Open the ``.atp`` objects below an object-store URL, without downloading them.
 
-    The backend (:mod:`pyg_atompack.transport.objectstore`) lists them (sizes, ETags, and
+    The backend (:mod:`pyg_atompack.remote.objectstore`) lists them (sizes, ETags, and
     sha256 from a ``manifest.json``), reads each header with a range read and keeps the
     verified downloads in its cache; its handle travels with the reader (no secrets).
 
@@ -231,7 +231,7 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
 
     from pyg_atompack.hub.atp_reader import HubAtpReader
     from pyg_atompack.hub.remote_atp import read_shard_header
-    from pyg_atompack.transport.objectstore import list_objects
+    from pyg_atompack.remote.objectstore import list_objects
 
     if policy is not None:
         storage_options["retry"] = policy

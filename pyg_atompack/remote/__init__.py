@@ -1,9 +1,22 @@
-"""The remote layer: URL -> remote files, torch-free (issue 30).
+"""The remote layer: URLs -> remote files and their bytes on local disk, torch-free.
 
-For now it holds the one download cache (:mod:`pyg_atompack.remote.cache`): one root
-(``$PYG_ATOMPACK_CACHE``, default ``~/.cache/pyg_atompack``), the one function that turns
-a name a remote party listed into a local path, the sha256 check, version keys and the
-checked, read-only-aware writes every cached file goes through.
+It sits on the transport (:mod:`pyg_atompack.transport`: the HTTP client, retries,
+credentials, bounds, integrity, the error family) and below the Hub layer and the
+datasets:
+
+* :mod:`~pyg_atompack.remote.cache`: the one download cache: one root
+  (``$PYG_ATOMPACK_CACHE``, default ``~/.cache/pyg_atompack``), the one function that turns
+  a name a remote party listed into a local path, the sha256 check, version keys and the
+  checked, read-only-aware writes every cached file goes through;
+* :mod:`~pyg_atompack.remote.urls`: which backend serves which URL scheme;
+* :mod:`~pyg_atompack.remote.manifest`: the one reader of ``manifest.json``;
+* :mod:`~pyg_atompack.remote.objectstore` (with ``objectstore_backends``): object stores
+  (``s3://``, ``gs://``, ``az://``) on fsspec, under the transport's retry policy and
+  error family;
+* :mod:`~pyg_atompack.remote.ranges`, :mod:`~pyg_atompack.remote.atp_meta`,
+  :mod:`~pyg_atompack.remote.block_cache`, :mod:`~pyg_atompack.remote.record_reader`:
+  record-level reads of big remote `.atp` files (range readers, the metadata cache, the
+  bounded disk page cache, :class:`RemoteAtpReader`).
 """
 
 from pyg_atompack.remote.cache import (
@@ -15,6 +28,7 @@ from pyg_atompack.remote.cache import (
     check_sha256,
     local_name,
 )
+from pyg_atompack.remote.record_reader import RemoteAtpReader, open_remote_atp
 
 __all__ = [
     "CACHE_ENV",
@@ -24,4 +38,6 @@ __all__ = [
     "cache_root",
     "check_sha256",
     "local_name",
+    "RemoteAtpReader",
+    "open_remote_atp",
 ]

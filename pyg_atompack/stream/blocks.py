@@ -1,7 +1,7 @@
 """Record blocks: big `.atp` shards streamed as runs of consecutive records.
 
 A multi-GB `.atp` shard is never held whole. Its metadata (header, schema, index) is
-read once by range requests and cached on disk (:mod:`pyg_atompack.transport.atp_meta`),
+read once by range requests and cached on disk (:mod:`pyg_atompack.remote.atp_meta`),
 and its records are cut into *blocks* of consecutive records spanning at most
 ``block_bytes`` of the file (:func:`pyg_atompack.atp.images.plan_blocks`). A block is
 fetched with one range request straight into its own buffer, wrapped into a small
@@ -32,6 +32,8 @@ import numpy as np
 from pyg_atompack import atp
 from pyg_atompack.atp.header import HEADER_SIZE
 from pyg_atompack.atp.images import FileMeta, block_span, complete_block, plan_blocks
+from pyg_atompack.remote.atp_meta import load_meta
+from pyg_atompack.remote.ranges import FileRangeReader, RangeReader, URLRangeReader
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
     ShardFetchError,
@@ -44,11 +46,9 @@ from pyg_atompack.stream.payloads import _decode_atp
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamSlot
 from pyg_atompack.stream.trace import TraceRecorder
-from pyg_atompack.transport.atp_meta import load_meta
 from pyg_atompack.transport.buffers import allocate
 from pyg_atompack.transport.errors import RemoteIntegrityError
 from pyg_atompack.transport.http import part_count
-from pyg_atompack.transport.ranges import FileRangeReader, RangeReader, URLRangeReader
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
 
     A source may offer ``range_reader(info)`` itself; :class:`LocalSource` shards and
     the URL sources (:class:`HTTPSource`, :class:`HubSource`) get the adapters of
-    :mod:`pyg_atompack.transport.ranges`. A size is needed (from the listing).
+    :mod:`pyg_atompack.remote.ranges`. A size is needed (from the listing).
 
     Args:
         source (Source): The dataset's source.

@@ -1,6 +1,6 @@
 """Shards from an object store: ``s3://bucket/prefix/`` (and ``gs://`` / ``az://``).
 
-The bytes travel through :class:`pyg_atompack.transport.objectstore.ObjectStore`, which
+The bytes travel through :class:`pyg_atompack.remote.objectstore.ObjectStore`, which
 makes its client lazily in each process (fork-safe), pickles without secrets, resumes
 interrupted transfers by range under the transport's one
 :class:`~pyg_atompack.transport.RetryPolicy` and raises the transport error family.
@@ -15,12 +15,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pyg_atompack.remote.objectstore import ObjectInfo, ObjectStore
+from pyg_atompack.remote.ranges import ObjectRangeReader
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import WritableBuffer, allocate
 from pyg_atompack.transport.http import part_count
-from pyg_atompack.transport.objectstore import ObjectInfo, ObjectStore
-from pyg_atompack.transport.ranges import ObjectRangeReader
 from pyg_atompack.transport.retry import RetryPolicy
 
 #: Smallest byte range worth its own request when a shard is fetched in parts.
@@ -35,7 +35,7 @@ class ObjectStoreSource:
             one object's URL. A ``manifest.json`` below the prefix supplies sha256
             digests and record counts.
         **storage_options (optional): Options of
-            :class:`~pyg_atompack.transport.objectstore.ObjectStore` (``anon``, ``profile``,
+            :class:`~pyg_atompack.remote.objectstore.ObjectStore` (``anon``, ``profile``,
             ``endpoint_url``, ``retry`` (a :class:`~pyg_atompack.transport.RetryPolicy`), and fsspec
             options such as ``key`` / ``secret``, which are never pickled).
 

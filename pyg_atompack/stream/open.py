@@ -1,6 +1,6 @@
 """``open_source(url)``: the source a URL names, by the project's one URL rule.
 
-The scheme decides (:mod:`pyg_atompack.transport.urls`): ``hf://`` gives a
+The scheme decides (:mod:`pyg_atompack.remote.urls`): ``hf://`` gives a
 :class:`~pyg_atompack.stream.HubSource`, ``http(s)://`` an
 :class:`~pyg_atompack.stream.HTTPSource`, object-store schemes an
 :class:`~pyg_atompack.stream.ObjectStoreSource`. A string without ``scheme://`` is a local
@@ -14,10 +14,10 @@ import posixpath
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
 
+from pyg_atompack.remote.urls import check_scheme, object_store, url_scheme
 from pyg_atompack.stream.sources import MANIFEST_NAME, SHARD_SUFFIXES, LocalSource, Source
 from pyg_atompack.transport.errors import UnsupportedURLError
 from pyg_atompack.transport.redact import redact_url
-from pyg_atompack.transport.urls import check_scheme, object_store, url_scheme
 
 
 def open_source(url: str | os.PathLike | Source, **storage_options: Any) -> Source:

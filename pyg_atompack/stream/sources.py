@@ -64,8 +64,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pyg_atompack.remote import manifest
 from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
-from pyg_atompack.transport import manifest
 from pyg_atompack.transport.buffers import ShardBuffer, WritableBuffer
 
 SHARD_SUFFIXES = (".pt", ".atp")
@@ -206,7 +206,7 @@ class Source(Protocol):
 
 def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
     """Parse the shard manifest written by the converter (see
-    :func:`pyg_atompack.transport.manifest.read_manifest_records`).
+    :func:`pyg_atompack.remote.manifest.read_manifest_records`).
 
     Args:
         document (dict): The parsed JSON document.

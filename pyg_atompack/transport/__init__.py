@@ -1,24 +1,18 @@
-"""Every remote byte of the project: HTTP(S), Hub files and object stores.
+"""Bytes over the network: the HTTP(S) client and what every transfer obeys.
 
-This package is torch-free. It owns retries, timeouts, proxies, credentials, range reads,
-resumable downloads and verification, and raises one error family
-(:class:`TransportError` and its subclasses). :mod:`pyg_atompack.hub` and
-:mod:`pyg_atompack.stream` both read through it:
+This package is torch-free and knows nothing of listings, caches or formats (the remote
+layer, :mod:`pyg_atompack.remote`, builds on it). It owns:
 
-* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (huggingface_hub's shared
-  :mod:`httpx2` client, with per-request timeouts, per-hop redirects that keep
-  credentials at their origin, retries and ``Range`` resume);
+* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client, with per-request timeouts,
+  per-hop redirects, retries and ``Range`` resume, every body bounded by its listed size
+  and every transfer by a deadline;
+* :mod:`~pyg_atompack.transport.credentials`: request headers whose credentials are
+  bound to the origins they were given for (:func:`bind_headers`);
 * :mod:`~pyg_atompack.transport.retry`: the one :class:`RetryPolicy`;
 * :mod:`~pyg_atompack.transport.integrity`: the one size + sha256 check;
 * :mod:`~pyg_atompack.transport.buffers`: download targets (memory maps, parts, files);
-* :mod:`~pyg_atompack.transport.urls`: which backend serves which URL scheme;
-* :mod:`~pyg_atompack.transport.objectstore`: object stores (``s3://``, and ``gs://`` /
-  ``az://`` where gcsfs / adlfs are installed) on fsspec, under the same retry policy
-  and error family;
-* :mod:`~pyg_atompack.transport.ranges`, :mod:`~pyg_atompack.transport.atp_meta`,
-  :mod:`~pyg_atompack.transport.block_cache`, :mod:`~pyg_atompack.transport.remote_atp`:
-  record-level reads of big remote `.atp` files (range readers, the metadata cache, the
-  bounded disk page cache).
+* :mod:`~pyg_atompack.transport.redact`: URLs without secrets, for every message;
+* :mod:`~pyg_atompack.transport.errors`: the one error family (:class:`TransportError`).
 """
 
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
@@ -50,9 +44,4 @@ __all__ = [
     "RequestHeaders",
     "bind_headers",
     "redact_url",
-    "RemoteAtpReader",
-    "open_remote_atp",
 ]
-
-# record-level reads of big remote .atp files (issue 14)
-from pyg_atompack.transport.remote_atp import RemoteAtpReader, open_remote_atp  # noqa: E402

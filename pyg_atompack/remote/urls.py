@@ -40,11 +40,11 @@ class Backend:
 
 #: Object-store schemes -> their backend (the one place a new store joins).
 OBJECT_STORES: dict[str, Backend] = {
-    "s3": Backend("pyg_atompack.transport.objectstore", "pip install s3fs"),
-    "gs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
-    "gcs": Backend("pyg_atompack.transport.objectstore", "pip install gcsfs"),
-    "az": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
-    "abfs": Backend("pyg_atompack.transport.objectstore", "pip install adlfs"),
+    "s3": Backend("pyg_atompack.remote.objectstore", "pip install s3fs"),
+    "gs": Backend("pyg_atompack.remote.objectstore", "pip install gcsfs"),
+    "gcs": Backend("pyg_atompack.remote.objectstore", "pip install gcsfs"),
+    "az": Backend("pyg_atompack.remote.objectstore", "pip install adlfs"),
+    "abfs": Backend("pyg_atompack.remote.objectstore", "pip install adlfs"),
 }
 
 BUILTIN_SCHEMES = ("hf", "http", "https")

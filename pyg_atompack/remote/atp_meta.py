@@ -26,7 +26,7 @@ from typing import Any
 from pyg_atompack.atp.header import HEADER_SIZE, select_header
 from pyg_atompack.atp.images import FileMeta, parse_meta
 from pyg_atompack.remote import cache as remote_cache
-from pyg_atompack.transport.ranges import RangeReader, read_range
+from pyg_atompack.remote.ranges import RangeReader, read_range
 
 __all__ = ["META_CHUNK_BYTES", "fetch_meta", "load_meta", "meta_path"]
 

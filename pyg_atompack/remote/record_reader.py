@@ -2,8 +2,8 @@
 
 :class:`RemoteAtpReader` has the interface of :class:`pyg_atompack.atp.Reader` (``len``,
 ``f[i]``, ``read_batch``, ``n_atoms``, ``fields``) over one :class:`RangeReader`. Its
-metadata comes from :func:`~pyg_atompack.transport.atp_meta.load_meta` (fetched once per
-machine), its records from a :class:`~pyg_atompack.transport.block_cache.BlockCache`
+metadata comes from :func:`~pyg_atompack.remote.atp_meta.load_meta` (fetched once per
+machine), its records from a :class:`~pyg_atompack.remote.block_cache.BlockCache`
 (pages on local disk, bounded by ``cache_bytes``, shared by the processes of a machine).
 A ``read_batch`` fetches the pages its records lie in (adjacent ones in one request,
 several requests at once; ``ShardedReader`` hands each shard all its records of a
@@ -30,14 +30,14 @@ from pyg_atompack.atp.errors import AtpError
 from pyg_atompack.atp.images import FileMeta, gathered_image
 from pyg_atompack.atp.index import molecule_index
 from pyg_atompack.remote import cache as remote_cache
-from pyg_atompack.transport.atp_meta import load_meta
-from pyg_atompack.transport.block_cache import (
+from pyg_atompack.remote.atp_meta import load_meta
+from pyg_atompack.remote.block_cache import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_PAGE_BYTES,
     BlockCache,
     slice_pages,
 )
-from pyg_atompack.transport.ranges import RangeReader
+from pyg_atompack.remote.ranges import RangeReader
 
 __all__ = ["RemoteAtpReader", "open_remote_atp", "url_range_readers"]
 
@@ -263,7 +263,7 @@ def url_range_readers(source: str | Sequence[str], *,
             host is read without them). (default: :obj:`None`)
 
     Returns:
-        One :class:`~pyg_atompack.transport.ranges.URLRangeReader` per file, in order.
+        One :class:`~pyg_atompack.remote.ranges.URLRangeReader` per file, in order.
 
     Raises:
         OSError: The manifest or a size cannot be read (the message names the URL).
@@ -271,15 +271,15 @@ def url_range_readers(source: str | Sequence[str], *,
     import json
     from urllib.parse import urljoin
 
+    from pyg_atompack.remote.ranges import URLRangeReader
     from pyg_atompack.transport.credentials import bind_headers
-    from pyg_atompack.transport.ranges import URLRangeReader
     from pyg_atompack.transport.redact import redact_url
 
     # the credentials belong to the user's own URL(s), not to what a manifest names
     headers = bind_headers(headers, source)
     if isinstance(source, str) and source.rsplit("?", 1)[0].endswith(".json"):
+        from pyg_atompack.remote.manifest import read_manifest_records
         from pyg_atompack.transport import http as transport_http
-        from pyg_atompack.transport.manifest import read_manifest_records
         from pyg_atompack.transport.retry import RetryPolicy
 
         body = transport_http.fetch(source, policy=RetryPolicy(), headers=headers,

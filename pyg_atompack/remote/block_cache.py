@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pyg_atompack.remote import cache as remote_cache
-from pyg_atompack.transport.ranges import RangeReader, read_range
+from pyg_atompack.remote.ranges import RangeReader, read_range
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_PAGE_BYTES", "BlockCache"]
 

@@ -6,7 +6,7 @@ process hangs on its first request once the parent has used it, which every Data
 worker started by ``fork`` would do; the fsspec clients work in a forked child given a
 client of their own (see ``docs/architecture.md``, "Object stores"). What differs
 between the stores (client options, the conditional range read, error codes) lives in
-:mod:`pyg_atompack.transport.objectstore_backends`; everything else is here, once.
+:mod:`pyg_atompack.remote.objectstore_backends`; everything else is here, once.
 
 :class:`ObjectStore` is one bucket prefix (or one object, or a ``manifest.json``):
 
@@ -36,8 +36,8 @@ exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else
 The clients make a single attempt each, so retries never multiply.
 
 :func:`object_range_readers` gives the listed objects the
-:class:`~pyg_atompack.transport.ranges.RangeReader` interface
-(:class:`~pyg_atompack.transport.ranges.ObjectRangeReader`), for record-level reads (record
+:class:`~pyg_atompack.remote.ranges.RangeReader` interface
+(:class:`~pyg_atompack.remote.ranges.ObjectRangeReader`), for record-level reads (record
 blocks, the page cache) exactly as for HTTP(S) files.
 
 This module is torch-free.
@@ -62,6 +62,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.remote.objectstore_backends import BACKENDS, StoreHTTPError
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -69,7 +70,6 @@ from pyg_atompack.transport.errors import (
     TransportError,
     UnsupportedURLError,
 )
-from pyg_atompack.transport.objectstore_backends import BACKENDS, StoreHTTPError
 from pyg_atompack.transport.retry import (
     RETRYABLE_STATUSES,
     RetryPolicy,
@@ -188,7 +188,7 @@ def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
 
     botocore's ``ClientError`` (S3), azure-core's ``HttpResponseError`` (Azure), gcsfs's
     ``HttpError`` and the statuses it turns into built-in exceptions (GCS listings), and
-    :class:`~pyg_atompack.transport.objectstore_backends.StoreHTTPError` (GCS reads).
+    :class:`~pyg_atompack.remote.objectstore_backends.StoreHTTPError` (GCS reads).
     """
     for cause in _causes(error):
         response = getattr(cause, "response", None)
@@ -788,7 +788,7 @@ def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> Ob
 
 def parse_manifest(document: Any, url: str) -> dict[str, dict]:
     """``{name: entry}`` from a shard manifest: the one parser,
-    :func:`pyg_atompack.transport.manifest.read_manifest_records` (names and sha256
+    :func:`pyg_atompack.remote.manifest.read_manifest_records` (names and sha256
     checked there).
 
     Args:
@@ -802,7 +802,7 @@ def parse_manifest(document: Any, url: str) -> dict[str, dict]:
     Raises:
         TransportError: An entry is malformed or unsafe (the message names the entry).
     """
-    from pyg_atompack.transport.manifest import read_manifest_records
+    from pyg_atompack.remote.manifest import read_manifest_records
 
     return read_manifest_records(document, url)
 
@@ -859,13 +859,13 @@ def object_range_readers(url: str, *, suffixes: Sequence[str] = (".atp",),
             ``retry``, fsspec options).
 
     Returns:
-        One :class:`~pyg_atompack.transport.ranges.ObjectRangeReader` per object, in POSIX
+        One :class:`~pyg_atompack.remote.ranges.ObjectRangeReader` per object, in POSIX
         path order, sharing one picklable, fork-safe handle.
 
     Raises:
         TransportError: The listing failed (see :meth:`ObjectStore.list`).
     """
-    from pyg_atompack.transport.ranges import ObjectRangeReader
+    from pyg_atompack.remote.ranges import ObjectRangeReader
 
     store, objects = list_objects(url, suffixes=suffixes, **options)
     return [ObjectRangeReader(store, obj) for obj in objects]

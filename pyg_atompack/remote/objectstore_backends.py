@@ -1,6 +1,6 @@
 """What differs between the object stores: client, conditional range read, error codes.
 
-:class:`~pyg_atompack.transport.objectstore.ObjectStore` does everything that is the
+:class:`~pyg_atompack.remote.objectstore.ObjectStore` does everything that is the
 same for every store (listing, manifests, retries, resume, downloads, pickling); each
 :class:`Backend` here supplies the rest for its scheme:
 

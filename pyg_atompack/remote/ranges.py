@@ -12,7 +12,7 @@ wrap the transport's range reads:
   missing byte, under the source's retry policy), pinned to the server's ``ETag`` /
   ``Last-Modified``;
 * :class:`ObjectRangeReader`: a listed object-store object (``s3://``, ``gs://``,
-  ``az://``), through :meth:`pyg_atompack.transport.objectstore.ObjectStore.read_into`
+  ``az://``), through :meth:`pyg_atompack.remote.objectstore.ObjectStore.read_into`
   (a ranged ``GET`` pinned to the listed ETag, resumed after a dropped connection under
   the store's retry policy).
 
@@ -229,15 +229,15 @@ class ObjectRangeReader(RangeAdapter):
     """Range reads of a listed object-store object.
 
     Picklable without secrets and fork-safe: the store handle makes its client lazily in
-    each process (see :class:`~pyg_atompack.transport.objectstore.ObjectStore`). Every
+    each process (see :class:`~pyg_atompack.remote.objectstore.ObjectStore`). Every
     read is conditioned on the listed ETag, so an object replaced since it was listed
     raises :class:`~pyg_atompack.transport.RemoteIntegrityError` instead of mixing two
     versions.
 
     Args:
-        store (ObjectStore): The :class:`~pyg_atompack.transport.objectstore.ObjectStore`
+        store (ObjectStore): The :class:`~pyg_atompack.remote.objectstore.ObjectStore`
             that listed the object.
-        obj (ObjectInfo): Its :class:`~pyg_atompack.transport.objectstore.ObjectInfo`
+        obj (ObjectInfo): Its :class:`~pyg_atompack.remote.objectstore.ObjectInfo`
             (URL, size, ETag, sha256 from a manifest).
     """
 
