@@ -5,9 +5,9 @@ resumable downloads and verification, and raises one error family
 (:class:`TransportError` and its subclasses). :mod:`pyg_atompack.hub` and
 :mod:`pyg_atompack.stream` both read through it:
 
-* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (huggingface_hub's shared
-  :mod:`httpx2` client, with per-request timeouts, per-hop redirects that keep
-  credentials at their origin, retries and ``Range`` resume);
+* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (its own :mod:`httpx` client,
+  one per process and never shared across ``fork``, with per-request timeouts, per-hop
+  redirects that keep credentials at their origin, retries and ``Range`` resume);
 * :mod:`~pyg_atompack.transport.retry`: the one :class:`RetryPolicy`;
 * :mod:`~pyg_atompack.transport.integrity`: the one size + sha256 check;
 * :mod:`~pyg_atompack.transport.buffers`: download targets (memory maps, parts, files);
