@@ -193,3 +193,18 @@ def test_offline_mode_refuses_before_connecting(server, monkeypatch):
     assert server.requests == []
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert hub.resolve_revision(REPO, endpoint=server.endpoint, policy=FAST)
+
+
+def test_every_test_file_of_the_fake_hub_runs_next_to_each_release():
+    """``REMOTE_TESTS`` in the Makefile (run once per huggingface_hub release) lists every
+    test file that starts the fake Hub."""
+    import re
+
+    makefile = (TESTS_DIR.parent / "Makefile").read_text(encoding="utf-8")
+    value = re.search(r"^REMOTE_TESTS := ((?:.*\\\n)*.*)$", makefile, re.M).group(1)
+    listed = {entry.split("::")[0] for entry in value.replace("\\\n", " ").split()}
+    assert all((TESTS_DIR.parent / entry).is_file() for entry in listed), listed
+    starting = {f"tests/{path.name}" for path in TESTS_DIR.glob("test_*.py")
+                if re.search(r"\b(serve_fake_hub|FakeHub)\(", path.read_text(encoding="utf-8"))}
+    assert "tests/test_http_client.py" in starting
+    assert starting <= listed, starting - listed

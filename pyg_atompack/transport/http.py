@@ -5,13 +5,13 @@ goes through :func:`open_response`, on this module's own :class:`httpx.Client` (
 ``httpx`` package is a declared dependency; huggingface_hub's client is not used, so the
 transport works the same next to any huggingface_hub release). The client:
 
-* is made once per process, on the first request, and shared by its threads. A forked
-  child (a DataLoader worker) never uses its parent's: the client and its connections
-  are forgotten in the child (never closed there: the sockets are the parent's) and the
-  child makes its own on its first request. The trust store (an :class:`ssl.SSLContext`
-  holding no connection) is loaded once and kept across ``fork``, so a worker's client
-  costs about a millisecond instead of the tens of milliseconds loading the CA bundle
-  takes;
+* is made once per process, on the first request, shared by its threads and closed at
+  exit. A forked child (a DataLoader worker) never uses its parent's: the client and its
+  connections are forgotten in the child (never closed there: the sockets are the
+  parent's too) and the child makes its own on its first request. The trust store (an
+  :class:`ssl.SSLContext` holding no connection, :func:`load_trust_store`) is loaded once
+  and kept across ``fork``, so a worker's client costs about a millisecond instead of
+  the tens of milliseconds loading the CA bundle takes;
 * reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY`` when it is made, and the trust
   store honours ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when it is loaded (httpx's
   ``trust_env``; certifi's bundle otherwise);
@@ -39,6 +39,7 @@ Per request this module adds:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -180,14 +181,22 @@ def _client() -> Any:
 
 def _forget_client_in_child() -> None:
     # The parent's connections must not be used (two processes on one socket) nor closed
-    # (a TLS close_notify would end the parent's session): drop the client. A thread of the
-    # parent may have held the lock when it forked: a new one.
+    # (they are the parent's too): drop the client. A thread of the parent may have held a
+    # lock when it forked: new ones.
     global _process_client, _client_lock, _trust_lock
     _process_client = None
     _client_lock, _trust_lock = threading.Lock(), threading.Lock()
 
 
+def _close_client_at_exit() -> None:
+    # this process's own client (a forked child's is its own, the parent's was forgotten)
+    client = _process_client
+    if client is not None:
+        client.close()
+
+
 os.register_at_fork(after_in_child=_forget_client_in_child)
+atexit.register(_close_client_at_exit)
 
 
 def offline() -> bool:
