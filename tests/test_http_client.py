@@ -101,13 +101,14 @@ def test_reads_never_use_huggingface_hubs_client(server, shard_root, tmp_path):
 def test_a_forked_child_makes_its_own_client_and_keeps_the_trust_store(server):
     """The child never touches its parent's connection; the parent's keeps working."""
     sha = hub.resolve_revision(REPO, endpoint=server.endpoint, policy=FAST)
-    parent_client, trust_store = http._client(), http.load_trust_store()
+    parent_client = http._client()
+    trust_store = http._trust_store
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code, never return into pytest
         code = 1
         try:
             own = http._client()
-            code = 2 if own is parent_client else 3 if http.load_trust_store() is not trust_store \
+            code = 2 if own is parent_client else 3 if http._trust_store is not trust_store \
                 else 0 if hub.resolve_revision(REPO, endpoint=server.endpoint,
                                                policy=FAST) == sha else 4
         finally:

@@ -243,7 +243,6 @@ class HTTPSource(URLShardSource):
                 raise ShardFetchError("HTTPSource needs at least one URL")
             shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
         self._shards = self._with_sizes(shards)
-        transport.load_trust_store()  # DataLoader workers forked from here inherit it
 
     def _list_manifest(self, url: str) -> tuple[ShardInfo, ...]:
         where = redact_url(url)

@@ -9,9 +9,10 @@ transport works the same next to any huggingface_hub release). The client:
   exit. A forked child (a DataLoader worker) never uses its parent's: the client and its
   connections are forgotten in the child (never closed there: the sockets are the
   parent's too) and the child makes its own on its first request. The trust store (an
-  :class:`ssl.SSLContext` holding no connection, :func:`load_trust_store`) is loaded once
-  and kept across ``fork``, so a worker's client costs about a millisecond instead of
-  the tens of milliseconds loading the CA bundle takes;
+  :class:`ssl.SSLContext` holding no connection) is loaded once and kept across ``fork``
+  (every source sends requests to list or size its shards before workers fork), so a
+  worker's client costs about a millisecond instead of the tens of milliseconds loading
+  the CA bundle takes;
 * reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY`` when it is made, and the trust
   store honours ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when it is loaded (httpx's
   ``trust_env``; certifi's bundle otherwise);
@@ -81,9 +82,9 @@ from pyg_atompack.transport.retry import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["DOCUMENT_LIMIT", "MAX_REDIRECTS", "MIN_PART_BYTES", "UNLISTED_LIMIT", "Cancel",
-           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "load_trust_store",
-           "offline", "open_response",
-           "part_count", "probe", "request_json", "response_validator", "VersionPin"]
+           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "offline",
+           "open_response", "part_count", "probe", "request_json", "response_validator",
+           "VersionPin"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -139,18 +140,10 @@ _trust_store: Any = None  # its ssl.SSLContext: no connection in it, kept across
 _trust_lock = threading.Lock()
 
 
-def load_trust_store() -> Any:
-    """This process's trust store, loaded on first use and kept across ``fork``.
-
-    Loading it (the CA bundle) is most of the cost of an HTTP client: measured on 2 cores
-    busy with two other processes, a forked child's first client took 162 ms with its
-    own trust store and 1.6 ms with the inherited one. A source that forked DataLoader
-    workers will read from calls this before they fork, even when it sent no request.
-
-    Returns:
-        ssl.SSLContext: From ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else certifi's
-        bundle (httpx's rule).
-    """
+def _load_trust_store() -> Any:
+    # SSL_CERT_FILE / SSL_CERT_DIR when set, else certifi's bundle (httpx's rule). Loading
+    # it is most of the cost of a client: on 2 cores busy with two other processes a forked
+    # child's first client took 162 ms with its own and 1.6 ms with the inherited one.
     import httpx
 
     global _trust_store
@@ -164,7 +157,7 @@ def _new_client() -> Any:
     import httpx
 
     # trust_env: the proxy variables; redirects are followed hop by hop in open_response
-    return httpx.Client(verify=load_trust_store(), trust_env=True, follow_redirects=False)
+    return httpx.Client(verify=_load_trust_store(), trust_env=True, follow_redirects=False)
 
 
 def _client() -> Any:
