@@ -499,7 +499,8 @@ def push(
 
     Raises:
         HubPublishError: Bad input (a shard failing verification, no token, a model
-            repository, an unknown branch, ...): raised before anything is uploaded.
+            repository, an unknown branch, with huggingface_hub 0.x an ``endpoint`` other
+            than ``HF_ENDPOINT``, ...): raised before anything is uploaded.
         HubTransferError: The upload was interrupted; nothing was committed, and
             running the same push again resumes it.
         pyg_atompack.convert.ConvertError: The source cannot be converted.
