@@ -78,8 +78,16 @@ def fake_hub() -> FakeHub:
 
 
 def _push(server: FakeHub, source, **kwargs) -> hub.PushResult:
+    import huggingface_hub
+    from huggingface_hub import constants
+
     kwargs.setdefault("token", WRITE_TOKEN)
-    return hub.push(source, REPO, endpoint=server.endpoint, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        if huggingface_hub.__version__.startswith("0."):
+            # 0.x commits only to HF_ENDPOINT (test_push_to_an_endpoint_other_than_hf_endpoint);
+            # only around the push: 0.x downloads build URLs from the HF_ENDPOINT of import time
+            patch.setattr(constants, "ENDPOINT", server.endpoint)
+        return hub.push(source, REPO, endpoint=server.endpoint, **kwargs)
 
 
 def _files(server: FakeHub, commit: str, repo: str = REPO) -> dict[str, bytes]:
@@ -170,10 +178,12 @@ def test_push_converted_dataset_and_read_it_back(fake_hub, xyz, local_shards, tm
 
 def test_interrupted_push_resumes_with_only_the_missing_shards(fake_hub, xyz, local_shards,
                                                                monkeypatch):
-    from huggingface_hub.utils import _http
+    import time
 
-    # the client retries a dropped upload 5 times with 1..8 s pauses: skip the pauses
-    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda _s: None))
+    # the client retries a dropped upload 5 times with 1..8 s pauses: shorten the pauses
+    # (every huggingface_hub line sleeps with time.sleep; nothing here polls with it)
+    sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda seconds: sleep(min(seconds, 0.01)))
     oids = [hashlib.sha256((local_shards / f"shard_0000{i}.atp").read_bytes()).hexdigest()
             for i in range(3)]
     state = upload_state(fake_hub)
@@ -352,6 +362,29 @@ def test_missing_token_model_repo_and_unknown_branch_fail_before_upload(
                     fake_hub, "'org/absent' not found", "--create")
     _assert_refused(*_cli(monkeypatch, capsys, fake_hub, "push", shards, REPO,
                           token="hf_wrong"), fake_hub, "rejected the token")
+
+
+def test_push_to_an_endpoint_other_than_hf_endpoint(local_shards, monkeypatch):
+    """huggingface_hub 1.x+ commits to the endpoint of the call; 0.x reads the commit's URL
+    against HF_ENDPOINT (and raises after committing), so push refuses before uploading."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    for server in serve_fake_hub():
+        monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+        push = {"token": WRITE_TOKEN, "endpoint": server.endpoint, "path_in_repo": "train",
+                "create": True}
+        if huggingface_hub.__version__.startswith("0."):
+            with pytest.raises(hub.HubPublishError, match=rf"huggingface_hub 0\..*cannot commit "
+                               rf"to {server.endpoint} while HF_ENDPOINT is https://hub\.invalid"
+                               r".*nothing was uploaded"):
+                hub.push(local_shards, REPO, **push)
+            assert server.requests == []  # refused before asking anything
+        else:
+            result = hub.push(local_shards, REPO, **push)
+            assert sorted(_files(server, result.commit)) == [
+                ".gitattributes", "README.md", "train/manifest.json", "train/shard_00000.atp",
+                "train/shard_00001.atp", "train/shard_00002.atp"]
 
 
 # ---------------------------------------------------------------------- pull

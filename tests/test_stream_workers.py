@@ -156,35 +156,46 @@ def test_a_rank_budget_of_one_still_gives_every_worker_a_connection(tmp_path, wo
         int(s.sample_id) for s in dataset)
 
 
-def test_workers_download_with_the_client_made_before_they_forked(tmp_path, monkeypatch):
-    from huggingface_hub.utils import _http as hf_http
+@pytest.mark.parametrize("listed", ["manifest", "urls"])
+def test_each_worker_makes_its_own_client_with_the_parents_trust_store(tmp_path, monkeypatch,
+                                                                       listed):
+    """No connection crosses a fork, and no worker loads the CA bundle again (the parent
+    read the manifest, or asked each URL for its size, before the workers forked)."""
+    import httpx
 
-    from pyg_atompack.transport import spare_client
+    from pyg_atompack.transport import http
 
-    made = tmp_path / "clients-made-by"
-    original = hf_http._GLOBAL_CLIENT_FACTORY
+    made = tmp_path / "made"
+    client, trust_store = httpx.Client, httpx.create_ssl_context
 
-    def recording_factory():  # a user's set_client_factory: records who calls it
-        with open(made, "a", encoding="utf-8") as handle:
-            handle.write(f"{os.getpid()}\n")
-        return original()
+    def recording(kind, make):
+        def record(*args, **kwargs):
+            with open(made, "a", encoding="utf-8") as handle:
+                handle.write(f"{kind}:{os.getpid()}\n")
+            return make(*args, **kwargs)
+        return record
 
-    monkeypatch.setattr(hf_http, "_GLOBAL_CLIENT_FACTORY", recording_factory)
-    monkeypatch.setattr(spare_client, "_spare", None)
-    hf_http.close_session()
+    monkeypatch.setattr(httpx, "Client", recording("client", client))
+    monkeypatch.setattr(httpx, "create_ssl_context", recording("trust", trust_store))
+    for name in ("_process_client", "_trust_store"):  # as in a new process
+        monkeypatch.setattr(http, name, None)
     (tmp_path / "www").mkdir()
     write_pt_shards(tmp_path / "www", [5, 4, 6, 3], atoms=3)
-    try:
-        for server in serve_directory(tmp_path / "www"):
-            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
-                                         prefetch=2, concurrency=2)
-            loader = DataLoader(dataset, batch_size=4, num_workers=2)
-            assert sum(len(b.sample_id) for b in loader) == 18
-            assert len([e for e in server.requests if e.path.endswith(".pt")]) == 4
-        # the listing's session and the spare, both here: no worker built a client
-        assert made.read_text(encoding="utf-8").split() == [str(os.getpid())] * 2
-        # this process itself never uses the spare
-        assert spare_client.client() is hf_http.get_session()
-        assert spare_client.client() is not spare_client._spare.client
-    finally:
-        hf_http.close_session()  # drop the recording factory's session
+    for server in serve_directory(tmp_path / "www"):
+        names = [f"shard-{n:04d}.pt" for n in range(4)]
+        where = (server.url("manifest.json") if listed == "manifest"
+                 else [server.url(name) for name in names])
+        dataset = ShardStreamDataset(HTTPSource(where, retry=FAST), prefetch=2, concurrency=2)
+        loader = DataLoader(dataset, batch_size=4, num_workers=2)
+        assert sum(len(b.sample_id) for b in loader) == 18
+        downloads = [e for e in server.requests
+                     if e.path.endswith(".pt") and e.range != "bytes=0-0"]  # not a size probe
+        assert len(downloads) == 4
+    events = made.read_text(encoding="utf-8").split()
+    here = str(os.getpid())
+    # this process: its client and the trust store; each worker: a client
+    assert sorted(e for e in events if e.endswith(f":{here}")) == [f"client:{here}",
+                                                                  f"trust:{here}"]
+    workers = [e for e in events if not e.endswith(f":{here}")]
+    assert sorted(e.split(":")[0] for e in workers) == ["client", "client"]
+    assert len(set(workers)) == 2

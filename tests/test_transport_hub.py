@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx2
+import httpx
 import pytest
 from servers.fake_hub import FakeHub, serve_fake_hub, write_reference_shard
 
@@ -81,11 +81,11 @@ def test_the_cdn_refuses_a_forwarded_token(server):
     """The fake's second origin bites: a client that forwards the token fails there."""
     target = hub.list_remote_files(REPO, "train/part_0.atp", revision="main",
                                    endpoint=server.endpoint, policy=FAST)[0]
-    answer = httpx2.get(target.url, headers={"Authorization": f"Bearer {TOKEN}"})
+    answer = httpx.get(target.url, headers={"Authorization": f"Bearer {TOKEN}"})
     location = answer.headers["location"]
     assert answer.status_code == 302 and location.startswith(server.cdn_endpoint)
-    assert httpx2.get(location, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 400
-    assert httpx2.get(location).status_code == 200
+    assert httpx.get(location, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 400
+    assert httpx.get(location).status_code == 200
 
 
 @pytest.mark.parametrize("route", ["api", "resolve", "cdn"])

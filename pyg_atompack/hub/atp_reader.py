@@ -512,11 +512,11 @@ def open_hub_atp(
         HubError: Any other remote problem (see :mod:`pyg_atompack.hub`).
         pyg_atompack.atp.AtpError: A shard header is not a valid ``.atp`` header.
     """
-    from huggingface_hub import constants
+    from pyg_atompack.transport.http import offline as offline_mode
 
     path = normalize_path_in_repo(path_in_repo)
     cache_root_dir = cache_root(cache_dir)
-    offline = constants.is_offline_mode()
+    offline = offline_mode()  # huggingface_hub 0.x has no is_offline_mode()
     if is_commit_sha(revision):
         sha = revision
     elif offline:

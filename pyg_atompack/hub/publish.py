@@ -131,21 +131,38 @@ def _require_token(token: str | bool | None, endpoint: str | None) -> str:
     if not resolved:
         raise _fail("no Hub token: log in with `hf auth login` or set HF_TOKEN to a token "
                     "with write access; nothing was uploaded")
-    from huggingface_hub import errors as hf_errors
-
     api = make_api(endpoint)
     try:
         api.whoami(token=resolved)
-    except hf_errors.HfHubHTTPError as exc:
-        if getattr(exc.response, "status_code", None) == 401:
+    except Exception as exc:
+        # huggingface_hub 1.x+ raises HfHubHTTPError; 0.x re-raises a 401 as a plain
+        # requests.HTTPError: both carry the response
+        if getattr(getattr(exc, "response", None), "status_code", None) == 401:
             raise _fail(f"the Hub at {api.endpoint} rejected the token (401): log in again "
                         "with `hf auth login` or set HF_TOKEN; nothing was uploaded") from None
         with translate_errors("", None, None):
             raise
-    except Exception:
-        with translate_errors("", None, None):
-            raise
     return resolved
+
+
+def _check_client_endpoint(endpoint: str | None) -> None:
+    """Refuse, before anything is uploaded, an endpoint the installed client cannot commit to.
+
+    huggingface_hub 0.x reads the URL of a new commit against ``HF_ENDPOINT``, not against
+    the endpoint of the call (``CommitInfo`` takes no endpoint before 1.0): a commit to
+    another endpoint is made, then ``create_commit`` raises ``ValueError``.
+    """
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if not endpoint or not huggingface_hub.__version__.startswith("0."):
+        return
+    if endpoint.rstrip("/") != constants.ENDPOINT.rstrip("/"):
+        raise _fail(f"huggingface_hub {huggingface_hub.__version__} cannot commit to "
+                    f"{endpoint} while HF_ENDPOINT is {constants.ENDPOINT} (before 1.0 it "
+                    "reads the commit's URL against HF_ENDPOINT): set HF_ENDPOINT to "
+                    f"{endpoint} before starting Python, or upgrade huggingface_hub; nothing "
+                    "was uploaded")
 
 
 def _remote_head(repo_id: str, branch: str, *, create: bool, token: str,
@@ -482,7 +499,8 @@ def push(
 
     Raises:
         HubPublishError: Bad input (a shard failing verification, no token, a model
-            repository, an unknown branch, ...): raised before anything is uploaded.
+            repository, an unknown branch, with huggingface_hub 0.x an ``endpoint`` other
+            than ``HF_ENDPOINT``, ...): raised before anything is uploaded.
         HubTransferError: The upload was interrupted; nothing was committed, and
             running the same push again resumes it.
         pyg_atompack.convert.ConvertError: The source cannot be converted.
@@ -503,6 +521,7 @@ def push(
             raise _fail(f"{card_extra}: cannot read the card text: {exc}") from exc
 
     # phase 1: remote, read-only
+    _check_client_endpoint(endpoint)
     token = _require_token(token, endpoint)
     head = _remote_head(repo_id, revision, create=create, token=token, endpoint=endpoint)
     remote, remote_card, published = _remote_state(repo_id, path_in_repo, head, token=token,

@@ -18,7 +18,6 @@ from urllib.parse import unquote, urljoin, urlsplit
 from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, read_manifest_records
 from pyg_atompack.transport import http as transport
-from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import ShardPart, WritableBuffer
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers
 from pyg_atompack.transport.errors import RemoteIntegrityError, TransportError
@@ -244,8 +243,6 @@ class HTTPSource(URLShardSource):
                 raise ShardFetchError("HTTPSource needs at least one URL")
             shards = tuple(ShardInfo(name=_name_from_url(u), location=u) for u in urls)
         self._shards = self._with_sizes(shards)
-        # DataLoader workers forked from this process start with an HTTP client
-        spare_client.keep_spare()
 
     def _list_manifest(self, url: str) -> tuple[ShardInfo, ...]:
         where = redact_url(url)

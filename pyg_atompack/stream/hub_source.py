@@ -13,7 +13,6 @@ from pyg_atompack.stream.sources import (
     ShardInfo,
     read_manifest_records,
 )
-from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.credentials import RequestHeaders
 from pyg_atompack.transport.retry import RetryPolicy
 
@@ -93,7 +92,6 @@ class HubSource(URLShardSource):
                 f"{pattern!r}"
             )
         self._shards = tuple(shards)
-        spare_client.keep_spare()  # DataLoader workers forked from here start with a client
 
     @property
     def headers(self) -> RequestHeaders:

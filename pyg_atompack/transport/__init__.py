@@ -3,9 +3,10 @@
 This package is torch-free and knows nothing of listings, caches or formats (the remote
 layer, :mod:`pyg_atompack.remote`, builds on it). It owns:
 
-* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client, with per-request timeouts,
-  per-hop redirects, retries and ``Range`` resume, every body bounded by its listed size
-  and every transfer by a deadline;
+* :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (its own :mod:`httpx` client,
+  one per process and never shared across ``fork``), with per-request timeouts, per-hop
+  redirects, retries and ``Range`` resume, every body bounded by its listed size and every
+  transfer by a deadline;
 * :mod:`~pyg_atompack.transport.credentials`: request headers whose credentials are
   bound to the origins they were given for (:func:`bind_headers`);
 * :mod:`~pyg_atompack.transport.retry`: the one :class:`RetryPolicy`;

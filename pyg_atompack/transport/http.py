@@ -1,17 +1,28 @@
 """HTTP(S) transfers: one client, one redirect rule, one retry loop, one resume logic.
 
 Every HTTP request of the project (Hub API calls, Hub file reads, plain HTTP(S) shards)
-goes through :func:`open_response`, on huggingface_hub's shared :mod:`httpx2` client
-(``huggingface_hub.utils.get_session``). That client is what a user configures for the
-Hub (``set_client_factory``), it reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY``
-for every request and ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` for the trust store, refuses
-to connect when ``HF_HUB_OFFLINE=1``, and is closed in a forked child (so no connection
-crosses a ``fork``); a forked DataLoader worker uses a spare client the same factory made
-before the fork instead of building its own (:mod:`pyg_atompack.transport.spare_client`).
-Per request this module adds what that client leaves out:
+goes through :func:`open_response`, on this module's own :class:`httpx.Client` (the
+``httpx`` package is a declared dependency; huggingface_hub's client is not used, so the
+transport works the same next to any huggingface_hub release). The client:
 
-* **timeouts**: connect and read timeouts from the :class:`RetryPolicy` (the shared client
-  has none);
+* is made once per process, on the first request, shared by its threads and closed at
+  exit. A forked child (a DataLoader worker) never uses its parent's: the client and its
+  connections are forgotten in the child (never closed there: the sockets are the
+  parent's too) and the child makes its own on its first request. The trust store (an
+  :class:`ssl.SSLContext` holding no connection) is loaded once and kept across ``fork``
+  (every source sends requests to list or size its shards before workers fork), so a
+  worker's client costs about a millisecond instead of the tens of milliseconds loading
+  the CA bundle takes;
+* reads ``HTTP(S)_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY`` when it is made, and the trust
+  store honours ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when it is loaded (httpx's
+  ``trust_env``; certifi's bundle otherwise);
+* refuses to connect in offline mode (``HF_HUB_OFFLINE=1``, read from huggingface_hub's
+  public ``constants.HF_HUB_OFFLINE`` before each request, so the Hub layer, huggingface_hub
+  and the transport agree): :class:`RemoteOfflineError`.
+
+Per request this module adds:
+
+* **timeouts**: connect and read timeouts from the :class:`RetryPolicy`;
 * **credentials stay at their origin**: redirects are followed here, hop by hop, and
   ``Authorization`` / ``Cookie`` headers are sent only to the origin (scheme, host, port)
   of the URL they were given for. The Hub answers ``resolve/`` of large files with a 302
@@ -29,8 +40,10 @@ Per request this module adds what that client leaves out:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -38,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 from urllib.parse import urljoin
 
-from pyg_atompack.transport import spare_client
 from pyg_atompack.transport.buffers import (
     BodyOverrunError,
     FileSink,
@@ -70,8 +82,9 @@ from pyg_atompack.transport.retry import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["DOCUMENT_LIMIT", "MAX_REDIRECTS", "MIN_PART_BYTES", "UNLISTED_LIMIT", "Cancel",
-           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "open_response",
-           "part_count", "probe", "request_json", "response_validator", "VersionPin"]
+           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "offline",
+           "open_response", "part_count", "probe", "request_json", "response_validator",
+           "VersionPin"]
 
 _CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -121,15 +134,83 @@ class _NeverCancelled:
 NEVER = _NeverCancelled()
 
 
-def _client():
-    # huggingface_hub's session, or in a forked worker the spare made before the fork
-    return spare_client.client()
+_client_lock = threading.Lock()
+_process_client: Any = None  # this process's httpx.Client, made on first use
+_trust_store: Any = None  # its ssl.SSLContext: no connection in it, kept across fork
+_trust_lock = threading.Lock()
+
+
+def _load_trust_store() -> Any:
+    # SSL_CERT_FILE / SSL_CERT_DIR when set, else certifi's bundle (httpx's rule). Loading
+    # it is most of the cost of a client: on 2 cores busy with two other processes a forked
+    # child's first client took 162 ms with its own and 1.6 ms with the inherited one.
+    import httpx
+
+    global _trust_store
+    with _trust_lock:
+        if _trust_store is None:
+            _trust_store = httpx.create_ssl_context(trust_env=True)
+        return _trust_store
+
+
+def _new_client() -> Any:
+    import httpx
+
+    # trust_env: the proxy variables; redirects are followed hop by hop in open_response
+    return httpx.Client(verify=_load_trust_store(), trust_env=True, follow_redirects=False)
+
+
+def _client() -> Any:
+    """This process's HTTP client (``httpx.Client``), made on first use (thread-safe)."""
+    global _process_client
+    client = _process_client
+    if client is None:
+        with _client_lock:
+            if _process_client is None:
+                _process_client = _new_client()
+            client = _process_client
+    return client
+
+
+def _forget_client_in_child() -> None:
+    # The parent's connections must not be used (two processes on one socket) nor closed
+    # (they are the parent's too): drop the client. A thread of the parent may have held a
+    # lock when it forked: new ones.
+    global _process_client, _client_lock, _trust_lock
+    _process_client = None
+    _client_lock, _trust_lock = threading.Lock(), threading.Lock()
+
+
+def _close_client_at_exit() -> None:
+    # this process's own client (a forked child's is its own, the parent's was forgotten)
+    client = _process_client
+    if client is not None:
+        client.close()
+
+
+os.register_at_fork(after_in_child=_forget_client_in_child)
+atexit.register(_close_client_at_exit)
+
+
+def offline() -> bool:
+    """Whether offline mode is on (``HF_HUB_OFFLINE=1``): no request may be sent.
+
+    Read from huggingface_hub's public ``constants.HF_HUB_OFFLINE`` (set from the
+    environment when huggingface_hub is imported), the switch huggingface_hub's own
+    downloads and the Hub layer obey.
+
+    Returns:
+        bool: :obj:`True` when no request may be sent.
+    """
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _timeout(policy: RetryPolicy):
-    import httpx2
+    import httpx
 
-    return httpx2.Timeout(policy.timeout, connect=policy.connect_timeout)
+    return httpx.Timeout(policy.timeout, connect=policy.connect_timeout)
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -159,9 +240,9 @@ class _Interrupt:
 
 
 def _transport_failure(error: BaseException) -> bool:
-    import httpx2
+    import httpx
 
-    return isinstance(error, (httpx2.TransportError, OSError))
+    return isinstance(error, (httpx.TransportError, OSError))
 
 
 def _describe_failure(error: BaseException) -> str:
@@ -230,14 +311,17 @@ def open_response(url: str, *, method: str = "GET",
         cancel (Cancel, optional): Shuts the connection down when cancelled. (default: :obj:`NEVER`)
 
     Yields:
-        The final :class:`httpx2.Response` (any status but a redirect).
+        The final :class:`httpx.Response` (any status but a redirect).
 
     Raises:
         TransientError: A connection error, timeout, 408, 429 or 5xx (retry it).
         TransportError: Too many redirects, offline mode, or a permanent status.
     """
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
+    if offline():
+        where = redact_url(url)
+        raise RemoteOfflineError(
+            f"{where}: HF_HUB_OFFLINE=1 is set, so nothing remote can be read; unset it "
+            f"or use data already in the cache", url=where)
     bound = request_headers(headers)
     client = _client()
     for _ in range(MAX_REDIRECTS + 1):
@@ -256,11 +340,6 @@ def open_response(url: str, *, method: str = "GET",
                                  f"{redact_text(str(error))})", url=where) from None
         try:
             response = client.send(request, stream=True, follow_redirects=False)
-        except OfflineModeIsEnabled as error:
-            interrupt.unregister()
-            raise RemoteOfflineError(
-                f"{where}: HF_HUB_OFFLINE=1 is set, so nothing remote can be read; unset it "
-                f"or use data already in the cache", url=where) from error
         except BaseException as error:
             interrupt.unregister()
             cancel.raise_if_cancelled()  # a shut-down socket looks like a reset

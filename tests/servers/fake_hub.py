@@ -2,7 +2,8 @@
 
 :class:`FakeHub` is a real ``ThreadingHTTPServer`` on ``127.0.0.1`` (random
 free port) that serves repositories held in memory, with the routes and
-headers huggingface_hub 2.x uses:
+headers huggingface_hub uses (0.x, 1.x and 2.x; ``make test`` runs it against one
+release of each line):
 
 * ``GET /api/{type}s/{repo}[/revision/{rev}]`` -> ``{"id", "sha", "siblings"}``
   (sizes and LFS info included with ``?blobs=true``);
@@ -16,9 +17,9 @@ headers huggingface_hub 2.x uses:
   ``Content-Length``, ``Accept-Ranges: bytes``; ``Range`` -> 206 with
   ``Content-Range`` (416 when unsatisfiable). As on the Hub (``redirect_lfs=True``,
   the default), LFS files answer 302 to a signed URL ``/cdn/{key}?X-Amz-Signature=...``
-  on a **second origin** (another server on another port) that, like pre-signed S3
-  URLs, answers 400 to any request carrying ``Authorization``; small (plain git)
-  files answer a relative 307 to ``/api/resolve-cache/...`` on the same origin;
+  on a **second origin** (another server, on another port, named ``localhost``) that,
+  like pre-signed S3 URLs, answers 400 to any request carrying ``Authorization``; small
+  (plain git) files answer a relative 307 to ``/api/resolve-cache/...`` on the same origin;
 * errors: 404 with ``X-Error-Code: RepoNotFound | RevisionNotFound |
   EntryNotFound`` (what ``hf_raise_for_status`` maps to the client's
   exceptions); ``RepoNotFound`` for a private repo without its token (401 when the
@@ -131,8 +132,14 @@ class FakeHub(ThreadingHTTPServer):
 
     @property
     def cdn_endpoint(self) -> str:
-        """The second origin (another port), standing in for the Hub's CDN."""
-        return f"http://127.0.0.1:{self.cdn.server_address[1]}"
+        """The second origin, standing in for the Hub's CDN.
+
+        Another port *and another host name* (``localhost``, still the loopback server):
+        the Hub's CDN is another host, and huggingface_hub 1.x follows a ``HEAD``
+        redirect to the same host name on any port (2.x compares the whole origin), so a
+        CDN on ``127.0.0.1`` would be taken for the Hub and asked for Hub headers.
+        """
+        return f"http://localhost:{self.cdn.server_address[1]}"
 
     def start(self) -> FakeHub:
         """Serve (the Hub and its CDN) in daemon threads; returns ``self``."""

@@ -1,7 +1,7 @@
 """The HTTP side of the fake Hub: request records and the route handlers.
 
 The routes (``/api/...``, ``/.../resolve/...``, ``/cdn/...``) and headers are those
-huggingface_hub 2.x uses; see :mod:`servers.fake_hub` for the list. The handler reads
+huggingface_hub 0.x, 1.x and 2.x use; see :mod:`servers.fake_hub` for the list. The handler reads
 repositories from the server's :class:`~servers.hub_repos.RepoStore` and records every
 request on the server.
 """
@@ -37,6 +37,7 @@ class RecordedRequest:
     fault: str | None = None  # the injected fault, if any
     origin: str = "hub"  # "hub" or "cdn": which server answered
     started: float = 0.0  # time.monotonic() when the request arrived
+    client_port: int = 0  # the client's port: requests on one connection share it
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
@@ -72,6 +73,7 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         record = RecordedRequest(
             method=self.command, path=unquote(split.path), query=parse_qs(split.query),
             headers={k.lower(): v for k, v in self.headers.items()}, started=time.monotonic(),
+            client_port=self.client_address[1],
         )
         self.server.record_request(record)
         return record

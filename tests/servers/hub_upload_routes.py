@@ -1,15 +1,17 @@
 """The write side of the fake Hub: the routes huggingface_hub's upload path calls.
 
-Checked against the installed client (huggingface_hub 2.4.0, ``hf_api.py``,
-``_commit_api.py``, ``lfs.py``) with Xet disabled (``HF_HUB_DISABLE_XET=1``;
-with ``hf_xet`` installed the client would otherwise upload through the Xet CAS,
-which the fake does not model). A push walks these routes in this order:
+Checked against huggingface_hub 2.4.0, 1.33.0 and 0.36.2 (``hf_api.py``,
+``_commit_api.py``, ``lfs.py``; ``make test`` pushes with each) with Xet disabled
+(``HF_HUB_DISABLE_XET=1``; with ``hf_xet`` installed the client would otherwise upload
+through the Xet CAS, which the fake does not model). The three lines walk the same
+routes, in this order:
 
 * ``GET /api/whoami-v2`` -> ``{"name", "type": "user", "auth": {...}}``; 401 for an
   unknown or missing token;
-* ``POST /api/repos/create`` (JSON ``{"name", "organization", "type", "visibility"}``)
-  -> ``{"url"}``; 409 when the repository exists; the new repository holds one
-  commit with ``.gitattributes``, as on the Hub;
+* ``POST /api/repos/create`` (JSON ``{"name", "organization", "type", "visibility"}``;
+  0.x sends ``"private": true`` instead of ``"visibility"``) -> ``{"url"}``; 409 when
+  the repository exists; the new repository holds one commit with ``.gitattributes``,
+  as on the Hub;
 * ``POST /api/{type}s/{repo}/preupload/{rev}`` (JSON ``{"files": [{"path", "sample",
   "size"}]}``) -> ``{"files": [{"path", "uploadMode", "shouldIgnore", "oid"}]}``: LFS
   by file name (:data:`servers.hub_repos.LFS_PATTERNS`), ``oid`` of the file already
@@ -206,7 +208,8 @@ class UploadingHubHandler(HubRequestHandler):
             self._error(record, 409, "Conflict", "You already created this repo")
             return
         token = None
-        if payload.get("visibility") == "private":
+        # 1.x and later send "visibility"; 0.x sends "private": true
+        if payload.get("visibility") == "private" or payload.get("private") is True:
             token = self.headers["Authorization"][len("Bearer "):]
         store.commit(repo_id, {".gitattributes": _GITATTRIBUTES}, repo_type=repo_type,
                      token=token)
