@@ -517,7 +517,9 @@ def main() -> None:
     figure = HERE / "figures" / "stream_timeline.png"
     if args.out != DEFAULT_OUT:  # a check run never overwrites the recorded figure
         figure = args.out.with_name(f"{args.out.stem}_timeline.png")
-    draw_timelines([p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]], figure)
+    # the D/C = 1 and 3 panels, or every panel when neither ratio ran
+    drawn = [p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]]
+    draw_timelines(drawn or panels, figure)
     per = f"batch of {args.batch_size}" if args.batch_size else "sample"
     consumer_words = (f"{args.consumer}, {compute_per_sample * 1e3:.1f} ms per {per}"
                       + (": the GIL held in a pure-Python loop" if args.consumer == "gil"
