@@ -196,8 +196,8 @@ class StepWaitMeter:
             if self._received is not None and self._asked is not None:
                 received, key = self._received
                 self._open.append((self._asked, received, mark, key))
+                self._read_locked(block=False)
             self._asked, self._received = mark, None
-        self._read(block=False)
 
     def received(self, key: Hashable = None) -> None:
         """The consumer receives the item it asked for.
@@ -211,18 +211,20 @@ class StepWaitMeter:
         with self._lock:
             self._received = (mark, key)
 
-    def _read(self, block: bool) -> None:
-        with self._lock:
-            while self._open and (block or self._open[0][2].done()):
-                asked, received, ended, key = self._open.pop(0)
-                wait, step = asked.seconds_to(received), asked.seconds_to(ended)
-                self.steps += 1
-                self.wait_s += wait
-                self.step_s += step
-                totals = self.by_key.setdefault(key, [0, 0.0, 0.0])
-                totals[0] += 1
-                totals[1] += wait
-                totals[2] += step
+    def _read_locked(self, block: bool) -> None:
+        # steps whose end the clock has reached, oldest first (the wall clock's at once)
+        while self._open and (block or self._open[0][2].done()):
+            asked, received, ended, key = self._open.pop(0)
+            wait, step = asked.seconds_to(received), asked.seconds_to(ended)
+            self.steps += 1
+            self.wait_s += wait
+            self.step_s += step
+            totals = self.by_key.get(key)
+            if totals is None:
+                totals = self.by_key[key] = [0, 0.0, 0.0]
+            totals[0] += 1
+            totals[1] += wait
+            totals[2] += step
 
     def summary(self) -> dict:
         """Figures of the steps measured so far (waits for the GPU's events to complete).
@@ -232,7 +234,8 @@ class StepWaitMeter:
             ``wait_share`` (their ratio, :obj:`None` before a step has ended) and
             ``wait_clock`` (``"wall"`` or ``"cuda"``).
         """
-        self._read(block=True)
+        with self._lock:
+            self._read_locked(block=True)
         return {"steps": self.steps, "step_wait_s": self.wait_s, "step_s": self.step_s,
                 "wait_share": self.wait_s / self.step_s if self.step_s > 0 else None,
                 "wait_clock": self.clock}
