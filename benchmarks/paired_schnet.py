@@ -21,6 +21,15 @@ The default data are the embedded aspirin EMT shards served by the throttled loo
 server; choose ``--bandwidth`` so that downloading a shard takes about as long as
 training on it (D/C ~ 1), where prefetching can at best halve the pass time.
 
+``--consumer gil`` measures the GPU's regime on a CPU. A training loop that drives a GPU
+is a Python thread launching kernels: it holds the GIL nearly all the time while the
+GPU does the arithmetic, so the stream's threads have the cores but not the GIL. A CPU
+training step is the opposite (its big kernels release the GIL and take every core).
+So each training step is replaced by ``harness.hold_gil`` for the same time: the
+median of real steps on this machine (timed on the first shard before the pairs), or
+``--step-seconds`` (e.g. a GPU's measured step). The batch is still built, handed
+over and moved to ``--device``; the model's weights are not updated.
+
 Run::
 
     python benchmarks/paired_schnet.py --pairs 20 --out benchmarks/results
@@ -48,6 +57,7 @@ import aspirin  # noqa: E402
 import paired_stats  # noqa: E402
 import sources  # noqa: E402
 import training  # noqa: E402
+from harness import hold_gil  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
 from torch_geometric.data import Batch  # noqa: E402
 
@@ -66,12 +76,16 @@ class Trainer:
         model: The SchNet (already normalised and on its device).
         device: Torch device.
         lr: Adam learning rate.
+        gil_step_s: When set, every step holds the GIL for this many seconds
+            (``harness.hold_gil``) instead of training: the GPU's regime on a CPU.
     """
 
-    def __init__(self, model, device: torch.device, lr: float):
+    def __init__(self, model, device: torch.device, lr: float,
+                 gil_step_s: float | None = None):
         self.model = model
         self.device = device
         self.lr = lr
+        self.gil_step_s = gil_step_s
         self.initial_weights = copy.deepcopy(model.state_dict())
 
     def _reset(self) -> torch.optim.Optimizer:
@@ -99,10 +113,28 @@ class Trainer:
         started = time.perf_counter()
         steps = 0
         for batch in batches:
-            training.train_step(self.model, optimizer, batch.to(self.device))
+            batch = batch.to(self.device)
+            if self.gil_step_s is None:
+                training.train_step(self.model, optimizer, batch)
+            else:
+                hold_gil(self.gil_step_s)
             steps += 1
         self._sync()
         return time.perf_counter() - started, steps
+
+    def median_step(self, batches, steps: int = 5) -> float:
+        """Median seconds of ``steps`` real training steps (weights restored afterwards)."""
+        optimizer = self._reset()
+        times = []
+        for batch, _ in zip(batches, range(steps)):
+            batch = batch.to(self.device)
+            self._sync()
+            started = time.perf_counter()
+            training.train_step(self.model, optimizer, batch)
+            self._sync()
+            times.append(time.perf_counter() - started)
+        self._reset()
+        return float(np.median(times))
 
 
 def stream_pass(trainer: Trainer, source, *, prefetch: int, concurrency: int,
@@ -113,8 +145,10 @@ def stream_pass(trainer: Trainer, source, *, prefetch: int, concurrency: int,
     dataset.set_epoch(0)
     seconds, steps = trainer.timed_pass(dataset)
     overlap = paired_stats.trace_overlap(dataset.trace)
+    stats = dataset.stats()
     return {"seconds": seconds, "steps": steps, **overlap.to_dict(),
-            "stream_wait_s": dataset.stats()["wait_s"], "peak_rss_mib": peak_rss_mib()}
+            "stream_wait_s": stats["wait_s"], "wait_share": stats["wait_share"],
+            "wait_clock": stats["wait_clock"], "peak_rss_mib": peak_rss_mib()}
 
 
 class _FoldPipeShards:
@@ -165,6 +199,7 @@ def markdown_report(result: dict) -> str:
         f"{setup['shard_size']} structures ({setup['shard_bytes']} bytes each), "
         f"loopback latency {setup['latency_s']} s, bandwidth {setup['bandwidth_bps']:.0f} B/s.",
         f"Model: SchNet {setup['model']}, batch {setup['batch_size']}, device {setup['device']}.",
+        f"Consumer: {setup['consumer']}.",
         f"D/C (download time / training time per shard, sequential arm): "
         f"{result['d_over_c']:.2f}.",
         "",
@@ -199,6 +234,10 @@ def markdown_report(result: dict) -> str:
         f"compute {result['means']['prefetch']['compute']:.2f} s, "
         f"overlap {result['means']['prefetch']['overlap']:.2f} s, "
         f"wait {result['means']['prefetch']['wait']:.2f} s",
+        f"- share of each step spent waiting for data (`stats()['wait_share']`, "
+        f"{result['pairs'][0]['prefetch']['wait_clock']} clock; mean): sequential "
+        f"{result['means']['sequential']['wait_share']:.2f}, "
+        f"prefetch {result['means']['prefetch']['wait_share']:.2f}",
         f"- peak RSS: {result['peak_rss_mib']:.0f} MiB",
     ]
     if result.get("foldpipe"):
@@ -245,7 +284,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def _arm_means(pairs: list[dict], arm: str) -> dict:
-    keys = ("io", "compute", "overlap", "wait")
+    keys = ("io", "compute", "overlap", "wait", "wait_share")
     return {key: float(np.mean([p[arm][key] for p in pairs])) for key in keys}
 
 
@@ -271,7 +310,13 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                                      seed=args.seed)
         training.set_energy_normalisation(model, *training.energy_statistics(first))
         trainer = Trainer(model.to(device), device, args.lr)
-        trainer.warm_up(Batch.from_data_list(list(first[: args.batch_size])))
+        first_batches = [Batch.from_data_list(list(first[i:i + args.batch_size]))
+                         for i in range(0, len(first), args.batch_size)]
+        trainer.warm_up(first_batches[0])
+        if args.consumer == "gil":  # the GIL held for as long as a training step takes
+            trainer.gil_step_s = args.step_seconds or trainer.median_step(first_batches)
+            print(f"GIL-holding consumer: {trainer.gil_step_s * 1e3:.1f} ms per step",
+                  flush=True)
         options = dict(batch_size=args.batch_size, seed=args.seed)
         pairs = []
         for pair in range(args.pairs):
@@ -308,6 +353,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             "device": str(device),
             "prefetch": args.prefetch,
             "concurrency": args.concurrency,
+            "consumer": ("training steps" if trainer.gil_step_s is None else
+                         f"the GIL held for {trainer.gil_step_s * 1e3:.1f} ms per step "
+                         "(harness.hold_gil) instead of training"),
         },
         "resamples": args.resamples,
         "pairs": pairs,
@@ -346,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resamples", type=int, default=paired_stats.DEFAULT_RESAMPLES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--foldpipe", action="store_true", help="add the FoldPipe arm")
+    parser.add_argument("--consumer", choices=("train", "gil"), default="train",
+                        help="train, or hold the GIL for a step's time (the GPU's regime)")
+    parser.add_argument("--step-seconds", type=float, default=None,
+                        help="with --consumer gil: seconds per step (default: the median "
+                             "of real training steps here)")
     parser.add_argument("--data-dir", default=str(Path.home() / ".cache" / "pyg_atompack"
                                                   / "examples"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),

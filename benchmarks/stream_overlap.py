@@ -2,13 +2,21 @@
 
 A loopback HTTP server (``tests/servers/http_server.py``, in its own process) serves
 ``.pt`` shards with a per-connection bandwidth limit chosen so that the download time D
-of a shard is 0.5x, 1x or 3x a synthetic consumer's fixed compute time C per shard (a
-sleep, modelling a GPU step). Each pair runs, in rotating order:
+of a shard is 0.5x, 1x or 3x (``--ratios``) a synthetic consumer's fixed compute time C
+per shard. The consumer (``--consumer``) either sleeps (``sleep``: the GIL is free while
+it computes, as in a CPU step whose big kernels release it) or holds the GIL for the
+same time in a pure-Python loop (``gil``: ``harness.hold_gil``, the regime of a
+training loop that launches GPU kernels, which holds the GIL nearly all the time and
+starves retrieval threads of it). It is called per sample, or per batch with
+``--batch-size``. Each pair runs, in rotating order:
 
 * ``sequential``: ``ShardStreamDataset(prefetch=0)``, download then compute;
 * ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the defaults: each
   ``.pt`` list of ``Data`` indexed in place by ``pyg_atompack.pyg.pt_index`` and its
   samples built as the consumer takes them);
+* ``workers2`` (with ``--arms``): the ``prefetch`` stream inside a ``DataLoader`` with two
+  worker processes (``batch_size=None``: the dataset's own samples or batches), whose
+  retrieval does not share the consumer's GIL;
 * ``eager``: the same with ``lazy_decode=False``: every shard unpickled on the prefetch
   thread by ``torch.load(weights_only=True)`` with the PyG allow-list, which
   isolates what lazy decoding changes;
@@ -31,13 +39,28 @@ sleep, modelling a GPU step). Each pair runs, in rotating order:
   same relay; their ratio isolates what record blocks cost over an object store.
 
 Speed-ups are ``sequential / candidate`` per pair, summarised by their geometric mean and a
-deterministic percentile-bootstrap 95% interval (``benchmarks/paired_stats.py``). Peak
+deterministic percentile-bootstrap 95% interval (``benchmarks/paired_stats.py``). The
+*ceiling* is the pass the consumer would make if it never waited: its own compute time
+(measured in the ``prefetch`` arm), as a ratio to the sequential and FoldPipe passes of
+the same pair. Before the pairs, ``harness.gil_probe`` checks that the consumer starves a
+thread that releases the GIL between small steps (recorded as ``gil_probe``). Peak
 RSS growth of each run is sampled from ``/proc/self/statm``. Writes
 ``benchmarks/results/stream.md`` (+ ``stream.json``) and
 ``benchmarks/figures/stream_timeline.png``.
 
 Run: ``.venv/bin/python benchmarks/stream_overlap.py [--pairs 10] [--quick]
 [--arms sequential,prefetch,s3,s3-whole,s3-blocks] [--out benchmarks/_work/x.md]``
+
+The GIL-bound regime with the defaults a user gets (``prefetch=1, concurrency=1``)::
+
+    .venv/bin/python benchmarks/stream_overlap.py --consumer gil --samples 128 \
+        --batch-size 32 --compute 0.1 --ratios 1,3 --prefetch 1 --concurrency 1 \
+        --arms sequential,prefetch,workers2,foldpipe --pairs 8 \
+        --out benchmarks/results/stream_gil.md
+
+``--quick`` alone is 3 pairs of 8 shards; with ``--consumer gil`` it is the smoke run
+that ``tests/test_stream_gil_bench.py`` makes on every change (2 pairs of 4 shards, D/C = 1,
+the four arms above).
 """
 
 from __future__ import annotations
@@ -47,6 +70,7 @@ import functools
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -59,7 +83,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from harness import PeakSampler, ServerProcess, serve_http, serve_relay  # noqa: E402
+from harness import (  # noqa: E402
+    PeakSampler,
+    ServerProcess,
+    gil_probe,
+    hold_gil,
+    serve_http,
+    serve_relay,
+)
 from paired_stats import summarize_pairs, trace_overlap  # noqa: E402
 from servers.http_server import (  # noqa: E402
     make_samples,
@@ -95,11 +126,24 @@ def write_view_shards(root: Path, sizes: list[int], atoms: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ measurement
-def consume(samples, compute_per_sample: float) -> int:
-    count = 0
-    for _ in samples:
-        time.sleep(compute_per_sample)  # stands in for a GPU training step
+#: The consumer's step: ``sleep`` frees the GIL while it computes; ``gil`` holds it.
+CONSUMERS = {"sleep": time.sleep, "gil": hold_gil}
+#: Set by ``main`` from ``--consumer`` and ``--batch-size`` (every arm uses the same).
+CONSUMER = {"step": time.sleep, "batch_size": None}
+#: Seconds the consumer spent in its steps during the latest :func:`consume`.
+BUSY = {"seconds": 0.0}
+
+
+def consume(items, compute_per_item: float) -> int:
+    """Take every item (sample or batch), computing ``compute_per_item`` seconds on each."""
+    step = CONSUMER["step"]
+    count, busy = 0, 0.0
+    for _ in items:
+        started = time.perf_counter()
+        step(compute_per_item)  # stands in for a training step
+        busy += time.perf_counter() - started
         count += 1
+    BUSY["seconds"] = busy
     return count
 
 
@@ -107,7 +151,7 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
                lazy_decode: bool = True, s3_endpoint: str | None = None,
                s3_prefix: str = "shards", blocks: bool | None = None,
                block_bytes: int = 64 << 20, cache_dir: Path | None = None,
-               read_ahead: int = 16):
+               read_ahead: int = 16, workers: int = 0):
     if s3_endpoint is None:
         source = HTTPSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
@@ -115,10 +159,13 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                  lazy_decode=lazy_decode, blocks=blocks,
                                  block_bytes=block_bytes, cache_dir=cache_dir,
-                                 read_ahead=read_ahead)
+                                 read_ahead=read_ahead, batch_size=CONSUMER["batch_size"])
+    items = dataset
+    if workers:  # the dataset's own samples or batches, retrieved in worker processes
+        items = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
     with PeakSampler(interval=0.005) as rss:
         started = time.perf_counter()
-        consume(dataset, compute)
+        consume(items, compute)
         elapsed = time.perf_counter() - started
     return elapsed, rss.growth, dataset.trace, dataset.stats()
 
@@ -155,11 +202,22 @@ def write_atp_shards(root: Path, shards: int, samples: int, atoms: int) -> int:
     return max(p.stat().st_size for p in root.glob("*.atp"))
 
 
+def _foldpipe_batches(chunk):
+    size = CONSUMER["batch_size"]
+    if size is None:
+        yield from chunk
+        return
+    from torch_geometric.data import Batch
+
+    for start in range(0, len(chunk), size):
+        yield Batch.from_data_list(chunk[start:start + size])
+
+
 def run_foldpipe(base_url: str, names: list[str], compute: float):
     from foldpipe import AsyncFoldPipeLoader
 
     loader = AsyncFoldPipeLoader(_FoldPipeHTTPSource(base_url, names),
-                                 batch_fn=lambda chunk: iter(chunk))
+                                 batch_fn=_foldpipe_batches)
     with PeakSampler(interval=0.005) as rss:
         started = time.perf_counter()
         consume(loader, compute)
@@ -208,52 +266,146 @@ def fmt_ci(summary) -> str:
     return f"{summary.speedup_geomean:.2f}x [{low:.2f}, {high:.2f}]"
 
 
+def lazy_section(loader_rows: list) -> list[str]:
+    """The report's lazy-decoding section (only when the ``eager`` arm ran)."""
+    lines = [
+        "",
+        "## What lazy decoding changes",
+        "",
+        "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
+        "from the shard. Ours (default) indexes each `.pt` list of `Data` in place without "
+        "unpickling it (`pyg_atompack/pyg/pt_index.py`) and builds its samples ahead of the "
+        "consumer on one thread (`read_ahead=16`); the `eager` arm (`lazy_decode=False`) "
+        "unpickles every shard on the prefetch thread with `torch.load(weights_only=True)` "
+        "and the PyG allow-list "
+        "(`pyg_atompack/pyg/pt.py`). Deserialise time is per shard, "
+        "from the traces of the last pair (for the lazy arm it excludes building the "
+        "samples, which happens on the read-ahead thread).",
+        "",
+        "| D/C | ours (lazy) vs FoldPipe | ours (eager) vs FoldPipe | lazy vs eager "
+        "| deserialise ms/shard (lazy / eager) |",
+        "|---|---|---|---|---|",
+    ]
+    for ratio, versus, eager_versus, lazy_gain, lazy_stats, eager_stats in loader_rows:
+        if lazy_stats is None or eager_stats is None:
+            continue
+        lazy_ms = 1e3 * lazy_stats["deserialize_s"] / max(1, lazy_stats["shards"])
+        eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
+        lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
+                     f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
+    return lines
+
+
+def s3_section(s3_rows: list, atp_bytes: int, shard_bytes: int) -> list[str]:
+    """The report's object-store section (only when an ``s3`` arm ran)."""
+    lines = [
+        "",
+        "## Object-store arm (`s3`)",
+        "",
+        "The `prefetch` configuration over `ObjectStoreSource(\"s3://...\")`: the same "
+        "shards in a moto S3 server (its own process) behind a TCP relay (its own process) "
+        "with the same per-connection bandwidth cap, so the arms differ only in the "
+        "transport (s3fs/aiobotocore and moto's request handling instead of `http.client` "
+        "and the file server). `s3 vs HTTP` > 1 would mean the S3 arm is faster. "
+        f"`s3-whole` / `s3-blocks`: the same molecules as `.atp` shards (largest "
+        f"{atp_bytes / 1024:.0f} KiB, so D/C is {atp_bytes / shard_bytes:.2f}x the nominal "
+        "ratio) streamed whole or as record blocks of half a shard (one ranged GET each); "
+        "`blocks vs whole` > 1 would mean blocks are faster.",
+        "",
+        "| D/C | s3 vs sequential (HTTP) | s3 vs HTTP prefetch | s3-whole (.atp) vs "
+        "sequential | s3-blocks vs s3-whole |",
+        "|---|---|---|---|---|",
+    ]
+    for ratio, s3_vs_seq, s3_vs_http, whole_vs_seq, blocks_vs_whole in s3_rows:
+        lines.append(f"| {ratio} | {fmt_ci(s3_vs_seq)} | {fmt_ci(s3_vs_http)} | "
+                     f"{fmt_ci(whole_vs_seq)} | {fmt_ci(blocks_vs_whole)} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--pairs", type=int, default=None, help="(default: 10)")
+    parser.add_argument("--shards", type=int, default=None, help="(default: 16)")
     parser.add_argument("--samples", type=int, default=40, help="samples per shard")
     parser.add_argument("--atoms", type=int, default=48)
     parser.add_argument("--compute", type=float, default=0.08, help="compute s per shard")
-    parser.add_argument("--quick", action="store_true", help="3 pairs, 8 shards (smoke run)")
+    parser.add_argument("--consumer", choices=sorted(CONSUMERS), default="sleep",
+                        help="sleep (GIL free) or gil (holds the GIL, like a GPU loop)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="consume batches of this many samples (default: samples)")
+    parser.add_argument("--ratios", default=None,
+                        help="comma-separated D/C ratios (default: 0.5,1,3)")
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="prefetch of the streaming arms (default: 2, 2, 4 per ratio)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="concurrency of the streaming arms (default: 2, 2, 3 per ratio)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 3 pairs, 8 shards; with --consumer gil 2 pairs, 4 "
+                             "shards, D/C = 1, arms sequential,prefetch,workers2,foldpipe")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--arms", default="sequential,prefetch,eager,foldpipe,s3,s3-whole,"
-                        "s3-blocks", help="comma-separated arms (sequential is required)")
+    parser.add_argument("--arms", default=None, help="comma-separated arms (sequential is "
+                        "required; default: sequential,prefetch,eager,foldpipe,s3,s3-whole,"
+                        "s3-blocks)")
     args = parser.parse_args()
-    if args.quick:
-        args.pairs, args.shards = 3, 8
+    quick_gil = args.quick and args.consumer == "gil"
+    defaults = {"pairs": 2 if quick_gil else 3 if args.quick else 10,
+                "shards": 4 if quick_gil else 8 if args.quick else 16,
+                "ratios": "1" if quick_gil else "0.5,1,3",
+                # the defaults a user gets, which the GIL-bound regime is about
+                "prefetch": 1 if quick_gil else None,
+                "concurrency": 1 if quick_gil else None,
+                "arms": "sequential,prefetch,workers2,foldpipe" if quick_gil else
+                        "sequential,prefetch,eager,foldpipe,s3,s3-whole,s3-blocks"}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     arms = args.arms.split(",")
     if "sequential" not in arms:
         parser.error("--arms needs 'sequential' (every ratio is against it)")
+    CONSUMER.update(step=CONSUMERS[args.consumer], batch_size=args.batch_size)
+    probe = gil_probe() if args.consumer == "gil" else None
+    if probe is not None:
+        print(f"GIL probe: a thread releasing the GIL between steps did {probe['units_gil']} "
+              f"steps beside the consumer, {probe['units_sleep']} beside a sleep "
+              f"(ratio {probe['ratio']:.3f})", flush=True)
 
-    regimes = [  # (D/C, prefetch, concurrency)
-        (0.5, 2, 2),
-        (1.0, 2, 2),
-        (3.0, 4, 3),
-    ]
+    table = {0.5: (2, 2), 1.0: (2, 2), 3.0: (4, 3)}  # D/C -> (prefetch, concurrency)
+    regimes = []
+    for ratio in (float(r) for r in args.ratios.split(",")):
+        prefetch, concurrency = table.get(ratio, (2, 2))
+        regimes.append((ratio, prefetch if args.prefetch is None else args.prefetch,
+                        concurrency if args.concurrency is None else args.concurrency))
     root = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     names = write_pt_shards(root, [args.samples] * args.shards, atoms=args.atoms)
     shard_bytes = max((root / n).stat().st_size for n in names)
-    view_names = write_view_shards(root / "views", [args.samples] * args.shards, args.atoms)
-    compute_per_sample = args.compute / args.samples
-    moto = MotoS3Server().start()
-    os.environ.update(s3_environment(moto.endpoint_url))
-    moto.upload_directory(root, S3_BUCKET, "shards")
-    atp_bytes = write_atp_shards(root / "atp", args.shards, args.samples, args.atoms)
-    moto.upload_directory(root / "atp", S3_BUCKET, "atp")
+    view_names = (write_view_shards(root / "views", [args.samples] * args.shards, args.atoms)
+                  if any("views" in arm for arm in arms) else [])
+    # the consumer's step per item: a sample, or a batch of --batch-size samples
+    compute_per_sample = args.compute * (args.batch_size or 1) / args.samples
+    uses_s3 = any(arm.startswith("s3") for arm in arms)
+    moto, atp_bytes = None, None
+    if uses_s3:  # moto and its uploads only where an arm reads them
+        moto = MotoS3Server().start()
+        os.environ.update(s3_environment(moto.endpoint_url))
+        moto.upload_directory(root, S3_BUCKET, "shards")
+        atp_bytes = write_atp_shards(root / "atp", args.shards, args.samples, args.atoms)
+        moto.upload_directory(root / "atp", S3_BUCKET, "atp")
     meta_cache = root / "meta-cache"
     rows, loader_rows, s3_rows, view_rows, details, panels = [], [], [], [], {}, []
+    arm_rows = []
     for ratio, prefetch, concurrency in regimes:
         bandwidth = shard_bytes / (ratio * args.compute)
         server = ServerProcess(serve_http, str(root), bandwidth)
-        relay = ServerProcess(serve_relay, moto.port, bandwidth)
+        relay = ServerProcess(serve_relay, moto.port, bandwidth) if uses_s3 else None
         times = {variant: [] for variant in arms}
         rss = {variant: [] for variant in times}
+        busy = {variant: [] for variant in times}  # the consumer's compute per pass
         traces = {}
         variants = list(times)
         try:
             run_stream(server.base_url, 1, 1, 0.0)  # warm-up: imports, page cache
-            run_stream(server.base_url, 1, 1, 0.0, s3_endpoint=relay.base_url)
+            if relay is not None:
+                run_stream(server.base_url, 1, 1, 0.0, s3_endpoint=relay.base_url)
             for pair in range(args.pairs):
                 turn = pair % len(variants)
                 order = variants[turn:] + variants[:turn]  # rotate who goes first
@@ -264,6 +416,11 @@ def main() -> None:
                     elif variant == "foldpipe-views":
                         elapsed, growth = run_foldpipe(f"{server.base_url}/views",
                                                        view_names, compute_per_sample)
+                    elif variant == "workers2":
+                        elapsed, growth, trace, stats = run_stream(
+                            server.base_url, prefetch, concurrency, compute_per_sample,
+                            workers=2)
+                        traces[variant] = (trace, stats)
                     elif variant in ("views", "views-inline"):
                         elapsed, growth, trace, stats = run_stream(
                             f"{server.base_url}/views", prefetch, concurrency,
@@ -292,9 +449,11 @@ def main() -> None:
                         traces[variant] = (trace, stats)
                     times[variant].append(elapsed)
                     rss[variant].append(growth)
+                    busy[variant].append(BUSY["seconds"])
         finally:
             server.stop()
-            relay.stop()
+            if relay is not None:
+                relay.stop()
 
         pair = functools.partial(_pair, times)
         ours = pair("sequential", "prefetch")
@@ -322,6 +481,19 @@ def main() -> None:
                      "views_vs_views_inline": pair("views-inline", "views"),
                      "inline_vs_foldpipe": pair("foldpipe", "prefetch-inline"),
                      "prefetch_vs_inline": pair("prefetch-inline", "prefetch")}
+        # the never-waiting ceiling: the pass is the consumer's own compute, nothing else
+        ceiling = busy.get("prefetch") or busy["sequential"]
+        summaries["ceiling_vs_sequential"] = summarize_pairs(times["sequential"], ceiling)
+        if "foldpipe" in times:
+            summaries["ceiling_vs_foldpipe"] = summarize_pairs(times["foldpipe"], ceiling)
+        summaries["workers2_vs_sequential"] = pair("sequential", "workers2")
+        summaries["workers2_vs_foldpipe"] = pair("foldpipe", "workers2")
+        # D/C as the sequential consumer saw it: all it waited for (request, transfer,
+        # decoding, batching) over its own compute, per pair
+        measured = statistics.median((t - b) / b for t, b in zip(times["sequential"],
+                                                                   busy["sequential"]))
+        arm_rows.append((ratio, measured, prefetch, concurrency, times, ceiling, summaries,
+                         traces.get("prefetch", (None, None))[1]))
         view_rows.append((ratio, summaries["views_vs_foldpipe_views"],
                           summaries["views_inline_vs_foldpipe_views"],
                           summaries["views_vs_views_inline"], versus,
@@ -329,6 +501,7 @@ def main() -> None:
         details[f"D/C={ratio}"] = {
             "prefetch": prefetch, "concurrency": concurrency, "bandwidth_Bps": bandwidth,
             "times": times, "rss_growth_bytes": rss, "prefetch_trace_overlap": overlap,
+            "consumer_busy_s": busy, "measured_d_over_c": measured,
             **{k: v.to_dict() for k, v in summaries.items() if v is not None},
             **{f"{k}_stats": v[1] for k, v in traces.items()},
         }
@@ -338,21 +511,28 @@ def main() -> None:
                            traces["prefetch"][0]))
         print(f"D/C={ratio}: " + ", ".join(f"{k} {fmt_ci(v)}" for k, v in summaries.items()
                                             if v is not None), flush=True)
-    moto.stop()
+    if moto is not None:
+        moto.stop()
 
     figure = HERE / "figures" / "stream_timeline.png"
     if args.out != DEFAULT_OUT:  # a check run never overwrites the recorded figure
         figure = args.out.with_name(f"{args.out.stem}_timeline.png")
-    draw_timelines([p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]], figure)
+    # the D/C = 1 and 3 panels, or every panel when neither ratio ran
+    drawn = [p for p in panels if "D/C=1.0" in p[0] or "D/C=3.0" in p[0]]
+    draw_timelines(drawn or panels, figure)
+    per = f"batch of {args.batch_size}" if args.batch_size else "sample"
+    consumer_words = (f"{args.consumer}, {compute_per_sample * 1e3:.1f} ms per {per}"
+                      + (": the GIL held in a pure-Python loop" if args.consumer == "gil"
+                         else ": the GIL free"))
     lines = [
         "# Streaming overlap benchmark (`benchmarks/stream_overlap.py`)",
         "",
         f"{args.shards} `.pt` shards x {args.samples} molecules ({args.atoms} atoms), largest "
         f"{shard_bytes / 1024:.0f} KiB; consumer compute C = {args.compute:.3f} s per shard "
-        f"(sleep); loopback server in its own process, per-connection bandwidth set so that "
-        f"D/C hits each ratio. {args.pairs} pairs, order rotated within pairs; geometric "
-        f"mean of paired speed-ups over `prefetch=0`, percentile bootstrap 95% CI "
-        f"(20,000 resamples, fixed seed). Machine: shared 2-core VM.",
+        f"({consumer_words}); loopback server in its own process, per-connection "
+        f"bandwidth set so that D/C hits each ratio. {args.pairs} pairs, order rotated "
+        f"within pairs; geometric mean of paired speed-ups over `prefetch=0`, "
+        f"percentile bootstrap 95% CI (20,000 resamples, fixed seed). Machine: shared 2-core VM.",
         "",
         "| D/C | k | conc. | ours vs sequential | FoldPipe vs sequential | ours vs FoldPipe "
         "| overlap s | wait s | peak RSS growth MiB (seq / ours / eager / FoldPipe) |",
@@ -367,29 +547,44 @@ def main() -> None:
         )
     lines += [
         "",
-        "## What lazy decoding changes",
+        f"## Arms against sequential and FoldPipe ({args.consumer} consumer)",
         "",
-        "FoldPipe reads shards with `torch.load(weights_only=False)`, which can run code "
-        "from the shard. Ours (default) indexes each `.pt` list of `Data` in place without "
-        "unpickling it (`pyg_atompack/pyg/pt_index.py`) and builds its samples ahead of the "
-        "consumer on one thread (`read_ahead=16`); the `eager` arm (`lazy_decode=False`) "
-        "unpickles every shard on the prefetch thread with `torch.load(weights_only=True)` "
-        "and the PyG allow-list "
-        "(`pyg_atompack/pyg/pt.py`). Deserialise time is per shard, "
-        "from the traces of the last pair (for the lazy arm it excludes building the "
-        "samples, which happens on the read-ahead thread).",
+        "Geometric mean of paired speed-ups [bootstrap 95% CI]; `workers2`: the `prefetch` "
+        "stream in a DataLoader with 2 worker processes; ceiling: the consumer's own "
+        "compute time in the `prefetch` arm (a pass that never waits). Measured D/C: "
+        "the sequential arm's pass minus its compute, over its compute (median of the "
+        "pairs). Median pass times in seconds; wait share: the `prefetch` arm's "
+        "`stats()['wait_share']` (time in `next()` over step time, last pair).",
         "",
-        "| D/C | ours (lazy) vs FoldPipe | ours (eager) vs FoldPipe | lazy vs eager "
-        "| deserialise ms/shard (lazy / eager) |",
-        "|---|---|---|---|---|",
+        "| D/C set | measured | k | conc. "
+        "| median s (seq / prefetch / workers2 / FoldPipe / ceiling) | prefetch vs seq "
+        "| workers2 vs seq | FoldPipe vs seq | ceiling vs seq "
+        "| prefetch vs FoldPipe | workers2 vs FoldPipe | ceiling vs FoldPipe | wait share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for ratio, versus, eager_versus, lazy_gain, lazy_stats, eager_stats in loader_rows:
-        if lazy_stats is None or eager_stats is None:
-            continue
-        lazy_ms = 1e3 * lazy_stats["deserialize_s"] / max(1, lazy_stats["shards"])
-        eager_ms = 1e3 * eager_stats["deserialize_s"] / max(1, eager_stats["shards"])
-        lines.append(f"| {ratio} | {fmt_ci(versus)} | {fmt_ci(eager_versus)} | "
-                     f"{fmt_ci(lazy_gain)} | {lazy_ms:.1f} / {eager_ms:.1f} |")
+    for ratio, measured, prefetch, concurrency, times, ceiling, summaries, stats in arm_rows:
+        medians = [statistics.median(times[a]) if a in times else float("nan")
+                   for a in ("sequential", "prefetch", "workers2", "foldpipe")]
+        medians.append(statistics.median(ceiling))
+        share = (stats or {}).get("wait_share")
+        lines.append(
+            f"| {ratio} | {measured:.2f} | {prefetch} | {concurrency} | "
+            + " / ".join(f"{m:.2f}" for m in medians) + " | "
+            + " | ".join(fmt_ci(summaries.get(k)) for k in (
+                "prefetch_vs_sequential", "workers2_vs_sequential", "foldpipe_vs_sequential",
+                "ceiling_vs_sequential", "prefetch_vs_foldpipe", "workers2_vs_foldpipe",
+                "ceiling_vs_foldpipe"))
+            + f" | {'-' if share is None else f'{share:.2f}'} |")
+    if probe is not None:
+        lines += [
+            "",
+            f"GIL check (`harness.gil_probe`, {probe['units_sleep']} steps beside a sleeping "
+            f"consumer): a thread that releases the GIL between small steps did "
+            f"{probe['units_gil']} steps beside the GIL-holding consumer (ratio "
+            f"{probe['ratio']:.3f}).",
+        ]
+    if "eager" in arms:
+        lines += lazy_section(loader_rows)
     if any(row[1] is not None or row[5] is not None for row in view_rows):
         lines += [
             "",
@@ -409,27 +604,8 @@ def main() -> None:
         ]
         lines += ["| " + " | ".join([str(row[0])] + [fmt_ci(v) for v in row[1:]]) + " |"
                   for row in view_rows]
-    lines += [
-        "",
-        "## Object-store arm (`s3`)",
-        "",
-        "The `prefetch` configuration over `ObjectStoreSource(\"s3://...\")`: the same "
-        "shards in a moto S3 server (its own process) behind a TCP relay (its own process) "
-        "with the same per-connection bandwidth cap, so the arms differ only in the "
-        "transport (s3fs/aiobotocore and moto's request handling instead of `http.client` "
-        "and the file server). `s3 vs HTTP` > 1 would mean the S3 arm is faster. "
-        f"`s3-whole` / `s3-blocks`: the same molecules as `.atp` shards (largest "
-        f"{atp_bytes / 1024:.0f} KiB, so D/C is {atp_bytes / shard_bytes:.2f}x the nominal "
-        "ratio) streamed whole or as record blocks of half a shard (one ranged GET each); "
-        "`blocks vs whole` > 1 would mean blocks are faster.",
-        "",
-        "| D/C | s3 vs sequential (HTTP) | s3 vs HTTP prefetch | s3-whole (.atp) vs "
-        "sequential | s3-blocks vs s3-whole |",
-        "|---|---|---|---|---|",
-    ]
-    for ratio, s3_vs_seq, s3_vs_http, whole_vs_seq, blocks_vs_whole in s3_rows:
-        lines.append(f"| {ratio} | {fmt_ci(s3_vs_seq)} | {fmt_ci(s3_vs_http)} | "
-                     f"{fmt_ci(whole_vs_seq)} | {fmt_ci(blocks_vs_whole)} |")
+    if uses_s3:
+        lines += s3_section(s3_rows, atp_bytes, shard_bytes)
     lines += [
         "",
         "Work on the prefetch thread holds the GIL and delays the consumer each time it "
@@ -454,6 +630,8 @@ def main() -> None:
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    details["setup"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    details["gil_probe"] = probe
     args.out.with_suffix(".json").write_text(json.dumps(details, indent=1), encoding="utf-8")
     print("\n".join(lines))
 

@@ -9,6 +9,12 @@ Overlap follows ``benchmarks/paired_stats.py`` (the one definition in the projec
 sum over (download, consume) interval pairs of their intersection. A shard's overlap is
 its download interval intersected with every consume interval, so the per-shard values
 add up to the run's overlap.
+
+The wait share of a shard is the share of the training steps attributed to it (those
+whose batch ended with one of its samples) spent waiting for data: from asking the
+stream for a batch to receiving it, over the whole step (wait + training). The stream
+times it with CUDA events when the model is on a GPU (the time the GPU sat idle), on
+the wall clock otherwise (``ShardStreamDataset.stats()``, ``wait_share``).
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ def shard_rows(trace: Sequence[Mapping]) -> list[dict]:
 
     Returns:
         Rows sorted by consume start, with ``shard``, ``name``, ``download_s``,
-        ``deserialize_s``, ``train_s``, ``wait_s``, ``overlap_s``, ``structures`` and
-        ``bytes``.
+        ``deserialize_s``, ``train_s``, ``wait_s``, ``overlap_s``, ``structures``,
+        ``bytes``, and the steps' ``step_wait_s``, ``step_s`` and ``wait_share``
+        (:obj:`None` where no step was timed).
     """
     paired_stats = load_paired_stats()
     consumed = [r for r in trace if _interval(r, "consume_start_s", "consume_finish_s")]
@@ -77,10 +84,16 @@ def shard_rows(trace: Sequence[Mapping]) -> list[dict]:
                 else 0.0,
                 "structures": record.get("structures"),
                 "bytes": record.get("bytes"),
+                **_step_share(record.get("step_wait_s"), record.get("step_time_s")),
             }
         )
         cursor = max(cursor, consume_finish)
     return rows
+
+
+def _step_share(wait: float | None, step: float | None) -> dict:
+    share = wait / step if wait is not None and step else None
+    return {"step_wait_s": wait, "step_s": step, "wait_share": share}
 
 
 def _cell(value, digits: int = 2) -> str:
@@ -109,12 +122,17 @@ def format_shard_table(rows: Sequence[Mapping]) -> str:
         ("wait s", "wait_s"),
         ("overlap s", "overlap_s"),
         ("structures", "structures"),
+        ("wait share", "wait_share"),
     ]
-    body = [[_cell(row[key]) for _, key in columns] for row in rows]
+    body = [[_cell(row.get(key)) for _, key in columns] for row in rows]
     totals = ["total", ""]
-    for _, key in columns[2:]:
+    for _, key in columns[2:-1]:
         values = [row[key] for row in rows if row[key] is not None]
         totals.append(_cell(sum(values) if values else None))
+    # the run's share: all steps' waits over all steps' time (not a sum of shares)
+    waits = [row.get("step_wait_s") for row in rows if row.get("step_s")]
+    steps = [row["step_s"] for row in rows if row.get("step_s")]
+    totals.append(_cell(sum(waits) / sum(steps) if steps else None))
     widths = [
         max(len(title), *(len(line[i]) for line in [*body, totals]))
         for i, (title, _) in enumerate(columns)

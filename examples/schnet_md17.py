@@ -3,7 +3,9 @@
 The reference workload (MD17 aspirin) trained from remote shards with
 :class:`pyg_atompack.ShardStreamDataset`: while the model trains on shard ``i``, shard
 ``i + 1`` is downloaded and decoded in the background. At the end a table shows, shard
-by shard, how much of the retrieval was hidden behind computation.
+by shard, how much of the retrieval was hidden behind computation and the share of the
+training steps spent waiting for data (GPU time from CUDA events when the model is on
+a GPU, the wall clock otherwise; see ``ShardStreamDataset.stats()``).
 
 Run it::
 
@@ -185,11 +187,20 @@ def _summary_lines(metrics: dict) -> list[str]:
         f"total time {metrics['total_s']:.1f} s (training passes {metrics['train_s']:.1f} s)",
         f"retrieval {stats['io_s']:.1f} s, of which hidden behind training "
         f"{stats['overlap_s']:.1f} s; consumer waited {stats['wait_s']:.1f} s",
+        _wait_share_line(stats),
         f"held-out shard {metrics['held_out_shard']} ({evaluation['structures']} structures): "
         f"energy MAE {evaluation['energy_mae']:.4f} {energy_unit}, "
         f"force MAE {evaluation['force_mae']:.4f} {force_unit} "
         f"(zero-force baseline {evaluation['zero_force_mae']:.4f} {force_unit})",
     ]
+
+
+def _wait_share_line(stats: dict) -> str:
+    if stats.get("wait_share") is None:
+        return "waiting share of the training steps: not timed"
+    what = "GPU time, CUDA events" if stats["wait_clock"] == "cuda" else "wall clock"
+    return (f"training steps spent {100 * stats['wait_share']:.1f}% of their time waiting "
+            f"for data ({stats['step_wait_s']:.1f} s of {stats['step_s']:.1f} s, {what})")
 
 
 def run(config: RunConfig, *, log=print) -> dict:
@@ -262,8 +273,12 @@ def run(config: RunConfig, *, log=print) -> dict:
     ]
     totals = {
         key: sum(epoch["stats"][key] for epoch in epochs)
-        for key in ("io_s", "deserialize_s", "consume_s", "overlap_s", "wait_s")
+        for key in ("io_s", "deserialize_s", "consume_s", "overlap_s", "wait_s",
+                    "step_wait_s", "step_s")
     }
+    # the share of every training step spent waiting for data, over all epochs
+    totals["wait_share"] = totals["step_wait_s"] / totals["step_s"] if totals["step_s"] else None
+    totals["wait_clock"] = epochs[-1]["stats"]["wait_clock"] if epochs else None
     metrics = {
         "config": _jsonable(asdict(config)),
         "data": data.description,

@@ -160,6 +160,17 @@ def test_run_streams_and_traces_every_shard(trained):
     total_overlap = sum(row["overlap_s"] for row in rows)
     assert total_overlap == pytest.approx(metrics["stream_totals"]["overlap_s"], abs=1e-6)
     assert total_overlap > 0.0  # with prefetch=1 some download ran during training
+    # every training step is timed (CPU: the wall clock) and attributed to one shard
+    totals = metrics["stream_totals"]
+    assert totals["wait_clock"] == "wall"
+    assert sum(e["stats"]["steps"] for e in metrics["epochs"]) == 5 * 7 * 128 // 8
+    assert 0.0 <= totals["wait_share"] < 1.0
+    assert sum(row["step_wait_s"] for row in rows) == pytest.approx(totals["step_wait_s"])
+    assert all(0.0 <= row["wait_share"] < 1.0 for row in rows)
+    table = next(line for line in lines if "wait share" in line)  # logged as one string
+    assert table.splitlines()[0].split()[-2:] == ["wait", "share"]
+    assert any(line.startswith("training steps spent") and "wall clock" in line
+               for line in lines)
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["held_out_shard"] == "shard_00007.pt"
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

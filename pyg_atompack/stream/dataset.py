@@ -38,7 +38,13 @@ from pyg_atompack.stream.progress import StreamProgress
 from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
-from pyg_atompack.stream.trace import TraceRecorder, merge_traces, summarize
+from pyg_atompack.stream.trace import (
+    StepWaitMeter,
+    TraceRecorder,
+    check_wait_clock,
+    merge_traces,
+    summarize,
+)
 from pyg_atompack.transport.retry import RetryPolicy
 
 
@@ -236,6 +242,12 @@ class ShardStreamDataset(IterableDataset):
             sample in the consumer's thread when it is taken; with ``prefetch=0``
             nothing runs in the background either way.
             (default: :obj:`16`)
+        wait_clock (str, optional): How :meth:`stats` times the consumer's wait for data
+            (:class:`~pyg_atompack.stream.trace.StepWaitMeter`): ``"wall"``, the wall
+            clock; ``"cuda"``, CUDA events on the consumer's current stream (the time
+            the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
+            is initialised in the consuming process when iteration starts, else the
+            wall clock. (default: :obj:`"auto"`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -250,7 +262,7 @@ class ShardStreamDataset(IterableDataset):
                  split_shards: bool = True, rename: Mapping[str, str] | None = None,
                  names: str | None = None, blocks: bool | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
-                 cache_dir: str | os.PathLike | None = None,
+                 cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
                  verify_before_use: bool | str = "records"):
         super().__init__()
@@ -267,6 +279,9 @@ class ShardStreamDataset(IterableDataset):
                              f"{stream_shards!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
+        check_wait_clock(wait_clock)
+        if wait_clock == "cuda" and not torch.cuda.is_available():
+            raise ValueError("wait_clock='cuda' needs a CUDA device; torch sees none")
         if isinstance(source, (str, os.PathLike)):
             from pyg_atompack.stream.open import open_source
 
@@ -302,6 +317,7 @@ class ShardStreamDataset(IterableDataset):
         self.split_shards = split_shards
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
+        self.wait_clock = wait_clock
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -413,6 +429,8 @@ class ShardStreamDataset(IterableDataset):
         plan = self.plan(slot)
         progress = self._start_progress(slot)
         recorder = TraceRecorder(slot.rank, slot.worker)
+        if get_worker_info() is None:  # a worker cannot see the main process's steps
+            recorder.meter = StepWaitMeter(self.wait_clock)
         self._recorder, self._progress = recorder, progress
         jobs = [(position, shard) for position, shard in enumerate(plan.shards)
                 if not progress.is_complete(position)]
@@ -479,6 +497,10 @@ class ShardStreamDataset(IterableDataset):
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder, prefetcher: Prefetcher,
                   quota: int | None) -> Iterator[BaseData]:
+        # this body runs when the consumer first calls next(): its first wait starts
+        meter = recorder.meter
+        if meter is not None:
+            meter.asked()
         # samples are built ahead in the background only where shards are fetched there
         ahead = ReadAhead(self.read_ahead if prefetcher.depth > 0 else 0)
         pending: dict[int, int] = {}  # samples of each started shard not yet handed out
@@ -518,9 +540,16 @@ class ShardStreamDataset(IterableDataset):
                         progress.mark_complete(position)
                 handed += len(unit)
                 samples = [sample for _, _, sample in unit]
+                last_shard = unit[-1][0]  # a step waits, if at all, on its last sample
                 del unit
-                yield samples[0] if self.batch_size is None else Batch.from_data_list(samples)
+                item = samples[0] if self.batch_size is None else Batch.from_data_list(samples)
                 del samples
+                if meter is not None:
+                    meter.received(last_shard)
+                yield item
+                del item
+                if meter is not None:  # the consumer asks for the next item
+                    meter.asked()
                 now = recorder.now() if finishing else 0.0  # the consumer is back: it
                 for position in finishing:  # is done with the shards in `finishing`
                     record = recorder.record(position, plan.shards[position], "")
@@ -570,9 +599,23 @@ class ShardStreamDataset(IterableDataset):
     def stats(self) -> dict:
         """Summary of the latest iteration (see :func:`pyg_atompack.stream.trace.summarize`).
 
+        ``wait_share`` is the share of the consumer's steps spent waiting for data. A
+        step runs from the consumer asking for a sample or batch (``next()``) to its
+        asking for the next one; its wait is the time from asking to receiving, the
+        rest is the consumer's compute; ``wait_share = step_wait_s / step_s``, summed
+        over the steps (:class:`~pyg_atompack.stream.trace.StepWaitMeter`). Timed with
+        CUDA events when the model runs on a GPU (``wait_clock``), where it is the share
+        of GPU time spent idle for lack of data; on the wall clock otherwise. It
+        includes every cost of handing an item out (waiting for a shard, building
+        samples and batches); ``wait_s`` counts only the time blocked on shards. Behind
+        DataLoader worker processes the dataset does not see the consumer's steps
+        (``wait_share`` is :obj:`None`): wrap the loader instead,
+        ``for batch in meter.wrap(loader)`` with a ``StepWaitMeter``.
+
         Returns:
             A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
-            overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``
+            overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``,
+            the consumer's ``steps, step_wait_s, step_s, wait_share, wait_clock``,
             plus ``epoch``, ``prefetch`` and ``concurrency``.
         """
         summary = summarize(merge_traces(self._snapshots()))
