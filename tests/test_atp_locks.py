@@ -323,9 +323,8 @@ def test_overwrite_through_a_symbolic_link_replaces_its_target(tmp_path: Path) -
         writer.add(**_molecule(5.0))
     assert link.is_symlink()
     assert _energies(target) == [5.0]
-    with _Holder(target, "append"):
-        with pytest.raises(atp.FileLockedError, match="link.atp"):
-            atp.Writer.append_to(link)  # the same file under another name
+    with _Holder(target, "append"), pytest.raises(atp.FileLockedError, match="link.atp"):
+        atp.Writer.append_to(link)  # the same file under another name
 
 
 def test_append_to_a_missing_file(tmp_path: Path) -> None:

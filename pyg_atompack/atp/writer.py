@@ -482,7 +482,7 @@ def _sibling(path: str, mode: int | None) -> tuple[BinaryIO, str]:
 
     Args:
         path (str): The file it will become.
-        mode (int, optional): Permission bits to copy (those of a file it replaces);
+        mode (int | None): Permission bits to copy (those of a file it replaces);
             :obj:`None` leaves the process's umask to decide, like ``open()``.
     """
     directory, name = os.path.split(path)
