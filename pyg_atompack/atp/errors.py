@@ -64,6 +64,15 @@ class ReadOnlyError(AtpError):
     """A write was attempted through a read-only handle."""
 
 
+class FileLockedError(AtpError):
+    """Another :class:`~pyg_atompack.atp.Writer` has the file open (one writer at a time).
+
+    The message names the file and, where the system tells (``/proc/locks``), the
+    holder's pid. The lock dies with its holder's process, so a crashed writer never
+    blocks the next one.
+    """
+
+
 # What damaged bytes can make the decoders raise before a check catches them: struct and
 # numpy complain about short buffers or impossible counts (struct.error, ValueError, which
 # includes UnicodeDecodeError), sizes can fall outside a buffer (IndexError) or a C integer
@@ -76,6 +85,7 @@ __all__ = [
     "AtpError",
     "AtpIndexError",
     "AtpValueError",
+    "FileLockedError",
     "HeaderError",
     "IndexBlockError",
     "NotAtpFileError",

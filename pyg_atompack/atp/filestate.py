@@ -47,7 +47,7 @@ class FileState:
 
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
                  "index", "index_buf", "count", "codec", "fields", "n_atoms", "u8", "access",
-                 "resident", "pread", "cache")
+                 "resident", "pread", "cache", "extent")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
@@ -60,6 +60,7 @@ class FileState:
         self.fd = -1
         self.mm = self.mv = self.u8 = self.buf = None
         self.index = self.index_buf = self.cache = None
+        self.extent = None  # bytes the committed data needs (check_size), found on first use
         try:
             self._map(path, image, access)
             self._parse()
@@ -106,7 +107,9 @@ class FileState:
             The bytes (a slice of the mapping or image, or what ``os.pread`` returned).
 
         Raises:
-            TruncatedFileError: The file is shorter than when it was opened.
+            TruncatedFileError: The file is shorter than when it was opened (read
+                with ``pread``; a mapped file is checked by the callers, once per
+                call of the reader, with :meth:`check_size`).
         """
         if self.buf is not None:
             return self.buf[offset:offset + length]
@@ -155,6 +158,45 @@ class FileState:
         self.cache = DecodeCache(self.count, self.u8)
         self.fields = None
         self.n_atoms = None
+
+    def check_size(self) -> None:
+        """Raise if the mapped file became shorter than its committed data.
+
+        Touching a page of a mapping beyond the end of its file raises ``SIGBUS``,
+        which kills the process (a Python handler cannot resume the faulting copy).
+        The library's own writers never shrink a file in place (an overwrite
+        replaces it by rename, appends only grow it past every commit), so only
+        another program can (``truncate``, ``cp`` or a shell redirection onto the
+        file). Mapped readers call this before every batch read and every read
+        that copies out of the mapping: one ``lseek`` (about a microsecond), no
+        more. A no-op for ``pread`` (a short read says so) and in-memory images.
+
+        Raises:
+            TruncatedFileError: The file is now shorter than the bytes the
+                reader's commit refers to.
+        """
+        if self.mm is None:
+            return
+        size = os.lseek(self.fd, 0, os.SEEK_END)
+        if size >= self.size:
+            return
+        # shorter than at open: harmful only below what the commit refers to (an
+        # appending writer drops a crashed writer's uncommitted tail, past all of it)
+        header = self.header
+        needed = min(max(header.committed_end, header.schema_offset + header.schema_len,
+                         HEADER_SIZE), self.size)
+        if size >= needed:
+            # the index lies below ``size``: reading it cannot fault. Records past the
+            # index (only in a damaged file) are then checked too, once.
+            if self.extent is None:
+                ends = self.index["offset"] + self.index["stored"] if self.count else [0]
+                self.extent = min(max(needed, int(np.max(ends))), self.size)
+            needed = self.extent
+        if size < needed:
+            raise TruncatedFileError(
+                f"{self.name}: the file shrank to {size} bytes under the reader; its commit "
+                f"needs {needed} (another program truncated or rewrote it in place); "
+                f"reopen it")
 
     def prefetch(self, offset: int, length: int) -> None:
         """Start reading ``[offset, offset + length)`` of the mapping in the background.

@@ -186,6 +186,20 @@ class ShardedReader(ReadOnlyReader):
         shard, local = self.locate(i)
         return self._shards[shard][local]
 
+    def get(self, i: int) -> Molecule:
+        """Decode one molecule like ``reader[i]``, through its shard's checked :meth:`Reader.get`.
+
+        Args:
+            i (int): Global molecule index; negative values count from the end.
+
+        Returns:
+            The decoded :class:`Molecule`.
+        """
+        shard, local = self.locate(i)
+        reader = self._shards[shard]
+        get = getattr(reader, "get", None)  # shards of from_readers() may lack it
+        return get(local) if get is not None else reader[local]
+
     def __iter__(self) -> Iterator[Molecule]:
         for shard in self._shards:
             yield from shard

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
+import stat
 import struct
-from typing import Any
+import weakref
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from . import locking
 from .codecs import CODEC_NONE, CODEC_ZSTD, codec_id, make_compressor
 from .encode import Section, batch_columns, check_positions, encode_section, molecule_sections
 from .errors import AtpValueError, SchemaConflictError, TruncatedFileError
@@ -49,11 +55,9 @@ class Writer:
                  overwrite: bool = False) -> None:
         codec = codec_id(compression)
         self._path = os.fspath(path)
-        if os.path.exists(self._path) and not overwrite:
-            raise FileExistsError(f"{self._path}: already exists (pass overwrite=True)")
-        self._fh = open(self._path, "w+b")  # noqa: SIM115 - held until close()
+        self._closed = True  # until the file is ours (close() and __del__ then do nothing)
         header = Header(codec=codec, level=level if codec == CODEC_ZSTD else 0)
-        self._fh.write(encode_slot(header) + encode_slot(header))
+        self._fh = _create(self._path, encode_slot(header) + encode_slot(header), overwrite)
         self._init_state(header, schema=None, index=np.zeros(0, INDEX_DTYPE), tail=False)
 
     @classmethod
@@ -71,11 +75,16 @@ class Writer:
             A writer positioned after the committed data.
 
         Raises:
+            FileLockedError: Another writer has the file open.
             AtpError: The header, schema or index is invalid.
         """
         self = cls.__new__(cls)
         self._path = os.fspath(path)
-        self._fh = open(self._path, "r+b")  # noqa: SIM115 - held until close()
+        self._closed = True
+        fd = locking.lock_path(self._path, os.O_RDWR)
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self._path)
+        self._fh = open(fd, "r+b")  # noqa: SIM115 - held until close()
         try:
             size = os.fstat(self._fh.fileno()).st_size
             header = select_header(self._read(0, min(size, HEADER_SIZE)), size, self._path)
@@ -89,7 +98,7 @@ class Writer:
                 index = decode_index(block, header.num_molecules, self._path).copy()
             self._init_state(header, schema, index, tail=size > header.committed_end)
         except BaseException:
-            self._fh.close()
+            _release(self._fh)
             raise
         return self
 
@@ -113,6 +122,7 @@ class Writer:
         self._end = header.committed_end
         self._tail = tail
         self._closed = False
+        _OPEN_WRITERS.add(self)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -329,10 +339,20 @@ class Writer:
         self._end = header.committed_end
 
     def close(self) -> None:
-        """Close the file without committing (call :meth:`flush` first to keep appends)."""
+        """Close the file without committing (call :meth:`flush` first to keep appends).
+
+        Releases the file's write lock: another writer may open it from then on.
+        """
         if not self._closed:
             self._closed = True
-            self._fh.close()
+            _OPEN_WRITERS.discard(self)
+            _release(self._fh)
+
+    def __del__(self) -> None:
+        # a writer dropped without close(): the descriptor would close with its file
+        # object anyway, but the lock would stay in this process's table
+        with contextlib.suppress(Exception):
+            self.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -351,6 +371,162 @@ class Writer:
     def __repr__(self) -> str:
         return (f"Writer({self._path!r}, molecules={len(self)}, "
                 f"pending={self._pending_count}, record_format={self._record_format})")
+
+
+def _create(path: str, head: bytes, overwrite: bool) -> BinaryIO:
+    """A new file at ``path`` that starts with ``head``, write-locked.
+
+    The file is made under a hidden temporary name next to ``path`` and locked
+    before it appears under ``path``: by a hard link when ``path`` is free (so a
+    concurrent creator gets :class:`FileExistsError`, and nobody sees the file
+    before its header is written), by a rename over the old file when overwriting,
+    done while holding the old file's lock. Never truncating in place is what lets
+    readers of the old file keep reading it: its inode lives on, unchanged, until
+    they close it (a truncation would pull the pages from under their mappings).
+
+    Args:
+        path (str): The file to create (a symbolic link: the file it names).
+        head (bytes): The two empty header slots.
+        overwrite (bool): Replace an existing file (unless a writer holds it).
+
+    Returns:
+        The new file, open ``r+b`` and locked.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        FileLockedError: Another writer holds the file being overwritten.
+    """
+    target = os.path.realpath(path)
+    while True:
+        old = locking.lock_path(target, os.O_RDONLY) if overwrite else None
+        if old is None:
+            fh = None if os.path.lexists(target) else _link_new(target, path, head)
+            if fh is not None:
+                return fh
+            if not overwrite:
+                raise FileExistsError(f"{path}: already exists (pass overwrite=True)")
+            continue  # created meanwhile: overwrite that one, under its lock
+        try:
+            fh, temp = _sibling(target, os.fstat(old).st_mode)
+            try:
+                _start(fh, path, head)
+                os.replace(temp, target)
+            except BaseException:
+                _release(fh)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+            return fh
+        finally:
+            locking.unlock(old)
+            os.close(old)
+
+
+def _link_new(target: str, path: str, head: bytes) -> BinaryIO | None:
+    """A new locked file at ``target``, or :obj:`None` if one appeared there first."""
+    fh, temp = _sibling(target, None)
+    try:
+        _start(fh, path, head)
+        try:
+            os.link(temp, target)
+        except FileExistsError:
+            _release(fh)
+            return None
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _release(fh)
+            return _create_in_place(target, path, head)
+    except BaseException:
+        _release(fh)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+    return fh
+
+
+def _start(fh: BinaryIO, path: str, head: bytes) -> None:
+    """Lock a new file and write its empty header slots."""
+    locking.lock(fh.fileno(), path)
+    fh.write(head)
+    fh.flush()
+
+
+# what link() says on a file system without hard links (vfat, many FUSE mounts)
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK)
+
+
+def _create_in_place(target: str, path: str, head: bytes) -> BinaryIO | None:
+    """:func:`_link_new` without hard links: an exclusive create, then the lock.
+
+    Another writer could lock the empty file between the two steps; it then finds
+    no header and fails, and if it still holds the lock this one says so.
+    """
+    try:
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except FileExistsError:
+        return None
+    fh = open(fd, "r+b")  # noqa: SIM115 - held until close()
+    try:
+        _start(fh, path, head)
+    except BaseException:
+        _release(fh)
+        raise
+    return fh
+
+
+def _sibling(path: str, mode: int | None) -> tuple[BinaryIO, str]:
+    """A new hidden file next to ``path`` (``.NAME.writing-PID-RANDOM``), open ``w+b``.
+
+    Args:
+        path (str): The file it will become.
+        mode (int | None): Permission bits to copy (those of a file it replaces);
+            :obj:`None` leaves the process's umask to decide, like ``open()``.
+    """
+    directory, name = os.path.split(path)
+    while True:
+        temp = os.path.join(directory, f".{name}.writing-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        if mode is not None:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, stat.S_IMODE(mode))
+        return open(fd, "w+b"), temp  # noqa: SIM115 - held until close()
+
+
+def _release(fh: BinaryIO) -> None:
+    """Forget the file's lock in this process's table, then close it (releasing the lock)."""
+    try:
+        locking.unlock(fh.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        fh.close()
+
+
+_OPEN_WRITERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    # a forked child (a DataLoader worker) shares the parent's open file descriptions:
+    # writing through them would interleave with the parent, and keeping them open
+    # would keep the parent's lock alive after the parent closes. The child closes its
+    # copies (the lock stays with the parent) and holds no writer of its own.
+    for writer in list(_OPEN_WRITERS):
+        writer._closed = True
+        with contextlib.suppress(Exception):
+            writer._fh.close()
+    _OPEN_WRITERS.clear()
+    locking.forget_all()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _assemble_batch(count: int, n: int, pos: np.ndarray, z: np.ndarray,

@@ -353,7 +353,11 @@ class AtompackDataset(Dataset):
         install_in_worker()  # in a DataLoader worker, batches leave packed (pyg.handoff)
         if self._kept is not None:
             idx = int(self._kept[idx])
-        data = record_to_data(self.reader[idx], self.fields, self.dtype)
+        # get(): reader[idx] after a check that the file did not shrink under a mapped
+        # reader (a SIGBUS would kill the DataLoader worker); remote readers have none
+        reader = self.reader
+        get = getattr(reader, "get", None)
+        data = record_to_data(reader[idx] if get is None else get(idx), self.fields, self.dtype)
         return data if self.names is None else self.names.apply(data)
 
     def record_indices(self, positions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
