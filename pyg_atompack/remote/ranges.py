@@ -152,11 +152,11 @@ class FileRangeReader(RangeAdapter):
 class URLRangeReader(RangeAdapter):
     """Range reads of a file served over HTTP(S), pinned to one version of it.
 
-    The version is the server's validator (``ETag``, else ``Last-Modified``), learnt from
-    a one-byte range request when the identity is first needed (unless ``probe`` gives
-    it): it is part of the identity, so cached metadata and pages follow a file
-    rewritten under the same URL even when a manifest's sha256 is stale, and every read
-    refuses an answer from another version (a
+    The version is the server's validator (``ETag``, else ``Last-Modified``): ``probe``'s
+    when given, else the answer to the first read's, else (the identity asked for before
+    any read) a one-byte range request's. It is part of the identity, so cached metadata
+    and pages follow a file rewritten under the same URL even when a manifest's sha256 is
+    stale, and every read refuses an answer from another version (a
     :class:`~pyg_atompack.transport.RemoteIntegrityError`), as
     :class:`ObjectRangeReader` does with the ETag.
 
@@ -217,12 +217,29 @@ class URLRangeReader(RangeAdapter):
         from pyg_atompack.transport.buffers import ShardPart
         from pyg_atompack.transport.retry import RetryPolicy
 
+        known = self._probe
+        pin = transport_http.VersionPin(known.validator if known is not None else None)
         # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
         transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
                             cancel=cancel or transport_http.NEVER, headers=self.headers,
-                            validator=self.validator)
+                            pin=pin)
+        if known is None:
+            # the first read's answer names the version: later reads and the identity are
+            # pinned to it without a probe of their own (opening a listing reads each
+            # header this way, one request per shard); a read that raced it from another
+            # version is refused
+            found = self._probe
+            if found is None:
+                self._probe = transport_http.Probe(self.size, pin.version)
+            elif pin.version is not None and found.validator != pin.version:
+                from pyg_atompack.transport.errors import RemoteIntegrityError
+
+                raise RemoteIntegrityError(
+                    f"{self.name}: the file changed while it was opened (it was "
+                    f"{found.validator}, the server now answers {pin.version}); open it again",
+                    url=self.name)
 
 
 class ObjectRangeReader(RangeAdapter):
