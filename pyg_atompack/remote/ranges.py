@@ -23,7 +23,10 @@ A layer above adds its own adapter on :class:`RangeAdapter` (the Hub's is
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.http import Cancel
 
 __all__ = ["FileRangeReader", "ObjectRangeReader", "RangeAdapter", "RangeReader",
            "URLRangeReader", "read_range"]
@@ -46,14 +49,15 @@ class RangeReader(Protocol):
     size: int
     identity: str
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+    def read_into(self, start: int, out: memoryview, cancel: Cancel | None = None) -> None:
         """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
 
         Args:
             start (int): First byte.
             out (memoryview): Writable buffer; its length is the number of bytes to read.
-            cancel (Any, optional): An optional :class:`~pyg_atompack.stream.CancelToken`.
-                (default: :obj:`None`)
+            cancel (Cancel, optional): Stops the read when cancelled (a
+                :class:`~pyg_atompack.transport.http.Cancel`, e.g. a
+                :class:`~pyg_atompack.stream.CancelToken`). (default: :obj:`None`)
 
         Raises:
             OSError: The bytes cannot be read (after the adapter's retries).
@@ -61,14 +65,15 @@ class RangeReader(Protocol):
         ...
 
 
-def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -> bytearray:
+def read_range(reader: RangeReader, start: int, stop: int,
+               cancel: Cancel | None = None) -> bytearray:
     """The bytes ``[start, stop)`` of ``reader``'s file, in a new buffer.
 
     Args:
         reader (RangeReader): The file.
         start (int): First byte.
         stop (int): One past the last byte.
-        cancel (Any, optional): An optional cancellation token. (default: :obj:`None`)
+        cancel (Cancel, optional): Stops the read when cancelled. (default: :obj:`None`)
 
     Returns:
         The bytes.
@@ -89,13 +94,13 @@ class RangeAdapter:
     size: int
     identity: str
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+    def read_into(self, start: int, out: memoryview, cancel: Cancel | None = None) -> None:
         """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
 
         Args:
             start (int): First byte of the file to read.
             out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops a remote transfer in flight, and any
+            cancel (Cancel, optional): Stops a remote transfer in flight, and any
                 backoff wait, when cancelled. (default: :obj:`None`)
 
         Raises:
@@ -114,7 +119,7 @@ class RangeAdapter:
                                    f"the {self.size}-byte file", url=self.name)
         self._read(start, out, cancel)
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -135,7 +140,7 @@ class FileRangeReader(RangeAdapter):
         self.size = stat.st_size
         self.identity = f"file:{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}"
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = 0
@@ -212,7 +217,7 @@ class URLRangeReader(RangeAdapter):
         validator = self.validator
         return f"{base}|{validator}" if validator else base
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         from pyg_atompack.transport import http as transport_http
         from pyg_atompack.transport.buffers import ShardPart
         from pyg_atompack.transport.retry import RetryPolicy
@@ -271,6 +276,6 @@ class ObjectRangeReader(RangeAdapter):
         else:
             self.identity = f"object:{obj.url}|{self.size}{etag}"
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
                              cancel=cancel)
