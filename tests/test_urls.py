@@ -107,6 +107,18 @@ def test_opening_a_url_listing_reads_one_header_range_per_shard(server, www, tmp
                                                        "/part_1.atp"]
 
 
+def test_a_server_ignoring_ranges_still_serves_headers_metadata_and_records(www, tmp_path):
+    # every range read falls back to the front of the whole body, cut off there
+    local = AtompackDataset(www)
+    for ignoring in serve_directory(www, ignore_ranges=True):
+        url = ignoring.url("manifest.json")
+        reader = hub.open_remote_atp(url, cache_dir=tmp_path / "a", policy=FAST)
+        assert reader.n_atoms.tolist() == [2] * 3 + [3] * 4 and "forces" in reader.fields
+        by_record = AtompackDataset(url, cache_dir=tmp_path / "b")
+        assert _energies(by_record) == _energies(local)
+        assert {e.status for e in ignoring.requests} == {200}
+
+
 def test_altered_or_missing_shard_is_one_error_naming_the_url(server, www, tmp_path):
     reader = hub.open_remote_atp(server.url("manifest.json"), cache_dir=tmp_path, policy=FAST)
     server.add_fault("part_1.atp", "wrong_bytes", times=1, at_fraction=0.9)

@@ -8,12 +8,8 @@
 3. read the first 8192 bytes (the two header slots) of each shard with one range
    request, in parallel, to learn its molecule count — no shard is downloaded.
 
-Every read of a shard's metadata goes through the one remote-``.atp`` reader,
-:mod:`pyg_atompack.remote.atp_meta`, over the shard's range reader
-(:func:`shard_range_reader`: :class:`HubRangeReader` for a Hub file, a URL or object
-range reader otherwise): the headers when opening, then, lazily, the atom counts
-(header, schema and index, cached on disk once per machine) and the fields (the schema
-block alone).
+Headers, then lazily atom counts and fields, come from the one remote-``.atp`` reader,
+:mod:`pyg_atompack.remote.atp_meta`, over each shard's :func:`shard_range_reader`.
 
 Steps 2-3 are stored in ``{cache_dir}/.../listings/{sha}/`` (a commit is
 immutable, so this never goes stale) and reused by the next open of the same
@@ -392,13 +388,10 @@ class _DownloadedShard:
     @property
     def fields(self) -> dict:
         if self._fields is None:
-            parsed = None
-            if self.shard not in self.owner._readers:
-                meta = self._meta
-                parsed = read_fields(
-                    self.range_reader,
-                    meta.header if meta is not None else Header(**self.owner.headers[self.shard]),
-                    meta.schema if meta is not None else None)
+            meta, parsed = self._meta, None
+            if self.shard not in self.owner._readers:  # metadata loaded: no read at all
+                header = meta.header if meta else Header(**self.owner.headers[self.shard])
+                parsed = read_fields(self.range_reader, header, meta and meta.schema)
             self._fields = parsed if parsed is not None else dict(self.reader().fields)
         return self._fields
 

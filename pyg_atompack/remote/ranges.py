@@ -219,32 +219,29 @@ class URLRangeReader(RangeAdapter):
 
     def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         from pyg_atompack.transport import http as transport_http
-        from pyg_atompack.transport.buffers import ShardPart
+        from pyg_atompack.transport.buffers import RangeIgnoredError, ShardPart
         from pyg_atompack.transport.retry import RetryPolicy
 
         known = self._probe
         pin = transport_http.VersionPin(known.validator if known is not None else None)
+        policy, cancel = self.retry or RetryPolicy(), cancel or transport_http.NEVER
         # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
-        transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
-                            cancel=cancel or transport_http.NEVER, headers=self.headers,
-                            pin=pin)
+        try:
+            transport_http.fill(self.url, part, policy=policy, cancel=cancel,
+                                headers=self.headers, pin=pin)
+        except RangeIgnoredError:
+            # a server that ignores ranges (its answer was checked against the pin): the
+            # bytes wanted are read off the front of its whole body
+            out[:] = transport_http.fetch_range(self.url, start, len(out), policy=policy,
+                                                cancel=cancel, headers=self.headers)
         if known is None:
             # the first read's answer names the version: later reads and the identity are
             # pinned to it without a probe of their own (opening a listing reads each
-            # header this way, one request per shard); a read that raced it from another
-            # version is refused
-            found = self._probe
-            if found is None:
-                self._probe = transport_http.Probe(self.size, pin.version)
-            elif pin.version is not None and found.validator != pin.version:
-                from pyg_atompack.transport.errors import RemoteIntegrityError
-
-                raise RemoteIntegrityError(
-                    f"{self.name}: the file changed while it was opened (it was "
-                    f"{found.validator}, the server now answers {pin.version}); open it again",
-                    url=self.name)
+            # header this way, one request per shard; the caches ask the identity, so
+            # probe, before their first read)
+            self._probe = transport_http.Probe(self.size, pin.version)
 
 
 class ObjectRangeReader(RangeAdapter):

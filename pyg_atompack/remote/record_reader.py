@@ -35,7 +35,6 @@ from pyg_atompack.remote.block_cache import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_PAGE_BYTES,
     BlockCache,
-    slice_pages,
 )
 from pyg_atompack.remote.ranges import RangeReader
 
@@ -135,9 +134,8 @@ class RemoteAtpReader:
         return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
 
     def _image(self, records: np.ndarray) -> Any:
-        ranges = self._ranges(records)
-        pages = self.cache.pages(self.range_reader, ranges)
-        return gathered_image(self.meta, records, slice_pages(pages, self.page_bytes, ranges))
+        return gathered_image(self.meta, records,
+                              self.cache.read(self.range_reader, self._ranges(records)))
 
     def __getitem__(self, i: int) -> Any:
         i = molecule_index(i, len(self), self.name)
