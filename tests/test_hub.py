@@ -385,6 +385,8 @@ def test_values_match_reference_and_format_layer(server, shard_dir, tmp_path):
 
 
 def test_n_atoms_and_fields_without_downloading(server, shard_dir, tmp_path):
+    from pyg_atompack.remote import atp_meta
+
     reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
     server.clear_requests()
     assert reader.n_atoms.tolist() == [3, 3, 2, 2, 2, 4, 4, 4, 4]
@@ -392,7 +394,34 @@ def test_n_atoms_and_fields_without_downloading(server, shard_dir, tmp_path):
     assert reader.fields["forces"].per_atom
     assert reader.downloaded_shards() == []
     assert _full_gets(server) == []
-    assert all("range" in r.headers for r in server.requests_to("/resolve/"))
+    # one range read per shard: its schema and index blocks together; the header slots
+    # read when opening are not read again, and the fields come from the same read
+    ranges = [r.headers.get("range", "") for r in server.requests_to("/resolve/")]
+    assert len(ranges) == 3 and all(r.startswith("bytes=") for r in ranges)
+    assert not [r for r in ranges if r.startswith("bytes=0-")]
+    # reopened by another process (nothing in memory): counts and fields come from the
+    # metadata cached on disk, with no request at all
+    atp_meta._MEMORY.clear()
+    again = hub.open_hub_atp(REPO, "train", revision=reader.revision, cache_dir=tmp_path,
+                             endpoint=server.endpoint)
+    server.clear_requests()
+    assert again.n_atoms.tolist() == reader.n_atoms.tolist()
+    assert set(again.fields) == set(reader.fields)
+    assert server.requests == []
+
+
+def test_fields_alone_read_only_the_schema_blocks(server, shard_dir, tmp_path):
+    from pyg_atompack import atp
+
+    reader = hub.open_hub_atp(REPO, "train", cache_dir=tmp_path, endpoint=server.endpoint)
+    server.clear_requests()
+    with atp.open(shard_dir / "train") as local:
+        assert reader.fields == local.fields
+    file_requests = server.requests_to("/resolve/")
+    assert len(file_requests) == 3  # one per shard
+    schema_bytes = sum(header["schema_len"] for header in reader.headers)
+    assert sum(r.body_bytes for r in file_requests + server.requests_to("/cdn/")) == \
+        schema_bytes  # the index blocks were not read
 
 
 def test_pickled_reader_reuses_listing_and_cache(server, shard_dir, tmp_path):

@@ -35,7 +35,6 @@ MOVED = [
     ("pyg_atompack.stream", "PYG_SAFE_GLOBALS", "pyg_atompack.pyg"),
     ("pyg_atompack.stream", "RetryPolicy", "pyg_atompack.transport"),
     ("pyg_atompack.atp", "select_header", "pyg_atompack.atp.header"),
-    ("pyg_atompack.atp", "index_n_atoms", "pyg_atompack.atp.index"),
     ("pyg_atompack.atp", "schema_block_fields", "pyg_atompack.atp.fields"),
 ]
 

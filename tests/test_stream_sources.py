@@ -236,3 +236,25 @@ def test_custom_source_protocol(server):
     source = MemorySource(server.root)
     assert isinstance(source, Source)
     assert _ids(ShardStreamDataset(source, prefetch=2)) == EXPECTED_IDS
+
+
+def test_one_cancel_type_stops_a_remote_range_read_in_its_backoff(tmp_path):
+    # stream's CancelToken is the transport's Cancel: the remote layer's range reads and
+    # the transport's retry loop take it, and cancelling ends a 30 s backoff at once
+    from pyg_atompack.remote.ranges import URLRangeReader, read_range
+    from pyg_atompack.transport.http import Cancel
+
+    (tmp_path / "x.atp").write_bytes(bytes(range(256)) * 64)
+    token = CancelToken()
+    assert Cancel in type(token).__mro__  # declared, not only alike
+    for server in serve_directory(tmp_path):
+        reader = URLRangeReader(server.url("x.atp"), size=256 * 64,
+                                retry=RetryPolicy(retries=3, backoff=30.0, jitter=0.0))
+        assert bytes(read_range(reader, 10, 20)) == bytes(range(10, 20))
+        server.add_fault("x.atp", "503", times=4)
+        threading.Timer(0.3, token.cancel).start()
+        started = time.monotonic()
+        with pytest.raises(StreamCancelled):
+            read_range(reader, 100, 200, token)
+        assert time.monotonic() - started < 10
+        assert [e.status for e in server.requests_for("x.atp")][-1] == 503

@@ -80,6 +80,45 @@ def test_atompack_dataset_over_http_is_lazy_and_verified(server, www, tmp_path, 
     assert _energies(single) == _energies(AtompackDataset(www / "part_1.atp"))
 
 
+def test_opening_a_url_listing_reads_one_header_range_per_shard(server, www, tmp_path):
+    from pyg_atompack.remote import atp_meta
+
+    atp_meta._MEMORY.clear()
+    reader = hub.open_remote_atp(server.url("manifest.json"), cache_dir=tmp_path, policy=FAST)
+    # the manifest, then one range of the header slots per shard: no probe of a version
+    # first (the first read's answer names it)
+    assert sorted((e.path, e.range) for e in server.requests) == [
+        ("/manifest.json", None), ("/part_0.atp", "bytes=0-8191"),
+        ("/part_1.atp", "bytes=0-8191")]
+    assert len(reader) == 7
+    server.requests.clear()
+    assert reader.n_atoms.tolist() == [2] * 3 + [3] * 4
+    assert "forces" in reader.fields
+    # then one range per shard for the counts and fields: schema and index together
+    assert sorted(e.path for e in server.requests) == ["/part_0.atp", "/part_1.atp"]
+    assert not [e for e in server.requests if e.range is None or e.range.startswith("bytes=0-")]
+    # a reopening reads the manifest and the headers again (no listing cache for plain
+    # URLs), but the counts and fields come from the metadata cached on disk
+    atp_meta._MEMORY.clear()
+    server.requests.clear()
+    again = hub.open_remote_atp(server.url("manifest.json"), cache_dir=tmp_path, policy=FAST)
+    assert again.n_atoms.tolist() == reader.n_atoms.tolist() and "forces" in again.fields
+    assert sorted(e.path for e in server.requests) == ["/manifest.json", "/part_0.atp",
+                                                       "/part_1.atp"]
+
+
+def test_a_server_ignoring_ranges_still_serves_headers_metadata_and_records(www, tmp_path):
+    # every range read falls back to the front of the whole body, cut off there
+    local = AtompackDataset(www)
+    for ignoring in serve_directory(www, ignore_ranges=True):
+        url = ignoring.url("manifest.json")
+        reader = hub.open_remote_atp(url, cache_dir=tmp_path / "a", policy=FAST)
+        assert reader.n_atoms.tolist() == [2] * 3 + [3] * 4 and "forces" in reader.fields
+        by_record = AtompackDataset(url, cache_dir=tmp_path / "b")
+        assert _energies(by_record) == _energies(local)
+        assert {e.status for e in ignoring.requests} == {200}
+
+
 def test_altered_or_missing_shard_is_one_error_naming_the_url(server, www, tmp_path):
     reader = hub.open_remote_atp(server.url("manifest.json"), cache_dir=tmp_path, policy=FAST)
     server.add_fault("part_1.atp", "wrong_bytes", times=1, at_fraction=0.9)

@@ -38,26 +38,6 @@ def decode_index(buf, num_molecules: int, name: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=INDEX_DTYPE, count=num_molecules, offset=8)
 
 
-def index_n_atoms(buf, num_molecules: int, name: str) -> np.ndarray:
-    """Returns the atom count of every molecule from an index block fetched on its own.
-
-    For readers of files they hold in pieces (remote files: the index block is one
-    range read).
-
-    Args:
-        buf (bytes-like): The index block's bytes.
-        num_molecules (int): The molecule count the header promises.
-        name (str): How messages name the file.
-
-    Returns:
-        np.ndarray: int64 ``(num_molecules,)``.
-
-    Raises:
-        IndexBlockError: If the block is short or its count disagrees with the header.
-    """
-    return decode_index(buf, num_molecules, name)["n_atoms"].astype(np.int64)
-
-
 def encode_index(entries: np.ndarray) -> bytes:
     """Encode index entries (a structured array of :data:`INDEX_DTYPE`) as an index block."""
     entries = np.ascontiguousarray(entries, dtype=INDEX_DTYPE)

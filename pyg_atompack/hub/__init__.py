@@ -30,9 +30,10 @@ What crosses the network, per call: ``resolve_revision`` one API request;
 ``download`` one GET of the file, nothing when a verified copy is cached; ``open_hub_atp`` one
 resolve (none for a commit sha), one listing and one 8192-byte range read per
 shard, or nothing at all when that commit's listing is in the cache, so a
-pinned, already-downloaded dataset opens offline. ``n_atoms``/``fields`` of a
-``HubAtpReader`` read only the index / schema blocks of shards not yet
-downloaded.
+pinned, already-downloaded dataset opens offline. ``n_atoms`` of a ``HubAtpReader``
+reads the schema and index blocks of shards not yet downloaded (one range read each,
+cached on disk: :mod:`pyg_atompack.remote.atp_meta`), ``fields`` only their schema
+blocks.
 
 Publishing (:mod:`.publish`, :mod:`.card`, :mod:`.pull`)::
 

@@ -5,9 +5,11 @@
 1. resolve the revision to a commit sha (skipped when given a sha) — one API call;
 2. list every ``*.atp`` below the path, recursively, with sizes and sha256 —
    one API call; shard order is the POSIX path sort of the format spec (§11);
-3. read the first 8192 bytes (the two header slots) of each shard with an HTTP
-   range request, in parallel, to learn its molecule count — no shard is
-   downloaded.
+3. read the first 8192 bytes (the two header slots) of each shard with one range
+   request, in parallel, to learn its molecule count — no shard is downloaded.
+
+Headers, then lazily atom counts and fields, come from the one remote-``.atp`` reader,
+:mod:`pyg_atompack.remote.atp_meta`, over each shard's :func:`shard_range_reader`.
 
 Steps 2-3 are stored in ``{cache_dir}/.../listings/{sha}/`` (a commit is
 immutable, so this never goes stale) and reused by the next open of the same
@@ -31,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from pyg_atompack.atp.header import Header
+from pyg_atompack.atp.images import FileMeta
 from pyg_atompack.atp.reader import Reader
 from pyg_atompack.atp.sharded import ShardedReader
 from pyg_atompack.hub.errors import (
@@ -52,16 +56,15 @@ from pyg_atompack.hub.remote import (
     list_remote_files,
     resolve_revision,
 )
-from pyg_atompack.hub.remote_atp import (
-    read_shard_header,
-    remote_fields,
-    remote_n_atoms,
-    shard_uri,
-)
 from pyg_atompack.hub.transfer import download, fetch_range
-from pyg_atompack.hub.uri import normalize_path_in_repo
+from pyg_atompack.hub.uri import hf_uri, normalize_path_in_repo
+from pyg_atompack.remote.atp_meta import load_meta, read_fields, read_header
 from pyg_atompack.remote.cache import cache_root
-from pyg_atompack.remote.ranges import RangeAdapter
+from pyg_atompack.remote.ranges import RangeAdapter, RangeReader
+
+# the header facts a listing keeps (plain ints: JSON-friendly, picklable)
+_FACTS = ("num_molecules", "index_offset", "index_len", "schema_offset", "schema_len",
+          "record_format", "codec")
 
 
 class HubAtpReader(ShardedReader):
@@ -81,14 +84,18 @@ class HubAtpReader(ShardedReader):
     * :meth:`by_record` reads only the records asked for, through the bounded page
       cache (:class:`~pyg_atompack.remote.record_reader.RemoteAtpReader`).
 
-    Either way a shard's length comes from its listed header, so opening downloads
-    nothing. Pickling keeps the listing, the counts and the settings, never open files,
-    so DataLoader workers neither re-list nor re-download what the cache already holds.
+    Either way a shard's length comes from its header, so opening downloads nothing.
+    Pickling keeps the listing, the counts, the range readers and the settings, never
+    open files, so DataLoader workers neither re-list nor re-download what the cache
+    already holds.
 
     Args:
         shards (list[RemoteFile]): The shard files, in global order.
-        headers (list[dict[str, int]]): Per shard, the header facts (``num_molecules``,
-            ``index_offset``, ``index_len``, ``schema_offset``, ``schema_len``).
+        headers (list[dict[str, int]], optional): Per shard, the header facts
+            (``num_molecules``, ``index_offset``, ``index_len``, ``schema_offset``,
+            ``schema_len``, ``record_format``, ``codec``), e.g. from a cached listing;
+            :obj:`None` reads each shard's header slots now, one range request per shard
+            (:func:`~pyg_atompack.remote.atp_meta.read_header`). (default: :obj:`None`)
         path_in_repo (str, optional): The listed directory or file, for ``repr`` and messages.
             (default: :obj:`""`)
         cache_dir (str | os.PathLike, optional): Download cache root
@@ -103,12 +110,14 @@ class HubAtpReader(ShardedReader):
             (default: its ``hf://`` URI).
         store (Any, optional): The object-store handle that listed the shards (object-store URLs
             only; picklable, without secrets). (default: :obj:`None`)
+        max_workers (int, optional): Header range reads in flight when ``headers`` is
+            :obj:`None`. (default: :obj:`8`)
     """
 
     def __init__(
         self,
         shards: list[RemoteFile],
-        headers: list[dict[str, int]],
+        headers: list[dict[str, int]] | None = None,
         *,
         path_in_repo: str = "",
         cache_dir: str | os.PathLike | None = None,
@@ -118,13 +127,13 @@ class HubAtpReader(ShardedReader):
         policy: Any = None,
         name: str | None = None,
         store: Any = None,
+        max_workers: int = 8,
     ) -> None:
-        if len(shards) != len(headers):
+        if headers is not None and len(shards) != len(headers):
             raise ValueError("one header per shard is required")
         if not shards:
             raise HubNoShardsError(f"{name or path_in_repo or 'listing'}: no .atp shard")
         self._remote = list(shards)
-        self.headers = [dict(h) for h in headers]
         self.path_in_repo = path_in_repo
         self.cache_dir = cache_root(cache_dir)
         self.token = token
@@ -132,10 +141,25 @@ class HubAtpReader(ShardedReader):
         self.policy = policy
         self.store = store
         first = self._remote[0]
-        self.name = name or (f"hf://{first.repo_type}s/{first.repo_id}@{first.revision}/"
-                             f"{path_in_repo}")
+        self.name = name or hf_uri(first.repo_id, path_in_repo, revision=first.revision,
+                                   repo_type=first.repo_type)
+        self._ranges = [shard_range_reader(shard, token=token, policy=policy, store=store)
+                        for shard in self._remote]
+        self._heads: dict[int, bytes] = {}  # header slots read by this process
+        self.headers = ([dict(h) for h in headers] if headers is not None
+                        else self._read_headers(max_workers))
         self._pages: dict[str, Any] | None = None  # set by by_record()
         self._init_runtime(access)
+
+    def _read_headers(self, max_workers: int) -> list[dict[str, int]]:
+        """Each shard's header facts from one range read of its header slots, in parallel."""
+        def read(shard: int) -> dict[str, int]:
+            head, header = read_header(self._ranges[shard])
+            self._heads[shard] = head  # the shard's metadata fetch then skips them
+            return {name: int(getattr(header, name)) for name in _FACTS}
+
+        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(self._ranges)))) as pool:
+            return list(pool.map(read, range(len(self._ranges))))
 
     def _init_runtime(self, access: str) -> None:
         self._readers: dict[int, Any] = {}  # downloaded shards opened so far
@@ -174,6 +198,7 @@ class HubAtpReader(ShardedReader):
                            else int(cache_bytes)}
         reader = type(self).__new__(type(self))
         reader.__setstate__(state)
+        reader._heads = self._heads  # the same files: their header slots are known
         return reader
 
     # ------------------------------------------------------------------ identity
@@ -242,7 +267,7 @@ class HubAtpReader(ShardedReader):
             remote = self._remote[shard]
             path = download(remote, self.cache_dir, token=self.token, verify=self.verify,
                             policy=self.policy, store=self.store)
-            reader = Reader(path, access=self.access, name=shard_uri(remote))
+            reader = Reader(path, access=self.access, name=self._ranges[shard].name)
             expected = self.headers[shard]["num_molecules"]
             if len(reader) != expected:
                 reader.close()
@@ -275,9 +300,10 @@ class HubAtpReader(ShardedReader):
     def n_atoms(self) -> np.ndarray:
         """Atoms per molecule, int64 ``(len(self),)``.
 
-        Opened shards answer from their index; for the others only the index
-        block is fetched with an HTTP range read (``20`` bytes per molecule),
-        not the records.
+        Opened shards answer from their index; the others from their metadata
+        (:func:`~pyg_atompack.remote.atp_meta.load_meta`: the schema and index blocks,
+        ``20`` bytes per molecule, in one range read after the header read when opening,
+        cached on disk once per machine), not the records.
         """
         return super().n_atoms
 
@@ -285,10 +311,10 @@ class HubAtpReader(ShardedReader):
     def fields(self) -> dict:
         """Field name -> ``atp.FieldInfo``: the union of every shard's schema.
 
-        Each shard's schema block is fetched with an HTTP range read (a few
-        hundred bytes), for all shards at once; only shards without a schema block
-        (files written by atompack 0.2.x) are downloaded and opened to learn their
-        fields.
+        Each shard's schema block is fetched with one range read (a few hundred
+        bytes; nothing when its metadata is loaded already), for all shards at once;
+        only shards without a schema block (files written by atompack 0.2.x) are
+        downloaded and opened to learn their fields.
         """
         if self._fields is None and len(self._shards) > 1:
             # the union is ShardedReader's; fetching every shard's schema in parallel
@@ -314,25 +340,37 @@ class HubAtpReader(ShardedReader):
         state = dict(state)
         access = state.pop("access")
         self.__dict__.update(state)
+        self._heads = {}
         self._init_runtime(access)
 
 
-# what a pickled HubAtpReader carries: the listing and the settings, no open file
-_PICKLED = ("_remote", "headers", "path_in_repo", "cache_dir", "token", "verify", "policy",
-            "store", "name", "_pages")
+# what a pickled HubAtpReader carries: the listing, the range readers (a URL's keeps the
+# version its first read was pinned to) and the settings, no open file
+_PICKLED = ("_remote", "_ranges", "headers", "path_in_repo", "cache_dir", "token", "verify",
+            "policy", "store", "name", "_pages")
 
 
 class _DownloadedShard:
     """Shard opener of :class:`HubAtpReader`: a listed shard downloaded (verified) on its
-    first read. Its length comes from the listed header; its fields and atom counts from
-    range reads of the schema and index blocks while it is not downloaded."""
+    first read. Its length comes from its header; while it is not downloaded, its atom
+    counts from its metadata (:func:`~pyg_atompack.remote.atp_meta.load_meta`) and its
+    fields from its schema block (:func:`~pyg_atompack.remote.atp_meta.read_fields`)."""
 
     def __init__(self, owner: HubAtpReader, shard: int) -> None:
         self.owner = owner
         self.shard = shard
-        self.name = shard_uri(owner._remote[shard])
+        self.range_reader: RangeReader = owner._ranges[shard]
+        self.name = self.range_reader.name
         self._fields: dict | None = None
         self._n_atoms: np.ndarray | None = None
+        self._meta: FileMeta | None = None
+
+    def meta(self) -> FileMeta:
+        """The shard's header, schema and index (from the disk cache, fetched once)."""
+        if self._meta is None:
+            self._meta = load_meta(self.range_reader, self.owner.cache_dir,
+                                   head=self.owner._heads.get(self.shard))
+        return self._meta
 
     def reader(self) -> Any:
         """The downloaded shard's format-layer reader."""
@@ -350,23 +388,19 @@ class _DownloadedShard:
     @property
     def fields(self) -> dict:
         if self._fields is None:
-            owner, remote = self.owner, self.owner._remote[self.shard]
-            opened = owner._readers.get(self.shard)
-            parsed = None if opened is not None else remote_fields(
-                remote, owner.headers[self.shard], token=owner.token, policy=owner.policy,
-                store=owner.store)
+            meta, parsed = self._meta, None
+            if self.shard not in self.owner._readers:  # metadata loaded: no read at all
+                header = meta.header if meta else Header(**self.owner.headers[self.shard])
+                parsed = read_fields(self.range_reader, header, meta and meta.schema)
             self._fields = parsed if parsed is not None else dict(self.reader().fields)
         return self._fields
 
     @property
     def n_atoms(self) -> np.ndarray:
         if self._n_atoms is None:
-            owner = self.owner
-            opened = owner._readers.get(self.shard)
-            self._n_atoms = (
-                np.asarray(opened.n_atoms, dtype=np.int64) if opened is not None else
-                remote_n_atoms(owner._remote[self.shard], owner.headers[self.shard],
-                               token=owner.token, policy=owner.policy, store=owner.store))
+            opened = self.owner._readers.get(self.shard)
+            self._n_atoms = (np.asarray(opened.n_atoms, dtype=np.int64) if opened is not None
+                             else self.meta().n_atoms)
         return self._n_atoms
 
     def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
@@ -389,11 +423,9 @@ class _PagedShard(_DownloadedShard):
         if self._remote_reader is None:
             from pyg_atompack.remote.record_reader import RemoteAtpReader
 
-            owner = self.owner
             self._remote_reader = RemoteAtpReader(
-                shard_range_reader(owner._remote[self.shard], token=owner.token,
-                                   policy=owner.policy, store=owner.store),
-                **{k: v for k, v in owner._pages.items() if v is not None})
+                self.range_reader, head=self.owner._heads.get(self.shard),
+                **{k: v for k, v in self.owner._pages.items() if v is not None})
         return self._remote_reader
 
     @property
@@ -424,8 +456,8 @@ class HubRangeReader(RangeAdapter):
         self.token = token
         self.policy = policy
         self.size = int(remote_file.size)
-        self.name = (f"hf://{remote_file.repo_type}s/{remote_file.repo_id}@"
-                     f"{remote_file.revision}/{remote_file.path}")
+        self.name = hf_uri(remote_file.repo_id, remote_file.path, revision=remote_file.revision,
+                           repo_type=remote_file.repo_type)
         digest = remote_file.sha256 or remote_file.blob_id
         self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
             f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
@@ -452,8 +484,12 @@ def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
     from pyg_atompack.remote.ranges import ObjectRangeReader, URLRangeReader
 
     if remote.repo_type == "url":
+        from pyg_atompack.transport.http import Probe
+
+        # the version the listing named pins the reads; else the first read's answer does
+        known = Probe(remote.size, remote.version) if remote.version else None
         return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,
-                              retry=policy, name=remote.describe())
+                              retry=policy, name=remote.describe(), probe=known)
     if remote.repo_type == "object":
         from pyg_atompack.hub.transfer import object_info
 
@@ -549,11 +585,11 @@ def open_hub_atp(
             raise HubNoShardsError(
                 f"{describe_remote(repo_id, sha, path or '/')}: no .atp file under this path"
             )
-        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
-            headers = list(pool.map(
-                lambda s: read_shard_header(s, token=token, policy=policy), shards))
-        store_listing(cache_file, shards, headers, cache_root_dir)
-    return HubAtpReader(
+        headers = None  # read now, one range request per shard
+    reader = HubAtpReader(
         shards, headers, path_in_repo=path, cache_dir=cache_root_dir, token=token,
-        verify=verify, access=access, policy=policy,
+        verify=verify, access=access, policy=policy, max_workers=max_workers,
     )
+    if cached is None:
+        store_listing(cache_file, shards, reader.headers, cache_root_dir)
+    return reader

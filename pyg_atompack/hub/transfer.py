@@ -84,12 +84,15 @@ def _headers(remote_file: RemoteFile, token: str | bool | None) -> RequestHeader
 
 def fetch_range(
     remote_file: RemoteFile, start: int, length: int, *, token: str | bool | None = None,
-    policy: RetryPolicy | None = None, store: ObjectStore | None = None,
+    policy: RetryPolicy | None = None,
 ) -> bytes:
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
+    Object-store files are read by their store
+    (:class:`~pyg_atompack.remote.ranges.ObjectRangeReader`), not here.
+
     Args:
-        remote_file (RemoteFile): A file from :func:`list_remote_files`.
+        remote_file (RemoteFile): A file from :func:`list_remote_files` or a URL listing.
         start (int): First byte offset (``>= 0``).
         length (int): Number of bytes (``>= 0``); ``start + length`` must not exceed
             ``remote_file.size``.
@@ -97,9 +100,6 @@ def fetch_range(
             none. (default: :obj:`None`)
         policy (RetryPolicy, optional): Retries and timeouts.
             (default: :data:`~pyg_atompack.hub.remote.HUB_POLICY`)
-        store (ObjectStore, optional): For a file listed from an object store
-            (``repo_type="object"``): the backend's handle that listed it, which reads
-            the range. (default: :obj:`None`)
 
     Returns:
         Exactly ``length`` bytes.
@@ -120,8 +120,6 @@ def fetch_range(
         )
     if length == 0:
         return b""
-    if remote_file.repo_type == "object":
-        return store.read_range(object_info(remote_file), start, length)
     with _translate(remote_file):
         return transport.fetch_range(remote_file.url, start, length,
                                      headers=_headers(remote_file, token),

@@ -1,4 +1,4 @@
-"""Parsing of ``hf://`` URIs into a :class:`HubLocation`."""
+"""``hf://`` URIs: parsed into a :class:`HubLocation`, and written (how messages name Hub files)."""
 
 from __future__ import annotations
 
@@ -103,3 +103,27 @@ def parse_hf_uri(uri: str) -> HubLocation:
         path_in_repo=normalize_path_in_repo(path, what=f"path of {uri!r}"),
         repo_type=repo_type,
     )
+
+
+def hf_uri(repo_id: str, path_in_repo: str = "", *, revision: str,
+           repo_type: str = "dataset") -> str:
+    """``hf://{repo_type}s/{repo_id}@{revision}/{path}``: the URI :func:`parse_hf_uri` reads.
+
+    How messages, readers and ``repr`` name a file or directory of a repository.
+
+    Args:
+        repo_id (str): ``owner/name`` of the repository.
+        path_in_repo (str, optional): A path inside it (``""``: the repository root).
+            (default: :obj:`""`)
+        revision (str): The revision (a commit sha for a pinned listing; written
+            URL-encoded, as :func:`parse_hf_uri` reads a ``/`` in it).
+        repo_type (str, optional): ``"dataset"``, ``"model"`` or ``"space"``.
+            (default: :obj:`"dataset"`)
+
+    Returns:
+        The URI, without a trailing ``/`` for the root.
+    """
+    from urllib.parse import quote
+
+    path = f"/{path_in_repo}" if path_in_repo else ""
+    return f"{_SCHEME}{repo_type}s/{repo_id}@{quote(revision, safe='')}{path}"

@@ -32,7 +32,6 @@ from urllib.parse import unquote, urljoin, urlsplit
 from pyg_atompack.hub.errors import HubNoShardsError, HubTransferError
 from pyg_atompack.hub.remote import HUB_POLICY, RemoteFile
 from pyg_atompack.hub.transfer import cached_path
-from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.manifest import MANIFEST_NAME, ManifestError, read_manifest_records
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.credentials import bind_headers
@@ -153,17 +152,11 @@ def open_url_atp(url: str, *, cache_dir: str | os.PathLike | None = None, verify
     Returns:
         A :class:`~pyg_atompack.hub.HubAtpReader` named by the (redacted) URL.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from pyg_atompack.hub.atp_reader import HubAtpReader
-    from pyg_atompack.hub.remote_atp import read_shard_header
 
-    shards = list_url_files(url, policy=policy)
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
-        headers = list(pool.map(lambda s: read_shard_header(s, policy=policy), shards))
-    root = remote_cache.cache_root(cache_dir)
-    return HubAtpReader(shards, headers, path_in_repo="", cache_dir=root, token=False,
-                        verify=verify, access=access, policy=policy, name=redact_url(url))
+    return HubAtpReader(list_url_files(url, policy=policy), cache_dir=cache_dir, token=False,
+                        verify=verify, access=access, policy=policy, name=redact_url(url),
+                        max_workers=max_workers)
 
 
 def open_remote_atp(url: str, **options):
@@ -227,10 +220,7 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
     Returns:
         A :class:`~pyg_atompack.hub.HubAtpReader` named by the URL.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from pyg_atompack.hub.atp_reader import HubAtpReader
-    from pyg_atompack.hub.remote_atp import read_shard_header
     from pyg_atompack.remote.objectstore import list_objects
 
     if policy is not None:
@@ -241,7 +231,5 @@ def open_object_store_atp(url: str, *, cache_dir: str | os.PathLike | None = Non
                          version=o.generation) for o in objects]
     if not shards:
         raise HubNoShardsError(f"{redact_url(url)}: no .atp object below this URL")
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shards)))) as pool:
-        headers = list(pool.map(lambda s: read_shard_header(s, store=store), shards))
-    return HubAtpReader(shards, headers, path_in_repo="", cache_dir=cache_dir, token=False,
-                        verify=verify, access=access, store=store, name=redact_url(url))
+    return HubAtpReader(shards, cache_dir=cache_dir, token=False, verify=verify, access=access,
+                        store=store, name=redact_url(url), max_workers=max_workers)

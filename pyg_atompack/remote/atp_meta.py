@@ -1,6 +1,18 @@
-"""Remote `.atp` metadata (header, schema, index), fetched once and cached on local disk.
+"""Remote `.atp` metadata (header, schema, index) by range reads: the one remote-`.atp` reader.
 
-The index of a multi-GB shard is hundreds of MB (20 bytes a record). :func:`load_meta`
+Every remote `.atp` file, whatever serves it (the Hub, a plain HTTP(S) server, an object
+store), is read here through its :class:`~pyg_atompack.remote.ranges.RangeReader`:
+
+* :func:`read_header`: the header slots (one range read of the first 8192 bytes), which
+  give the molecule count and where the schema and index blocks are; what opening a
+  listing of shards costs;
+* :func:`read_fields`: the fields, from one range read of the schema block (hundreds
+  of bytes), without the index;
+* :func:`load_meta`: header, schema and index (:class:`~pyg_atompack.atp.images.FileMeta`),
+  fetched once per machine and cached on disk.
+
+Parsing is the format layer's (:mod:`pyg_atompack.atp`); this module only fetches and
+caches. The index of a multi-GB shard is hundreds of MB (20 bytes a record). :func:`load_meta`
 fetches it by range reads of at most :data:`META_CHUNK_BYTES` each, several at once,
 each resumed by the range reader when a connection drops; it is checked against the
 header that announced it (:func:`pyg_atompack.atp.images.parse_meta`) and written to
@@ -23,12 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pyg_atompack.atp.header import HEADER_SIZE, select_header
+from pyg_atompack.atp.fields import FieldInfo, schema_block_fields
+from pyg_atompack.atp.header import HEADER_SIZE, Header, select_header
 from pyg_atompack.atp.images import FileMeta, parse_meta
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.ranges import RangeReader, read_range
 
-__all__ = ["META_CHUNK_BYTES", "fetch_meta", "load_meta", "meta_path"]
+__all__ = ["META_CHUNK_BYTES", "fetch_meta", "load_meta", "meta_path", "read_fields",
+           "read_header"]
 
 #: Largest range request used for metadata (the index of a big shard is fetched in pieces).
 META_CHUNK_BYTES = 16 << 20
@@ -72,11 +86,54 @@ def _read_chunked(reader: RangeReader, start: int, stop: int, workers: int) -> b
     return bytes(out)
 
 
-def fetch_meta(reader: RangeReader, *, workers: int = 4) -> FileMeta:
+def read_header(reader: RangeReader) -> tuple[bytes, Header]:
+    """A file's header slots, from one range read of its first 8192 bytes.
+
+    Args:
+        reader (RangeReader): The file.
+
+    Returns:
+        The bytes read (fewer than 8192 for a shorter file; :func:`load_meta` takes them
+        as ``head=``) and the committed :class:`~pyg_atompack.atp.header.Header`.
+
+    Raises:
+        AtpError: The bytes are not a valid ``.atp`` header (names the file).
+    """
+    head = bytes(read_range(reader, 0, min(HEADER_SIZE, reader.size)))
+    return head, select_header(head, reader.size, reader.name)
+
+
+def read_fields(reader: RangeReader, header: Header,
+                schema: bytes | None = None) -> dict[str, FieldInfo] | None:
+    """A file's fields from its schema block: one range read, the index is not read.
+
+    Args:
+        reader (RangeReader): The file.
+        header (Header): Its committed header (:func:`read_header`).
+        schema (bytes, optional): The schema block when already at hand (a loaded
+            :class:`~pyg_atompack.atp.images.FileMeta`'s): nothing is read.
+            (default: :obj:`None`)
+
+    Returns:
+        ``name -> FieldInfo``, or :obj:`None` when the schema block cannot tell: a file
+        without one (written by atompack 0.2.x: only its records tell) or with positions
+        of an unknown dtype (the format layer names the problem when the file is opened).
+    """
+    if not header.schema_len or header.record_format not in (2, 3):
+        return None
+    if schema is None:
+        schema = bytes(read_range(reader, header.schema_offset,
+                                  header.schema_offset + header.schema_len))
+    return schema_block_fields(schema, header.record_format, reader.name)
+
+
+def fetch_meta(reader: RangeReader, *, head: bytes | None = None, workers: int = 4) -> FileMeta:
     """Fetch and check a file's metadata by range reads (no cache).
 
     Args:
         reader (RangeReader): The file.
+        head (bytes, optional): Its header slots when already read (:func:`read_header`):
+            one range read fewer. (default: :obj:`None`)
         workers (int, optional): Range requests in flight for a large index. (default: :obj:`4`)
 
     Returns:
@@ -85,8 +142,10 @@ def fetch_meta(reader: RangeReader, *, workers: int = 4) -> FileMeta:
     Raises:
         AtpError: The metadata is not valid for a file of this size (names the file).
     """
-    head = bytes(read_range(reader, 0, min(HEADER_SIZE, reader.size)))
-    header = select_header(head, reader.size, reader.name)
+    if head is None:
+        head, header = read_header(reader)
+    else:
+        header = select_header(head, reader.size, reader.name)
     spans = []
     if header.schema_len:
         spans.append((header.schema_offset, header.schema_offset + header.schema_len))
@@ -143,13 +202,17 @@ MEMORY_ENTRIES = 4
 
 
 def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *,
-              workers: int = 4, stats: dict[str, Any] | None = None) -> FileMeta:
+              head: bytes | None = None, workers: int = 4,
+              stats: dict[str, Any] | None = None) -> FileMeta:
     """A file's metadata from the disk cache, fetching (once per machine) when absent.
 
     Args:
         reader (RangeReader): The file.
         cache_dir (str | os.PathLike, optional): Cache root
             (default: :func:`~pyg_atompack.remote.cache.cache_root`).
+        head (bytes, optional): The file's header slots when already read
+            (:func:`read_header`): a fetch reads only the schema and index blocks.
+            (default: :obj:`None`)
         workers (int, optional): Range requests in flight for a large index. (default: :obj:`4`)
         stats (dict[str, Any], optional): When given, ``stats["fetched"]`` is incremented when this
             call fetched the metadata over the network (for tests and traces).
@@ -163,15 +226,15 @@ def load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None = None, *
     if kept is not None and kept.name == reader.name:
         _MEMORY.move_to_end(key)
         return kept
-    meta = _load_meta(reader, cache_dir, workers, stats)
+    meta = _load_meta(reader, cache_dir, head, workers, stats)
     _MEMORY[key] = meta
     while len(_MEMORY) > MEMORY_ENTRIES:
         _MEMORY.popitem(last=False)
     return meta
 
 
-def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, workers: int,
-               stats: dict[str, Any] | None) -> FileMeta:
+def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, head: bytes | None,
+               workers: int, stats: dict[str, Any] | None) -> FileMeta:
     root = remote_cache.cache_root(cache_dir)
     path = remote_cache.check_inside(meta_path(root, reader.identity, reader.size), root,
                                      url=reader.name)
@@ -189,7 +252,7 @@ def _load_meta(reader: RangeReader, cache_dir: str | os.PathLike | None, workers
         return meta is not None
 
     def fetch() -> FileMeta:
-        meta = fetch_meta(reader, workers=workers)
+        meta = fetch_meta(reader, head=head, workers=workers)
         if stats is not None:
             stats["fetched"] = stats.get("fetched", 0) + 1
         return meta

@@ -40,10 +40,13 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.ranges import RangeReader, read_range
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.http import Cancel
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_PAGE_BYTES", "BlockCache"]
 
@@ -142,7 +145,7 @@ class BlockCache:
         return min(self.page_bytes, reader.size - page * self.page_bytes)
 
     def _fetch_runs(self, reader: RangeReader, missing: list[int],
-                    cancel: Any) -> dict[int, bytes]:
+                    cancel: Cancel | None) -> dict[int, bytes]:
         per_request = self.max_request_bytes // self.page_bytes
         runs: list[list[int]] = []
         for page in missing:
@@ -207,13 +210,13 @@ class BlockCache:
 
     # ----------------------------------------------------------------- reads
     def pages(self, reader: RangeReader, ranges: Sequence[tuple[int, int]],
-              cancel: Any = None) -> dict[int, bytes]:
+              cancel: Cancel | None = None) -> dict[int, bytes]:
         """The pages covering ``ranges`` of ``reader``'s file, from disk or fetched.
 
         Args:
             reader (RangeReader): The file.
             ranges (Sequence[tuple[int, int]]): ``(start, stop)`` byte ranges.
-            cancel (Any, optional): An optional cancellation token for the fetches.
+            cancel (Cancel, optional): Stops the fetches when cancelled.
                 (default: :obj:`None`)
 
         Returns:
@@ -242,13 +245,13 @@ class BlockCache:
         return got
 
     def read(self, reader: RangeReader, ranges: Sequence[tuple[int, int]],
-             cancel: Any = None) -> list[bytes]:
+             cancel: Cancel | None = None) -> list[bytes]:
         """The bytes of each range of ``reader``'s file (see :meth:`pages`).
 
         Args:
             reader (RangeReader): The file.
             ranges (Sequence[tuple[int, int]]): ``(start, stop)`` byte ranges.
-            cancel (Any, optional): An optional cancellation token for the fetches.
+            cancel (Cancel, optional): Stops the fetches when cancelled.
                 (default: :obj:`None`)
 
         Returns:

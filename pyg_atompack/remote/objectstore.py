@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pyg_atompack.remote import cache as remote_cache
@@ -77,6 +77,9 @@ from pyg_atompack.transport.retry import (
     server_wait,
     with_retries,
 )
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.http import Cancel
 
 __all__ = [
     "OBJECT_STORE_SCHEMES",
@@ -106,20 +109,6 @@ _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
                               "ServiceUnavailable", "Throttling", "ThrottlingException",
                               "RequestLimitExceeded", "TooManyRequestsException",
                               "ServerBusy", "OperationTimedOut"})
-
-
-class CancelLike(Protocol):
-    """What :meth:`ObjectStore.read_into` needs of a cancellation token.
-
-    :class:`pyg_atompack.stream.CancelToken` is one.
-    """
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]: ...
-
-    def raise_if_cancelled(self) -> None: ...
 
 
 def is_object_store_url(url: object) -> bool:
@@ -399,7 +388,7 @@ class ObjectStore:
         return f"{code or type(error).__name__} from {where}: {_first_line(error)}"
 
     def _retrying(self, url: str, operation: Callable[[], Any],
-                  cancel: CancelLike | None = None) -> Any:
+                  cancel: Cancel | None = None) -> Any:
         """Run ``operation`` under :attr:`retry` (the transport's one retry loop).
 
         Transient causes become :class:`TransientError` for
@@ -562,7 +551,7 @@ class ObjectStore:
 
     def read_into(self, obj: ObjectInfo, buffer: Any, *, start: int = 0,
                   end: int | None = None, offset: int | None = None,
-                  cancel: CancelLike | None = None,
+                  cancel: Cancel | None = None,
                   progress: Callable[[int], None] | None = None) -> None:
         """Stream bytes ``[start, end)`` of ``obj`` into ``buffer[offset:]``.
 
@@ -578,7 +567,7 @@ class ObjectStore:
             end (int, optional): One past the last byte. (default: the object's size)
             offset (int, optional): Where byte ``start`` goes in ``buffer``. (default: ``start``
                 when the buffer holds the whole object, else 0)
-            cancel (CancelLike, optional): Stops the transfer and any backoff wait.
+            cancel (Cancel, optional): Stops the transfer and any backoff wait.
                 (default: :obj:`None`)
             progress (Callable[[int], None], optional): Called with the byte count of every chunk
                 received. (default: :obj:`None`)
@@ -611,7 +600,7 @@ class ObjectStore:
             view.release()
 
     def _stream(self, obj: ObjectInfo, start: int, end: int, sink: Callable[[bytes], None],
-                cancel: CancelLike | None) -> None:
+                cancel: Cancel | None) -> None:
         fs = self.fs
         if cancel is not None:
             cancel.raise_if_cancelled()
@@ -672,7 +661,7 @@ class ObjectStore:
         return folder / "versions" / remote_cache.version_key(obj.etag, obj.generation) / name
 
     def download(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None,
-                 *, cancel: CancelLike | None = None) -> Path:
+                 *, cancel: Cancel | None = None) -> Path:
         """A verified local copy of ``obj`` in the cache, downloading it if needed.
 
         A copy is reused only at the listed version (sha256, else ETag / generation:
@@ -687,7 +676,7 @@ class ObjectStore:
             obj (ObjectInfo): A listed object.
             cache_dir (str | os.PathLike, optional): Cache root.
                 (default: :func:`~pyg_atompack.remote.cache.cache_root`)
-            cancel (CancelLike, optional): Stops the transfer. (default: :obj:`None`)
+            cancel (Cancel, optional): Stops the transfer. (default: :obj:`None`)
 
         Returns:
             The local path (read-only by convention: it may be shared).

@@ -23,7 +23,10 @@ A layer above adds its own adapter on :class:`RangeAdapter` (the Hub's is
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.http import Cancel
 
 __all__ = ["FileRangeReader", "ObjectRangeReader", "RangeAdapter", "RangeReader",
            "URLRangeReader", "read_range"]
@@ -46,14 +49,15 @@ class RangeReader(Protocol):
     size: int
     identity: str
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+    def read_into(self, start: int, out: memoryview, cancel: Cancel | None = None) -> None:
         """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
 
         Args:
             start (int): First byte.
             out (memoryview): Writable buffer; its length is the number of bytes to read.
-            cancel (Any, optional): An optional :class:`~pyg_atompack.stream.CancelToken`.
-                (default: :obj:`None`)
+            cancel (Cancel, optional): Stops the read when cancelled (a
+                :class:`~pyg_atompack.transport.http.Cancel`, e.g. a
+                :class:`~pyg_atompack.stream.CancelToken`). (default: :obj:`None`)
 
         Raises:
             OSError: The bytes cannot be read (after the adapter's retries).
@@ -61,14 +65,15 @@ class RangeReader(Protocol):
         ...
 
 
-def read_range(reader: RangeReader, start: int, stop: int, cancel: Any = None) -> bytearray:
+def read_range(reader: RangeReader, start: int, stop: int,
+               cancel: Cancel | None = None) -> bytearray:
     """The bytes ``[start, stop)`` of ``reader``'s file, in a new buffer.
 
     Args:
         reader (RangeReader): The file.
         start (int): First byte.
         stop (int): One past the last byte.
-        cancel (Any, optional): An optional cancellation token. (default: :obj:`None`)
+        cancel (Cancel, optional): Stops the read when cancelled. (default: :obj:`None`)
 
     Returns:
         The bytes.
@@ -89,13 +94,13 @@ class RangeAdapter:
     size: int
     identity: str
 
-    def read_into(self, start: int, out: memoryview, cancel: Any = None) -> None:
+    def read_into(self, start: int, out: memoryview, cancel: Cancel | None = None) -> None:
         """Fill ``out`` with the file's bytes ``[start, start + len(out))``.
 
         Args:
             start (int): First byte of the file to read.
             out (memoryview): Writable buffer; its length is the number of bytes read.
-            cancel (CancelToken, optional): Stops a remote transfer in flight, and any
+            cancel (Cancel, optional): Stops a remote transfer in flight, and any
                 backoff wait, when cancelled. (default: :obj:`None`)
 
         Raises:
@@ -114,7 +119,7 @@ class RangeAdapter:
                                    f"the {self.size}-byte file", url=self.name)
         self._read(start, out, cancel)
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -135,7 +140,7 @@ class FileRangeReader(RangeAdapter):
         self.size = stat.st_size
         self.identity = f"file:{os.path.realpath(self.path)}|{stat.st_size}|{stat.st_mtime_ns}"
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = 0
@@ -152,11 +157,11 @@ class FileRangeReader(RangeAdapter):
 class URLRangeReader(RangeAdapter):
     """Range reads of a file served over HTTP(S), pinned to one version of it.
 
-    The version is the server's validator (``ETag``, else ``Last-Modified``), learnt from
-    a one-byte range request when the identity is first needed (unless ``probe`` gives
-    it): it is part of the identity, so cached metadata and pages follow a file
-    rewritten under the same URL even when a manifest's sha256 is stale, and every read
-    refuses an answer from another version (a
+    The version is the server's validator (``ETag``, else ``Last-Modified``): ``probe``'s
+    when given, else the answer to the first read's, else (the identity asked for before
+    any read) a one-byte range request's. It is part of the identity, so cached metadata
+    and pages follow a file rewritten under the same URL even when a manifest's sha256 is
+    stale, and every read refuses an answer from another version (a
     :class:`~pyg_atompack.transport.RemoteIntegrityError`), as
     :class:`ObjectRangeReader` does with the ETag.
 
@@ -212,17 +217,31 @@ class URLRangeReader(RangeAdapter):
         validator = self.validator
         return f"{base}|{validator}" if validator else base
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         from pyg_atompack.transport import http as transport_http
-        from pyg_atompack.transport.buffers import ShardPart
+        from pyg_atompack.transport.buffers import RangeIgnoredError, ShardPart
         from pyg_atompack.transport.retry import RetryPolicy
 
+        known = self._probe
+        pin = transport_http.VersionPin(known.validator if known is not None else None)
+        policy, cancel = self.retry or RetryPolicy(), cancel or transport_http.NEVER
         # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
-        transport_http.fill(self.url, part, policy=self.retry or RetryPolicy(),
-                            cancel=cancel or transport_http.NEVER, headers=self.headers,
-                            validator=self.validator)
+        try:
+            transport_http.fill(self.url, part, policy=policy, cancel=cancel,
+                                headers=self.headers, pin=pin)
+        except RangeIgnoredError:
+            # a server that ignores ranges (its answer was checked against the pin): the
+            # bytes wanted are read off the front of its whole body
+            out[:] = transport_http.fetch_range(self.url, start, len(out), policy=policy,
+                                                cancel=cancel, headers=self.headers)
+        if known is None:
+            # the first read's answer names the version: later reads and the identity are
+            # pinned to it without a probe of their own (opening a listing reads each
+            # header this way, one request per shard; the caches ask the identity, so
+            # probe, before their first read)
+            self._probe = transport_http.Probe(self.size, pin.version)
 
 
 class ObjectRangeReader(RangeAdapter):
@@ -254,6 +273,6 @@ class ObjectRangeReader(RangeAdapter):
         else:
             self.identity = f"object:{obj.url}|{self.size}{etag}"
 
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
         self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
                              cancel=cancel)

@@ -35,7 +35,6 @@ from pyg_atompack.remote.block_cache import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_PAGE_BYTES,
     BlockCache,
-    slice_pages,
 )
 from pyg_atompack.remote.ranges import RangeReader
 
@@ -52,18 +51,23 @@ class RemoteAtpReader:
         cache_bytes (int, optional): Bound on the page cache (metadata not included); ``0`` caches
             no page. (default: 8 GiB)
         page_bytes (int, optional): Cache page size. (default: 256 KiB)
+        head (bytes, optional): The file's header slots when already read
+            (:func:`~pyg_atompack.remote.atp_meta.read_header`): fetching the metadata
+            then reads only the schema and index blocks. (default: :obj:`None`)
     """
 
     def __init__(self, reader: RangeReader, *, cache_dir: str | os.PathLike | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+                 page_bytes: int = DEFAULT_PAGE_BYTES, head: bytes | None = None) -> None:
         self.range_reader = reader
         self.cache_dir = remote_cache.cache_root(cache_dir)
         self.cache_bytes = int(cache_bytes)
         self.page_bytes = int(page_bytes)
         self._init_runtime()
+        self._head = head
 
     def _init_runtime(self) -> None:
+        self._head: bytes | None = None
         self._meta: FileMeta | None = None
         self._fields: dict | None = None
         self.cache = BlockCache(remote_cache.kind_folder(remote_cache.PAGES, self.cache_dir),
@@ -84,7 +88,7 @@ class RemoteAtpReader:
     def meta(self) -> FileMeta:
         """Header, schema and index (loaded from the disk cache, fetched once)."""
         if self._meta is None:
-            self._meta = load_meta(self.range_reader, self.cache_dir)
+            self._meta = load_meta(self.range_reader, self.cache_dir, head=self._head)
         return self._meta
 
     @property
@@ -130,9 +134,8 @@ class RemoteAtpReader:
         return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
 
     def _image(self, records: np.ndarray) -> Any:
-        ranges = self._ranges(records)
-        pages = self.cache.pages(self.range_reader, ranges)
-        return gathered_image(self.meta, records, slice_pages(pages, self.page_bytes, ranges))
+        return gathered_image(self.meta, records,
+                              self.cache.read(self.range_reader, self._ranges(records)))
 
     def __getitem__(self, i: int) -> Any:
         i = molecule_index(i, len(self), self.name)

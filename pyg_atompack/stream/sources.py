@@ -67,6 +67,7 @@ from typing import Protocol, runtime_checkable
 from pyg_atompack.remote import manifest
 from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
 from pyg_atompack.transport.buffers import ShardBuffer, WritableBuffer
+from pyg_atompack.transport.http import Cancel
 
 SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = manifest.MANIFEST_NAME
@@ -98,12 +99,14 @@ class ShardInfo:
         return asdict(self)
 
 
-class CancelToken:
+class CancelToken(Cancel):
     """A thread-safe cancellation flag that can also interrupt blocking I/O.
 
-    Background fetches check it between chunks; blocking calls (a socket ``recv``)
-    register a callback with :meth:`on_cancel` that unblocks them, e.g. by shutting the
-    socket down, so closing an iterator never waits for a download to finish.
+    The implementation of :class:`~pyg_atompack.transport.http.Cancel`, the one
+    cancellation type the transport and the remote layer accept. Background fetches
+    check it between chunks; blocking calls (a socket ``recv``) register a callback with
+    :meth:`on_cancel` that unblocks them, e.g. by shutting the socket down, so closing an
+    iterator never waits for a download to finish.
     """
 
     def __init__(self) -> None:

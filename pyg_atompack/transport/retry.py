@@ -18,10 +18,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyg_atompack.transport.errors import RemoteUnavailableError
 from pyg_atompack.transport.redact import redact_url
+
+if TYPE_CHECKING:
+    from pyg_atompack.transport.http import Cancel
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +232,8 @@ class TransferClock:
 
 
 def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
-                 cancel: Any = None, position: Callable[[], int] | None = None) -> Any:
+                 cancel: Cancel | None = None,
+                 position: Callable[[], int] | None = None) -> Any:
     """Run ``attempt`` until it succeeds, retrying :class:`TransientError` under ``policy``.
 
     Any other exception ends the loop at once (permanent causes are never retried).
@@ -239,9 +243,8 @@ def with_retries(attempt: Callable[[], Any], *, url: str, policy: RetryPolicy,
             retrying.
         url (str): For messages (redacted here).
         policy (RetryPolicy): Retries and backoff.
-        cancel (Any, optional): Interrupts backoff waits: an object with ``sleep(seconds)`` that
-            raises when cancelled (:class:`~pyg_atompack.stream.CancelToken`).
-            (default: :obj:`None`, plain sleeps)
+        cancel (Cancel, optional): Interrupts backoff waits (its ``sleep(seconds)`` raises
+            when cancelled). (default: :obj:`None`, plain sleeps)
         position (Callable[[], int], optional): Where a resumed transfer continues, for the log.
             (default: none)
 
