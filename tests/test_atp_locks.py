@@ -173,10 +173,15 @@ def test_readers_are_never_blocked_by_a_writer(tmp_path: Path) -> None:
         holder.finish()
 
 
-def _appender(path: str, worker: int, count: int, queue) -> None:
-    """Append ``count`` molecules tagged ``worker * 1000 + j``, one writer session each."""
+def _appender(path: str, worker: int, count: int, queue, start) -> None:
+    """Append ``count`` molecules tagged ``worker * 1000 + j``, one writer session each.
+
+    The workers start together and hold each session a few milliseconds, so they contend
+    for the lock on any machine, quiet or loaded.
+    """
     done = 0
     refusals = 0
+    start.wait(CHILD_TIMEOUT_S)
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while done < count and time.monotonic() < deadline:
         try:
@@ -187,6 +192,7 @@ def _appender(path: str, worker: int, count: int, queue) -> None:
             continue
         with writer:
             writer.add(**_molecule(worker * 1000 + done, n=1 + done % 3))
+            time.sleep(0.005)
         done += 1
     queue.put((worker, done, refusals))
 
@@ -198,7 +204,8 @@ def test_concurrent_appenders_never_lose_or_mix_records(tmp_path: Path) -> None:
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     workers, count = 4, 15
-    processes = [context.Process(target=_appender, args=(str(path), w, count, queue))
+    start = context.Barrier(workers)
+    processes = [context.Process(target=_appender, args=(str(path), w, count, queue, start))
                  for w in range(workers)]
     for process in processes:
         process.start()
