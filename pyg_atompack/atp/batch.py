@@ -143,8 +143,9 @@ def _fetch(st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
                            probe=st.buf is None)
     if st.codec == CODEC_NONE:
         return recs
-    return [decompress(st.codec, d, r, f"{st.name}: record {int(i)}")
-            for d, r, i in zip(recs, raw_l, idx)]
+    bound = _cache.record_bound(st)
+    return [decompress(st.codec, d, r, f"{st.name}: record {int(i)}", n, bound)
+            for d, r, i, n in zip(recs, raw_l, idx, entries["n_atoms"].tolist())]
 
 
 def _use_mapping(st, entries: np.ndarray) -> bool:
