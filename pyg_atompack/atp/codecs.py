@@ -15,12 +15,16 @@ allocate gigabytes. So before decompressing, the declared size must be
 
 Decompression then stops at the declared size: an LZ4 block is decoded into exactly
 that many bytes; a zstd frame in one call up to it when it is at most
-:data:`STREAM_ABOVE`, and above that in chunks, so that memory follows the bytes the
-frame really produces and never the declared size alone.
+:data:`STREAM_ABOVE`, and above that in chunks (its atom count compared with the
+index's after the first 4 KiB), so that memory follows the bytes the frame really
+produces and never the declared size alone. An LZ4 block above that size has its
+first sequences decoded first, for the same comparison, before the declared size is
+allocated.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +58,14 @@ _SECTION_HEAD = 7
 #: Record head bytes besides positions and atomic numbers: atom count, section count.
 _RECORD_HEAD = 6
 _VARIABLE_TAGS = frozenset({TAG_STR, *TENSOR_TAGS})
+#: A file without a schema: per atom, forces and velocities as float64 vectors and
+#: charges as float64, each with its section header ...
+_SCHEMALESS_PER_ATOM = 24 + 24 + 8
+#: ... and per molecule, those three headers plus energy, cell, stress and pbc with theirs.
+_SCHEMALESS_FIXED = 3 * 17 + (8 + 13) + (72 + 11) + (72 + 13) + (3 + 10)
+#: Bytes of a streamed frame decompressed before its atom count is compared with the index.
+_HEAD_CHECK = 4096
+_U32 = struct.Struct("<I")
 
 
 class RecordBound:
@@ -61,20 +73,24 @@ class RecordBound:
 
     ``bound(n_atoms, stored)`` is ``fixed + per_atom * n_atoms`` plus, when the schema
     has sections of no fixed size, ``VARIABLE_FLOOR + VARIABLE_RATIO * stored``. A file
-    without a schema (atompack < 0.3) has no per-record bound beyond the codec's.
+    without a schema (atompack < 0.3) is bounded as if it had every builtin at its
+    widest (:data:`_SCHEMALESS_PER_ATOM`, :data:`_SCHEMALESS_FIXED`) and sections of no
+    fixed size.
 
     Args:
         schema (Schema, optional): The file's schema.
         positions_itemsize (int): Bytes of one position coordinate (4 or 8).
     """
 
-    __slots__ = ("fixed", "per_atom", "variable", "schemaless")
+    __slots__ = ("fixed", "per_atom", "variable")
 
     def __init__(self, schema: Any, positions_itemsize: int) -> None:
-        self.schemaless = schema is None
         self.fixed = _RECORD_HEAD
         self.per_atom = 3 * positions_itemsize + 1  # positions and the atomic number
         self.variable = schema is None
+        if schema is None:
+            self.fixed += _SCHEMALESS_FIXED
+            self.per_atom += _SCHEMALESS_PER_ATOM
         for entry in (schema.entries.values() if schema is not None else ()):
             self.fixed += _SECTION_HEAD + len(entry.key.encode("utf-8"))
             if entry.tag in _VARIABLE_TAGS:
@@ -86,11 +102,9 @@ class RecordBound:
             else:
                 self.fixed += entry.slot_bytes
 
-    def __call__(self, n_atoms: int, stored: int) -> int | None:
-        """The most bytes record of ``n_atoms`` atoms stored in ``stored`` bytes can hold
-        (:obj:`None`: no bound, a file without a schema)."""
-        if self.schemaless:
-            return None
+    def __call__(self, n_atoms: int, stored: int) -> int:
+        """The most bytes a record of ``n_atoms`` atoms stored in ``stored`` bytes can
+        hold."""
         bound = self.fixed + self.per_atom * n_atoms
         if self.variable:
             bound += VARIABLE_FLOOR + VARIABLE_RATIO * stored
@@ -125,18 +139,61 @@ def plausible_raw_size(codec: int, stored: int, raw: int) -> bool:
     return raw <= stored * _MAX_RATIO[codec] + 131072
 
 
-def _zstd_stream(data, raw: int) -> bytes:
-    """A zstd frame decompressed in chunks, refused past ``raw`` bytes of output."""
-    reader = _zstd_decompressor().stream_reader(data, read_size=STREAM_ABOVE,
+def _zstd_stream(data, raw: int, n_atoms: int | None, where: str) -> bytes:
+    """A zstd frame decompressed in chunks, refused past ``raw`` bytes of output, and as
+    soon as its first bytes state another atom count than the index."""
+    reader = _zstd_decompressor().stream_reader(data, read_size=1 << 16,
                                                 read_across_frames=False)
     out = bytearray()
     with reader:
+        out += reader.read(_HEAD_CHECK)
+        _check_head(out, n_atoms, where)
         while len(out) <= raw:
             chunk = reader.read(min(STREAM_ABOVE, raw + 1 - len(out)))
             if not chunk:
                 break
             out += chunk
     return bytes(out)
+
+
+def _lz4_head(data, want: int) -> bytes:
+    """The first ``want`` bytes an LZ4 block decodes to (its first sequences only).
+
+    ``lz4.block`` decodes whole blocks into the declared size; a record's atom count is
+    its first four bytes, so this reads just enough of the block's sequences (literal
+    runs and back-references, LZ4 block format) to compare it before that allocation.
+    """
+    out = bytearray()
+    at = 0
+    while len(out) < want:
+        token = data[at]
+        at += 1
+        literals = token >> 4
+        if literals == 15:
+            while True:
+                extra = data[at]
+                at += 1
+                literals += extra
+                if extra != 255:
+                    break
+        out += data[at:at + literals]
+        at += literals
+        if len(out) >= want:
+            break
+        offset = data[at] | data[at + 1] << 8
+        at += 2
+        if not 0 < offset <= len(out):
+            raise lz4.block.LZ4BlockError("corrupt block: back-reference before the start")
+        for _ in range(min((token & 15) + 4, want - len(out))):  # a longer match only
+            out.append(out[-offset])  # repeats bytes past what is wanted
+    return bytes(out[:want])
+
+
+def _check_head(head: bytes, n_atoms: int | None, where: str) -> None:
+    """Refuse a record whose first bytes state another atom count than the index."""
+    if n_atoms is not None and len(head) >= 4 and _U32.unpack_from(head)[0] != n_atoms:
+        raise RecordDecodeError(f"{where}: record holds {_U32.unpack_from(head)[0]} atoms "
+                                f"but the index says {n_atoms}")
 
 
 def decompress(codec: int, data, raw: int, where: str, n_atoms: int | None = None,
@@ -166,12 +223,14 @@ def decompress(codec: int, data, raw: int, where: str, n_atoms: int | None = Non
             f"{where}: uncompressed size {raw} is impossible for {len(data)} stored bytes")
     if bound is not None and n_atoms is not None:
         most = bound(n_atoms, len(data))
-        if most is not None and raw > most:
+        if raw > most:
             raise RecordDecodeError(
                 f"{where}: declares {raw} uncompressed bytes, more than a record of "
                 f"{n_atoms} atoms can hold under the file's schema ({most} bytes)")
     try:
         if codec == CODEC_LZ4:
+            if raw > STREAM_ABOVE:  # compare the atom count before allocating ``raw``
+                _check_head(_lz4_head(data, 4), n_atoms, where)
             out = lz4.block.decompress(data, uncompressed_size=raw)
         else:
             # the frame header may claim any size; never let it drive the allocation
@@ -182,7 +241,7 @@ def decompress(codec: int, data, raw: int, where: str, n_atoms: int | None = Non
             if raw <= STREAM_ABOVE:
                 out = _zstd_decompressor().decompress(data, max_output_size=raw)
             else:
-                out = _zstd_stream(data, raw)
+                out = _zstd_stream(data, raw, n_atoms, where)
     except RecordDecodeError:
         raise
     except _DECOMPRESS_ERRORS as exc:
