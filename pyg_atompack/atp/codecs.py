@@ -6,12 +6,12 @@ allocate gigabytes. So before decompressing, the declared size must be
 
 * possible for the codec (:func:`plausible_raw_size`: LZ4 expands at most 255x, zstd
   32768x), and
-* no more than a record of its atom count can hold under the file's schema
-  (:class:`RecordBound`): the record's head (atom count, positions, atomic numbers,
-  section count), every schema section's header, the fixed payloads (``slot_bytes``
-  once per molecule, or per atom for per-atom sections) and, only when the schema has
-  sections of no fixed size (strings, tensors), :data:`VARIABLE_FLOOR` +
-  :data:`VARIABLE_RATIO` x the stored size for those.
+* above :data:`CHECK_ABOVE` (64 KiB), no more than a record of its atom count can hold
+  under the file's schema (:class:`RecordBound`): the record's head (atom count,
+  positions, atomic numbers, section count), every schema section's header, the
+  fixed payloads (``slot_bytes`` once per molecule, or per atom for per-atom sections)
+  and, only when the schema has sections of no fixed size (strings, tensors),
+  :data:`VARIABLE_FLOOR` + :data:`VARIABLE_RATIO` x the stored size for those.
 
 Decompression then stops at the declared size: an LZ4 block is decoded into exactly
 that many bytes; a zstd frame in one call up to it when it is at most
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lz4.block
+import numpy as np
 import zstandard
 
 from .errors import CORRUPT_DATA_ERRORS, AtpValueError, RecordDecodeError
@@ -50,6 +51,10 @@ _DECOMPRESS_ERRORS = (lz4.block.LZ4BlockError, zstandard.ZstdError, *CORRUPT_DAT
 VARIABLE_FLOOR = 1 << 20
 #: ... plus this many times the record's stored size.
 VARIABLE_RATIO = 64
+#: Declared sizes up to this are decompressed without computing the record bound: an
+#: allocation this small costs less than the check would on every record of the hot path
+#: (records of small molecules are a few KiB).
+CHECK_ABOVE = 64 << 10
 #: Largest declared size a zstd frame is decompressed to in one call (one allocation of
 #: the declared size); larger frames are decompressed in chunks of this size.
 STREAM_ABOVE = 1 << 20
@@ -78,7 +83,7 @@ class RecordBound:
     fixed size.
 
     Args:
-        schema (Schema, optional): The file's schema.
+        schema (Schema | None): The file's schema, :obj:`None` for a file without one.
         positions_itemsize (int): Bytes of one position coordinate (4 or 8).
     """
 
@@ -109,6 +114,23 @@ class RecordBound:
         if self.variable:
             bound += VARIABLE_FLOOR + VARIABLE_RATIO * stored
         return bound
+
+    def first_excess(self, n_atoms: np.ndarray, stored: np.ndarray,
+                     raw: np.ndarray) -> int | None:
+        """The position of the first record declaring more than its bound, or
+        :obj:`None` (index entry columns of a batch, checked in a few numpy calls)."""
+        bound = self.fixed + self.per_atom * n_atoms.astype(np.int64)
+        if self.variable:
+            bound += VARIABLE_FLOOR + VARIABLE_RATIO * stored.astype(np.int64)
+        excess = raw > bound
+        return int(np.argmax(excess)) if excess.any() else None
+
+    def refusal(self, n_atoms: int, stored: int, raw: int, where: str) -> RecordDecodeError:
+        """The error for a record declaring ``raw`` bytes beyond its bound."""
+        return RecordDecodeError(
+            f"{where}: declares {raw} uncompressed bytes, more than a record of "
+            f"{n_atoms} atoms can hold under the file's schema "
+            f"({self(n_atoms, stored)} bytes)")
 
 
 def codec_id(name: str) -> int:
@@ -221,12 +243,9 @@ def decompress(codec: int, data, raw: int, where: str, n_atoms: int | None = Non
     if not plausible_raw_size(codec, len(data), raw):
         raise RecordDecodeError(
             f"{where}: uncompressed size {raw} is impossible for {len(data)} stored bytes")
-    if bound is not None and n_atoms is not None:
-        most = bound(n_atoms, len(data))
-        if raw > most:
-            raise RecordDecodeError(
-                f"{where}: declares {raw} uncompressed bytes, more than a record of "
-                f"{n_atoms} atoms can hold under the file's schema ({most} bytes)")
+    if raw > CHECK_ABOVE and bound is not None and n_atoms is not None and \
+            raw > bound(n_atoms, len(data)):
+        raise bound.refusal(n_atoms, len(data), raw, where)
     try:
         if codec == CODEC_LZ4:
             if raw > STREAM_ABOVE:  # compare the atom count before allocating ``raw``
