@@ -323,11 +323,12 @@ class DiskDatasetReader(StructureReader):
         return structure
 
     def _sized(self, value: np.ndarray, size: int, member: str, field: str) -> np.ndarray:
-        """``value`` once it is known to hold ``size`` numbers (before a reshape)."""
-        if value.size != size or value.dtype.kind not in "biuf":
+        """``value`` once it is known to hold ``size`` real numbers (before a reshape);
+        integers become float64."""
+        if value.size != size or value.dtype.kind not in "iuf":
             raise self.error(f"{member}: field {field!r} holds {value.size} {value.dtype} "
-                             f"values, expected {size} numbers")
-        return value
+                             f"values, expected {size} real numbers")
+        return value if value.dtype.kind == "f" else value.astype(np.float64)
 
     def _target_values(self, index: int, target: str, n_atoms: int) -> tuple[bool, Any]:
         """``(per_atom, value)`` of a single-block target, its rows checked first."""
