@@ -296,7 +296,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     if _is_url(args.path):
         return _remote_verify(args)
-    count, problems = verify_source(args.path, progress=_progress_factory(args.quiet))
+    # a source that cannot be decoded at all is bad input (exit 2, one line); problems
+    # found in a readable source (checksums, .atp records) are verify's report (exit 1)
+    count, problems = verify_source(args.path, progress=_progress_factory(args.quiet),
+                                    raise_unreadable=True)
     return _verify_report(args.path, count, problems)
 
 

@@ -26,7 +26,9 @@ reads through it too.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +39,8 @@ import numpy as np
 
 from pyg_atompack.atp.types import BUILTINS
 
-__all__ = ["MemmapLayout", "MemmapLayoutError", "MemmapKey", "SIDECAR_NAME", "expand_voigt"]
+__all__ = ["MemmapLayout", "MemmapLayoutError", "MemmapKey", "SIDECAR_NAME", "expand_voigt",
+           "load_npy"]
 
 SIDECAR_NAME = "pyg_atompack_memmap.json"
 SIDECAR_FORMAT = "pyg_atompack-memmap/1"
@@ -47,6 +50,51 @@ DEFAULT_KEYS = {"energy": "energy", "forces": "energy_forces", "stress": "energy
 # file can hold (the geometry comes from x.bin, a.bin and c.bin)
 BUILTIN_SHAPES = {name: (field.per_atom, field.shape) for name, field in BUILTINS.items()
                   if not field.geometry and field.shape is not None}
+
+
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def load_npy(raw: bytes | bytearray | memoryview) -> np.ndarray:
+    """The array of an ``.npy`` file held in memory, never larger than its bytes.
+
+    ``np.load`` allocates what the header claims before reading: a 100-byte file whose
+    header says ``(2**40,)`` raises numpy's ``MemoryError``, and ``(2**28, 3)`` really
+    allocates gigabytes. Here the shape is checked against the bytes that follow the
+    header first, and the array views those bytes (writable when ``raw`` is a
+    :class:`bytearray`).
+
+    Args:
+        raw (bytes | bytearray | memoryview): The whole ``.npy`` file.
+
+    Returns:
+        The array.
+
+    Raises:
+        ValueError: Not a version 1 or 2 ``.npy`` file, a dtype of Python objects, or a
+            shape that needs more bytes than follow the header (the message says which).
+    """
+    handle = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(handle)
+        if version not in _NPY_HEADERS:
+            raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
+        shape, fortran_order, dtype = _NPY_HEADERS[version](handle)
+    except (ValueError, SyntaxError, TypeError) as exc:  # numpy's header parser
+        raise ValueError(f"not a readable .npy array ({exc})") from None
+    if dtype.hasobject:
+        raise ValueError(f"holds Python objects ({dtype}), which are never read")
+    start = handle.tell()
+    count = math.prod(shape)
+    available = len(raw) - start
+    if count * dtype.itemsize > available or count > available:
+        raise ValueError(f"its header claims shape {shape} of {dtype} "
+                         f"({count * dtype.itemsize} bytes), but {available} bytes follow")
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=start)
+    return array.reshape(shape, order="F" if fortran_order else "C")
 
 
 class MemmapLayoutError(ValueError):
@@ -123,26 +171,32 @@ class MemmapLayout:
         self._arrays: dict[str, np.ndarray] = {}
 
     # ----------------------------------------------------------------- checks
-    def _load_ns(self) -> int:
-        file = self.path / "ns.npy"
+    @staticmethod
+    def _load_npy(file: Path) -> np.ndarray:
+        """An index file, within its bytes (:func:`load_npy`)."""
         try:
-            ns = np.load(file)
+            return load_npy(file.read_bytes())
         except (OSError, ValueError) as exc:
             raise MemmapLayoutError(file, f"unreadable: {exc}") from exc
+
+    def _load_ns(self) -> int:
+        file = self.path / "ns.npy"
+        ns = self._load_npy(file)
         if ns.shape not in ((), (1,)) or ns.dtype.kind not in "iu":
             raise MemmapLayoutError(file, f"expected one integer, got {ns.dtype} {ns.shape}")
+        if int(ns.reshape(())) < 0:
+            raise MemmapLayoutError(file, f"a negative structure count ({int(ns.reshape(()))})")
         return int(ns.reshape(()))
 
     def _load_na(self) -> np.ndarray:
         file = self.path / "na.npy"
-        try:
-            na = np.load(file)
-        except (OSError, ValueError) as exc:
-            raise MemmapLayoutError(file, f"unreadable: {exc}") from exc
+        na = self._load_npy(file)
         if na.shape != (self.ns + 1,) or na.dtype.kind not in "iu":
             raise MemmapLayoutError(
                 file, f"expected {self.ns + 1} integers (ns + 1), got {na.dtype} {na.shape}"
             )
+        if na.dtype.kind == "u" and na.dtype.itemsize == 8 and np.any(na > np.iinfo(np.int64).max):
+            raise MemmapLayoutError(file, "atom counts beyond int64")
         na = na.astype(np.int64)
         if na[0] != 0 or np.any(np.diff(na) < 0):
             raise MemmapLayoutError(file, "cumulative atom counts must start at 0 and not decrease")

@@ -179,15 +179,18 @@ def _compress(codec: int, raw: bytes) -> bytes:
 
 
 @st.composite
-def _mutation(draw: st.DrawFn, base: Base, data: bytearray) -> str:
-    """Apply one mutation to ``data`` in place; returns a description."""
+def _mutation(draw: st.DrawFn, base: Base, data: bytearray, only: str | None = None) -> str:
+    """Apply one mutation (of kind ``only`` if given) to ``data`` in place; returns a
+    description."""
     size = len(data)
     kinds = ["flip", "truncate", "header", "consistent_count", "splice", "append"]
     if base.schema_fields:
         kinds.append("schema")
     if base.count:
         kinds += ["index", "record", "record"]
-    kind = draw(st.sampled_from(kinds))
+    if base.count and base.codec:
+        kinds += ["claim", "claim"]
+    kind = only or draw(st.sampled_from(kinds))
     if kind == "flip" and size:
         region = draw(st.sampled_from(["slot", "schema", "index", "records", "any"]))
         lo, hi = {
@@ -262,6 +265,26 @@ def _mutation(draw: st.DrawFn, base: Base, data: bytearray) -> str:
                 struct.pack_into("<QII", data, entry, len(data), len(stored), len(raw))
             data += stored
         return f"record {i} +{rel} = {value}"
+    if kind == "claim":
+        # a record's declared size and atom count against real frames: zeros (what a
+        # compression bomb is), the record padded with zeros, or the record itself
+        i = draw(st.integers(0, base.count - 1))
+        original = base.raw_records[i]
+        claim = draw(st.sampled_from([len(original), len(original) * 1000, (1 << 20) + 1,
+                                      2 << 20, 90 << 20, 2**32 - 1]))
+        n_atoms = draw(st.sampled_from([base.records[i][3], base.records[i][3] * 1000,
+                                        1 << 22, 2**32 - 1]))
+        content = draw(st.sampled_from(["zeros", "padded", "original"]))
+        made = min(claim, 96 << 20)
+        raw = bytes(made) if content == "zeros" else \
+            (original + bytes(max(made - len(original), 0)) if content == "padded"
+             else original)
+        stored = _compress(base.codec, raw)
+        entry = base.index_offset + 8 + 20 * i
+        if entry + 20 <= len(data):
+            struct.pack_into("<QIII", data, entry, len(data), len(stored), claim, n_atoms)
+        data += stored
+        return f"claim record {i}: {claim} bytes, {n_atoms} atoms, {content}"
     if kind == "splice" and size > 8192:
         src = draw(st.integers(8192, size - 1))
         dst = draw(st.integers(8192, size - 1))
@@ -279,6 +302,15 @@ def mutated_files(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
     base = draw(st.sampled_from(BASES))
     data = bytearray(base.data)
     steps = [draw(_mutation(base, data)) for _ in range(draw(st.integers(1, 3)))]
+    return base.name, bytes(data), steps
+
+
+@st.composite
+def claimed_files(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
+    """Compressed files with one or two records claiming sizes and atom counts."""
+    base = draw(st.sampled_from([b for b in BASES if b.codec and b.count]))
+    data = bytearray(base.data)
+    steps = [draw(_mutation(base, data, "claim")) for _ in range(draw(st.integers(1, 2)))]
     return base.name, bytes(data), steps
 
 
@@ -323,11 +355,13 @@ def _nbytes(value: Any) -> int:
 
 
 class Budget:
-    """Checks the ``tracemalloc`` peak of one phase against the file size."""
+    """Checks the ``tracemalloc`` peak of one phase against the file size (plus
+    ``extra``: what a record whose declared size the schema allows may cost)."""
 
-    def __init__(self, file_size: int, what: str) -> None:
+    def __init__(self, file_size: int, what: str, extra: int = 0) -> None:
         self.file_size = file_size
         self.what = what
+        self.extra = extra
 
     @contextmanager
     def phase(self, name: str) -> Iterator[list[Any]]:
@@ -338,7 +372,8 @@ class Budget:
             yield produced
         finally:
             peak = tracemalloc.get_traced_memory()[1] - before
-            limit = ALLOC_FACTOR * (self.file_size + _nbytes(produced)) + ALLOC_SLACK
+            limit = ALLOC_FACTOR * (self.file_size + _nbytes(produced)) + ALLOC_SLACK + \
+                self.extra
             assert peak <= limit, (f"{self.what}: {name} allocated {peak} bytes, more than "
                                    f"{limit} for a {self.file_size}-byte file")
 
@@ -354,9 +389,23 @@ def _touch(mol: atp.Molecule) -> None:
                 value.sum()
 
 
-def read_everything(path: Path, data: bytes, access: str, what: str) -> str:
+def claim_allowance(name: str, file_size: int) -> int:
+    """What a record claiming a size may cost beyond the file (issue #33): nothing when
+    the base's schema fixes every section's size (the bound is then the record's size);
+    else its strings and tensors may hold ``VARIABLE_FLOOR + VARIABLE_RATIO x stored``
+    bytes, held twice (frame and record)."""
+    from pyg_atompack.atp.codecs import VARIABLE_FLOOR, VARIABLE_RATIO, RecordBound
+
+    with atp.Reader(GOLDEN / name, access="pread") as reader:
+        st = reader._state()
+        if not RecordBound(st.schema, st.pos_dtype.itemsize).variable:
+            return 0
+    return 2 * (VARIABLE_FLOOR + VARIABLE_RATIO * file_size)
+
+
+def read_everything(path: Path, data: bytes, access: str, what: str, extra: int = 0) -> str:
     """Read one input completely; returns ``"ok"`` or the AtpError class name."""
-    budget = Budget(len(data), what)
+    budget = Budget(len(data), what, extra)
     try:
         with budget.phase("open"):
             reader = (atp.Reader.from_bytes(data, name=path.name) if access == "bytes"
@@ -417,9 +466,11 @@ def test_mutated_files_read_or_raise_atp_error(fuzz_path: Path) -> None:
         name, data, steps = case
         what = f"{name} with {steps} ({access})"
         fuzz_path.write_bytes(data)
+        extra = claim_allowance(name, len(data)) if any(s.startswith("claim")
+                                                         for s in steps) else 0
         with watchdog(HANG_S, what):
             try:
-                outcomes[read_everything(fuzz_path, data, access, what)] += 1
+                outcomes[read_everything(fuzz_path, data, access, what, extra)] += 1
             except (AssertionError, FuzzHang):
                 raise
             except Exception as error:  # the property under test: nothing else escapes
@@ -431,6 +482,34 @@ def test_mutated_files_read_or_raise_atp_error(fuzz_path: Path) -> None:
     # the mutations must reach past the header: many inputs open, many are rejected
     assert outcomes["ok"] + outcomes["partial"] >= total // 5, outcomes
     assert total - outcomes["ok"] >= total // 5, outcomes
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_size_claims_read_or_raise_within_budget(fuzz_path: Path) -> None:
+    """Declared sizes and atom counts against real frames (zeros up to 96 MiB): every
+    read stays within the budget (the record bound's allowance, none for a schema of
+    fixed-size sections) and finishes within HANG_S (issue #33)."""
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=max(EXAMPLES // 2, 50), derandomize=True, deadline=None,
+              database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+    @given(claimed_files(), st.sampled_from(["mmap", "pread", "bytes"]))
+    def fuzz(case: tuple[str, bytes, list[str]], access: str) -> None:
+        name, data, steps = case
+        what = f"{name} with {steps} ({access})"
+        fuzz_path.write_bytes(data)
+        with watchdog(HANG_S, what):
+            try:
+                outcomes[read_everything(fuzz_path, data, access, what,
+                                         claim_allowance(name, len(data)))] += 1
+            except (AssertionError, FuzzHang):
+                raise
+            except Exception as error:
+                raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
+
+    fuzz()
+    print(f"claim fuzz outcomes: {dict(outcomes)}")
+    assert outcomes["partial"] > 0, outcomes
 
 
 def test_every_base_file_reads_cleanly(fuzz_path: Path) -> None:

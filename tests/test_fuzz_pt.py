@@ -364,3 +364,109 @@ def test_counted_length_past_the_end_is_refused(capsys) -> None:
         with pytest.raises(ShardDecodeError, match=f"{SHARD_NAME}.*BYTEARRAY8"):
             decode_shard(data, SHARD_NAME)
     assert "exported buffers" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- stride and size claims
+# Real torch.save files whose tensors claim more than their storages hold (issue #33):
+# zero and overlapping strides, many attributes viewing one storage, collated data and
+# slices built the same way. Every input must decode into samples whose tensors reuse no
+# storage element and claim no more bytes than the file (then copied), or raise
+# ShardDecodeError naming the shard; the whole run happens in a fresh process whose peak
+# RSS growth must stay under CLAIMS_RSS_BOUND (one claim slipping through is 2**28+
+# elements: gigabytes) and whose every input finishes within HANG_S.
+CLAIMS_RSS_BOUND = 256 << 20
+
+
+@st.composite
+def claimed_inputs(draw: st.DrawFn) -> tuple[str, bytes]:
+    base = torch.arange(64, dtype=torch.float32)
+    ndim = draw(st.integers(1, 3))
+    big = draw(st.sampled_from([2**20, 2**28, 2**40]))
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 5, big])) for _ in range(ndim))
+    stride = tuple(draw(st.sampled_from([0, 1, 2, 3, 8])) for _ in range(ndim))
+    try:
+        view = base.as_strided(shape, stride)
+    except RuntimeError:  # the view runs past the 64 elements: not what torch.save sees
+        view = base.as_strided((2, 3), (0, 1))
+    sharing = draw(st.integers(1, 400))
+    layout = draw(st.sampled_from(["list", "collated", "slices", "shared"]))
+    samples = make_samples(3, 3)
+    if layout == "list":
+        samples[draw(st.integers(0, 2))].pos = view
+        obj: object = samples
+    elif layout == "shared":
+        shared = torch.zeros(draw(st.sampled_from([16, 4096, 16384])))
+        for i in range(sharing):
+            samples[1][f"a{i}"] = shared
+        obj = samples
+    else:
+        data, slices = InMemoryDataset.collate(samples)
+        if layout == "collated":
+            data.extra = view
+            slices["extra"] = torch.tensor([0, 0, 0, min(view.shape[0], 2**62)])
+        else:
+            slices["pos"] = torch.zeros(1, dtype=torch.long).expand(big)
+        obj = (data, slices)
+    return f"{layout} shape={shape} stride={stride} sharing={sharing}", _torch_bytes(obj)
+
+
+def _claims_hold(data: bytes | bytearray) -> str:
+    from pyg_atompack.pyg.samples import overlapping
+
+    try:
+        samples = decode_shard(data, SHARD_NAME, trusted=False)
+    except StreamError as error:
+        assert SHARD_NAME in str(error), error
+        return type(error).__name__
+    for sample in samples:
+        total = 0
+        for _key, value in sample.items():
+            if isinstance(value, torch.Tensor):
+                assert not overlapping(value.shape, value.stride())
+                total += value.numel() * value.element_size()
+                value.clone()  # what a collate does: allocate what the tensor claims
+        assert total <= len(data)
+    return "ok"
+
+
+def run_claims_fuzz() -> Counter:
+    """The claims fuzz (run in a fresh process by the test below)."""
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(claimed_inputs())
+    def fuzz(case: tuple[str, bytes]) -> None:
+        what, data = case
+        with watchdog(HANG_S, what):
+            outcomes[_claims_hold(data)] += 1
+            outcomes["lazy " + _claims_hold(bytearray(data))] += 1
+
+    fuzz()
+    return outcomes
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_stride_and_size_claims_decode_bounded_or_raise() -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, sys
+        sys.path[:0] = {[str(Path(__file__).parent)]!r}
+        from test_fuzz_pt import run_claims_fuzz
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        outcomes = run_claims_fuzz()
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(dict(outcomes))
+        print(grown)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=FUZZ_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    outcomes_line, grown_kib = result.stdout.strip().splitlines()[-2:]
+    print(f"claims fuzz outcomes: {outcomes_line}, peak RSS growth {grown_kib} KiB")
+    assert int(grown_kib) * 1024 < CLAIMS_RSS_BOUND, grown_kib
+    assert "'ok'" in outcomes_line and "'ShardDecodeError'" in outcomes_line, outcomes_line
+    assert "'lazy ok'" in outcomes_line and "'lazy ShardDecodeError'" in outcomes_line

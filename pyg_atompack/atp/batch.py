@@ -20,7 +20,7 @@ from . import cache as _cache
 from . import prefault
 from .assemble import assemble, store
 from .cache import UNCHECKED
-from .codecs import CODEC_NONE, decompress
+from .codecs import CHECK_ABOVE, CODEC_NONE, decompress
 from .errors import (
     CORRUPT_DATA_ERRORS,
     AtpError,
@@ -143,8 +143,16 @@ def _fetch(st, idx: np.ndarray, entries: np.ndarray, mapped: bool) -> list:
                            probe=st.buf is None)
     if st.codec == CODEC_NONE:
         return recs
-    return [decompress(st.codec, d, r, f"{st.name}: record {int(i)}")
-            for d, r, i in zip(recs, raw_l, idx)]
+    # every declared size against the record bound at once (decompress checks only the
+    # atom count of large frames)
+    n_l = entries["n_atoms"].tolist()
+    bound = _cache.record_bound(st)
+    bad = bound.first_excess(entries["n_atoms"], entries["stored"], entries["raw"]) \
+        if max(raw_l) > CHECK_ABOVE else None
+    if bad is not None:
+        raise bound.refusal(n_l[bad], sto_l[bad], raw_l[bad], f"{st.name}: record {int(idx[bad])}")
+    return [decompress(st.codec, d, r, f"{st.name}: record {int(i)}", n)
+            for d, r, i, n in zip(recs, raw_l, idx, n_l)]
 
 
 def _use_mapping(st, entries: np.ndarray) -> bool:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codecs import CODEC_NONE, decompress
+from .codecs import CODEC_NONE, RecordBound, decompress
 from .errors import CORRUPT_DATA_ERRORS, AtpError, RecordDecodeError, TruncatedFileError
 from .header import HEADER_SIZE
 from .index import ENTRY_STRUCT
@@ -100,7 +100,7 @@ class DecodeCache:
 
     __slots__ = ("count", "layouts", "memo", "memo_ids", "memo_layouts", "plans", "views",
                  "structures", "columns", "resolved", "touch", "batch_cold", "helper",
-                 "helper_reads", "helper_skip", "lock")
+                 "helper_reads", "helper_skip", "lock", "bound")
 
     def __init__(self, count: int, file_u8: np.ndarray | None) -> None:
         self.count = count
@@ -128,6 +128,8 @@ class DecodeCache:
         # under it (an id seen before its plan exists, or two layouts given one id,
         # would decode a record with another layout's plan)
         self.lock = threading.Lock()
+        # the most bytes a compressed record may declare (record_bound)
+        self.bound: RecordBound | None = None
 
     def memo_array(self) -> np.ndarray:
         """The per-record memo of checked layout ids (uint16), created on first use.
@@ -294,6 +296,21 @@ def check_entries(st, idx: np.ndarray, entries: np.ndarray) -> None:
             f"size")
 
 
+def record_bound(st) -> RecordBound:
+    """The most bytes a record of the file may declare (made once per open file).
+
+    Args:
+        st (FileState): The open file.
+
+    Returns:
+        The file's :class:`~pyg_atompack.atp.codecs.RecordBound`.
+    """
+    bound = st.cache.bound
+    if bound is None:
+        bound = st.cache.bound = RecordBound(st.schema, st.pos_dtype.itemsize)
+    return bound
+
+
 def entry(st, i: int) -> tuple[int, int, int, int]:
     """Index entry ``i`` (offset, stored, raw, n_atoms), checked against the file size."""
     off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
@@ -334,7 +351,7 @@ def record(st: FileState, i: int) -> tuple[Any, int, Layout]:
             base = 0
     else:
         data = st.read(off, stored)
-        out = decompress(st.codec, data, raw, f"{st.name}: record {i}")
+        out = decompress(st.codec, data, raw, f"{st.name}: record {i}", n, record_bound(st))
         buf = rec = bytearray(out) if st.buf is None else out
         base = 0
     return buf, base, st.cache.layout(st, rec, raw, n, i)

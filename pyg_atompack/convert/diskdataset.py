@@ -7,6 +7,16 @@ metatensor NPZ (``keys.npy``, ``blocks/<b>/values.npy``, ``samples.npy``,
 ``components/<j>.npy``, ``properties.npy``, gradients under
 ``blocks/<b>/gradients/<parameter>/``). For the energy target, the
 ``positions`` gradient is −F and the ``strain`` gradient is stress × volume.
+
+A zip is untrusted input: a few kilobytes of nested deflate streams can inflate to
+gigabytes, and an ``.npy`` header can claim any shape. So no member, at any depth
+(``N/system.mta``, ``N/<target>.mts`` and the ``.npy`` members inside them), may
+declare or inflate to more than :data:`MEMBER_FLOOR` + :data:`MEMBER_RATIO` × the
+archive's size, nor may the members of one inner zip together; members are read in
+chunks that stop there; an ``.npy`` shape must fit the member's bytes
+(:func:`~pyg_atompack.memmap_layout.load_npy`); and every shape is checked before it is
+reshaped. Each failure is a :class:`~pyg_atompack.convert.ConvertError` naming the
+file, the structure, the member and the field.
 """
 
 from __future__ import annotations
@@ -15,10 +25,13 @@ import io
 import os
 import re
 import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from pyg_atompack.memmap_layout import load_npy
 
 from .base import StructureReader
 from .errors import note
@@ -26,19 +39,82 @@ from .options import ReadOptions
 from .structure import Structure
 
 _MEMBER = re.compile(r"^(\d+)/(.+)$")
+#: Every member may inflate to this many bytes, whatever the archive's size.
+MEMBER_FLOOR = 16 << 20
+#: ... plus this many times the archive's size (stored zips, what metatrain writes, hold
+#: members of at most 1x; deflated floats ~1-2x).
+MEMBER_RATIO = 32
+#: What a damaged or hostile zip raises while a member is opened or inflated.
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError,
+               NotImplementedError, RuntimeError, ValueError)
 
 
-def _npz_arrays(payload: bytes, what: str) -> dict[str, np.ndarray]:
-    """All ``.npy`` members of a zip held in memory, by name without ``.npy``."""
-    with zipfile.ZipFile(io.BytesIO(payload)) as archive:
-        arrays = {}
-        for name in archive.namelist():
-            if name.endswith(".npy"):
-                with archive.open(name) as handle:
-                    arrays[name[:-4]] = np.load(handle, allow_pickle=False)
+class _Unreadable(ValueError):
+    """A member or field that cannot be read; the message names it (not the file)."""
+
+
+def _read_member(archive: zipfile.ZipFile, name: str, budget: int) -> bytearray:
+    """The bytes of one member, refused if it declares or inflates to more than ``budget``."""
+    info = archive.getinfo(name)  # KeyError for a missing member
+    if info.file_size > budget:
+        raise _Unreadable(f"{name}: declares {info.file_size} bytes, more than the "
+                          f"{budget} bytes a member of this archive may hold")
+    out = bytearray()
+    try:
+        with archive.open(info) as handle:
+            while chunk := handle.read(1 << 20):
+                out += chunk
+                if len(out) > min(budget, info.file_size):  # zipfile stops at the
+                    raise _Unreadable(f"{name}: inflates past its declared size")  # latter
+    except _ZIP_ERRORS as exc:
+        raise _Unreadable(f"{name}: unreadable member ({type(exc).__name__}: {exc})") from None
+    return out
+
+
+def _npz_arrays(payload: bytes | bytearray | memoryview, what: str,
+                budget: int) -> dict[str, np.ndarray]:
+    """All ``.npy`` members of a zip held in memory, by name without ``.npy``, together
+    at most ``budget`` bytes inflated."""
+    arrays = {}
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            members = [info for info in archive.infolist() if info.filename.endswith(".npy")]
+            for info in members:  # the first member too big is named, before any is read
+                if info.file_size > budget:
+                    raise _Unreadable(f"{what}: {info.filename} declares {info.file_size} "
+                                      f"bytes, more than the {budget} bytes a member of "
+                                      f"this archive may hold")
+            declared = sum(info.file_size for info in members)
+            if declared > budget:
+                raise _Unreadable(f"{what}: its arrays declare {declared} bytes, more than "
+                                  f"the {budget} bytes a member of this archive may hold")
+            for info in members:
+                raw = _read_member(archive, info.filename, budget)
+                try:
+                    arrays[info.filename[:-4]] = load_npy(raw)
+                except ValueError as exc:
+                    raise _Unreadable(f"{what}: {info.filename}: {exc}") from None
+    except _Unreadable:
+        raise
+    except _ZIP_ERRORS as exc:
+        raise _Unreadable(f"{what}: not a readable zip ({type(exc).__name__}: {exc})") from None
     if not arrays:
-        raise ValueError(f"{what} holds no arrays")
+        raise _Unreadable(f"{what} holds no arrays")
     return arrays
+
+
+def _shaped(arrays: dict[str, np.ndarray], key: str, what: str, shape: tuple[int | None, ...],
+            dtype: Any = np.float64) -> np.ndarray:
+    """``arrays[key]`` as ``dtype``, refused unless its shape is ``shape`` (``None``: any)."""
+    value = arrays[key]
+    if value.ndim != len(shape) or any(want is not None and got != want
+                                       for got, want in zip(value.shape, shape)):
+        wanted = "(" + ", ".join("n" if size is None else str(size) for size in shape) + ")"
+        raise _Unreadable(f"{what}: field {key!r} has shape {value.shape}, expected {wanted}")
+    try:
+        return np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise _Unreadable(f"{what}: field {key!r} is not {np.dtype(dtype)} ({exc})") from None
 
 
 class DiskDatasetReader(StructureReader):
@@ -66,8 +142,10 @@ class DiskDatasetReader(StructureReader):
             raise self.error("no such file")
         try:
             self._zip = zipfile.ZipFile(self.path)
-        except (zipfile.BadZipFile, OSError) as exc:
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
             raise self.error(f"not a readable zip file: {exc}") from exc
+        #: Most bytes any one member (at any depth) may inflate to.
+        self.budget = MEMBER_FLOOR + MEMBER_RATIO * self.path.stat().st_size
         names = set(self._zip.namelist())
         folders: set[int] = set()
         systems: set[int] = set()
@@ -161,20 +239,28 @@ class DiskDatasetReader(StructureReader):
     def close(self) -> None:
         self._zip.close()
 
-    def _read(self, member: str, index: int) -> bytes:
+    def _read(self, member: str, index: int) -> bytearray:
         try:
-            return self._zip.read(member)
+            return _read_member(self._zip, member, self.budget)
         except KeyError:
             raise self.error(f"member {member} is missing", index) from None
+        except _Unreadable as exc:
+            raise self.error(str(exc), index) from None
 
     def _tensor_map(self, index: int, target: str) -> dict[str, np.ndarray]:
         member = f"{index}/{target}.mts"
         raw = self._read(member, index)
         try:
-            buffer = np.load(io.BytesIO(raw), allow_pickle=False)
-            arrays = _npz_arrays(np.ascontiguousarray(buffer).tobytes(), member)
-        except (ValueError, zipfile.BadZipFile, OSError) as exc:
-            raise self.error(f"{member}: not a metatensor buffer ({exc})", index) from exc
+            try:
+                buffer = load_npy(raw)
+            except ValueError as exc:
+                raise _Unreadable(f"{member}: not a metatensor buffer ({exc})") from None
+            if buffer.dtype != np.uint8 or buffer.ndim != 1:
+                raise _Unreadable(f"{member}: not a metatensor buffer (a {buffer.dtype} "
+                                  f"array of shape {buffer.shape}, not uint8 bytes)")
+            arrays = _npz_arrays(memoryview(buffer), member, self.budget)
+        except _Unreadable as exc:
+            raise self.error(str(exc), index) from None
         n_blocks = len(arrays.get("keys", ()))
         if n_blocks != 1 or "blocks/0/values" not in arrays:
             raise self.error(
@@ -191,17 +277,24 @@ class DiskDatasetReader(StructureReader):
     def _structure(self, index: int) -> Structure:
         member = f"{index}/system.mta"
         try:
-            system = _npz_arrays(self._read(member, index), member)
-            positions = np.asarray(system["positions"], dtype=np.float64)
-            types = np.asarray(system["types"])
-            cell = np.asarray(system.get("cell", np.zeros((3, 3))), dtype=np.float64)
-            pbc = np.asarray(system.get("pbc", np.zeros(3, dtype=bool)), dtype=bool)
-        except (KeyError, ValueError, zipfile.BadZipFile) as exc:
-            raise self.error(f"{member}: unreadable system ({exc})", index) from exc
-        n_atoms = len(types)
+            system = _npz_arrays(self._read(member, index), member, self.budget)
+            for field in ("positions", "types"):
+                if field not in system:
+                    raise _Unreadable(f"{member}: field {field!r} is missing")
+            types = _shaped(system, "types", member, (None,), dtype=None)
+            if types.dtype.kind not in "iu":
+                raise _Unreadable(f"{member}: field 'types' holds {types.dtype}, not integers")
+            n_atoms = len(types)
+            positions = _shaped(system, "positions", member, (n_atoms, 3))
+            cell = (_shaped(system, "cell", member, (3, 3)) if "cell" in system
+                    else np.zeros((3, 3)))
+            pbc = (_shaped(system, "pbc", member, (3,), dtype=bool) if "pbc" in system
+                   else np.zeros(3, dtype=bool))
+        except _Unreadable as exc:
+            raise self.error(str(exc), index) from None
         has_cell = bool(np.any(cell != 0.0) or pbc.any())
         structure = Structure(
-            positions=positions.reshape(n_atoms, 3),
+            positions=positions,
             atomic_numbers=types,
             cell=cell if has_cell else None,
             pbc=pbc if has_cell else None,
@@ -209,26 +302,48 @@ class DiskDatasetReader(StructureReader):
         if self.energy_target is not None:
             self._energy_and_gradients(structure, index, cell)
         for builtin, target in self.pinned.items():
-            per_atom, value = self._values(self._tensor_map(index, target), n_atoms)
+            per_atom, value = self._target_values(index, target, n_atoms)
+            member = f"{index}/{target}.mts"
             if builtin == "stress":
-                structure.stress = value.reshape(3, 3)
+                structure.stress = self._sized(value, 9, member, "stress").reshape(3, 3)
             elif builtin == "name":
                 structure.name = str(value)
+            elif builtin == "charges":
+                structure.charges = self._sized(value, n_atoms, member,
+                                                "charges").reshape(n_atoms)
             else:
-                setattr(structure, builtin, value.reshape(n_atoms, -1).squeeze(-1)
-                        if builtin == "charges" else value.reshape(n_atoms, 3))
+                setattr(structure, builtin, self._sized(value, 3 * n_atoms, member,
+                                                        builtin).reshape(n_atoms, 3))
         for target, name in self.custom_targets.items():
-            per_atom, value = self._values(self._tensor_map(index, target), n_atoms)
+            per_atom, value = self._target_values(index, target, n_atoms)
             if per_atom:
                 structure.atom_properties[name] = value
             else:
                 structure.properties[name] = float(value) if value.ndim == 0 else value
         return structure
 
+    def _sized(self, value: np.ndarray, size: int, member: str, field: str) -> np.ndarray:
+        """``value`` once it is known to hold ``size`` real numbers (before a reshape);
+        integers become float64."""
+        if value.size != size or value.dtype.kind not in "iuf":
+            raise self.error(f"{member}: field {field!r} holds {value.size} {value.dtype} "
+                             f"values, expected {size} real numbers")
+        return value if value.dtype.kind == "f" else value.astype(np.float64)
+
+    def _target_values(self, index: int, target: str, n_atoms: int) -> tuple[bool, Any]:
+        """``(per_atom, value)`` of a single-block target, its rows checked first."""
+        member = f"{index}/{target}.mts"
+        arrays = self._tensor_map(index, target)
+        try:
+            return self._values(arrays, n_atoms, member)
+        except _Unreadable as exc:
+            raise self.error(str(exc), index) from None
+
     def _energy_and_gradients(self, structure: Structure, index: int, cell: np.ndarray) -> None:
         arrays = self._tensor_map(index, self.energy_target)
+        member = f"{index}/{self.energy_target}.mts"
         values = arrays["blocks/0/values"]
-        if values.size != 1:
+        if values.size != 1 or values.dtype.kind not in "biuf":
             raise self.error(
                 f"energy target {self.energy_target!r} must hold one value, got {values.shape}",
                 index,
@@ -236,8 +351,17 @@ class DiskDatasetReader(StructureReader):
         structure.energy = float(values.reshape(()))
         prefix = "blocks/0/gradients/"
         if prefix + "positions/values" in arrays:
-            grad = arrays[prefix + "positions/values"].reshape(-1, 3)
-            atoms = _column(arrays[prefix + "positions/samples"], "atom")
+            field = prefix + "positions/values"
+            samples = arrays.get(prefix + "positions/samples")
+            try:
+                atoms = _column(samples, "atom", member, prefix + "positions/samples")
+                if len(atoms) and (atoms.min() < 0 or atoms.max() >= structure.n_atoms):
+                    raise _Unreadable(f"{member}: field {prefix}positions/samples names atoms "
+                                      f"outside 0..{structure.n_atoms - 1}")
+                grad = self._sized(arrays[field], 3 * len(atoms), member, field)
+            except _Unreadable as exc:
+                raise self.error(str(exc), index) from None
+            grad = grad.reshape(-1, 3)
             forces = np.zeros((structure.n_atoms, 3), dtype=grad.dtype)
             forces[atoms] = -grad  # the gradient is dE/dx = -F
             structure.forces = forces
@@ -249,23 +373,44 @@ class DiskDatasetReader(StructureReader):
                     "volume is 0, so the stress is undefined",
                     index,
                 )
-            structure.stress = arrays[prefix + "strain/values"].reshape(3, 3) / volume
+            field = prefix + "strain/values"
+            structure.stress = self._sized(arrays[field], 9, member, field).reshape(3, 3) / volume
 
     @staticmethod
-    def _values(arrays: dict[str, np.ndarray], n_atoms: int) -> tuple[bool, Any]:
+    def _values(arrays: dict[str, np.ndarray], n_atoms: int, member: str) -> tuple[bool, Any]:
         """``(per_atom, value)`` of a single-block target, trailing unit axis dropped."""
         values = arrays["blocks/0/values"]
-        samples = arrays["blocks/0/samples"]
+        samples = arrays.get("blocks/0/samples")
+        if samples is None or samples.ndim != 1:
+            raise _Unreadable(f"{member}: field 'blocks/0/samples' is missing or not a "
+                              f"list of labels")
+        if values.ndim == 0 or values.shape[0] != len(samples):
+            raise _Unreadable(f"{member}: field 'blocks/0/values' has shape {values.shape} "
+                              f"for {len(samples)} samples")
+        if values.dtype.kind not in "biuf":
+            raise _Unreadable(f"{member}: field 'blocks/0/values' holds {values.dtype}, "
+                              f"not numbers")
         if values.shape[-1] == 1:
             values = values[..., 0]
         if samples.dtype.names and "atom" in samples.dtype.names:
-            order = np.argsort(_column(samples, "atom"), kind="stable")
+            atoms = _column(samples, "atom", member, "blocks/0/samples")
+            if len(atoms) != n_atoms or not np.array_equal(np.sort(atoms), np.arange(n_atoms)):
+                raise _Unreadable(f"{member}: field 'blocks/0/samples' does not name each of "
+                                  f"the {n_atoms} atoms once")
+            order = np.argsort(atoms, kind="stable")
             return True, values[order]
+        if not len(samples):
+            raise _Unreadable(f"{member}: field 'blocks/0/values' holds no sample")
         return False, values[0]
 
 
-def _column(labels: np.ndarray, name: str) -> np.ndarray:
+def _column(labels: np.ndarray | None, name: str, member: str = "?",
+            field: str = "labels") -> np.ndarray:
     """One named column of a metatensor ``Labels`` array (structured or plain)."""
-    if labels.dtype.names:
-        return np.asarray(labels[name], dtype=np.int64)
-    raise ValueError(f"labels have no named column {name!r}")
+    if labels is not None and labels.ndim == 1 and labels.dtype.names \
+            and name in labels.dtype.names:
+        try:
+            return np.asarray(labels[name], dtype=np.int64)
+        except (TypeError, ValueError):
+            pass
+    raise _Unreadable(f"{member}: field {field!r} has no integer column {name!r}")

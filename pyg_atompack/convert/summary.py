@@ -199,7 +199,8 @@ def directory_size(path: Path) -> int:
 
 def verify_source(path: str | os.PathLike,
                   progress: Callable[[int | None], Any] | None = None,
-                  src_format: str | None = None) -> tuple[int, list[str]]:
+                  src_format: str | None = None, *,
+                  raise_unreadable: bool = False) -> tuple[int, list[str]]:
     """Check a source thoroughly: format-level checks, manifest checksums, every record.
 
     For `.atp` sources the format layer's ``atp.verify`` checks both header
@@ -211,6 +212,9 @@ def verify_source(path: str | os.PathLike,
             (default: :obj:`None`)
         src_format (str, optional): The format when the name does not tell (e.g. ``"atp"`` for a
             cached download named by its checksum). (default: detected from the path)
+        raise_unreadable (bool, optional): Raise the :class:`ConvertError` of a source
+            whose structures cannot be decoded (a ``.pt``, zip or memmap source that is not
+            what it claims) instead of reporting it as a problem. (default: :obj:`False`)
 
     Returns:
         ``(structures decoded, problems)``; no problems means the source is sound.
@@ -242,6 +246,8 @@ def verify_source(path: str | os.PathLike,
             if bar is not None:
                 bar.close()
     except ConvertError as exc:
+        if raise_unreadable:
+            raise
         problems.append(str(exc))
     return count, problems
 

@@ -42,7 +42,7 @@ from pyg_atompack.transport.buffers import is_writable_buffer
 
 from .errors import PtPayloadError, UnsafePtPayloadError
 from .pt_index import NotLazyLayout, index_pt
-from .samples import CollatedSamples
+from .samples import CollatedSamples, bounds_problem
 
 __all__ = ["PYG_SAFE_GLOBALS", "as_samples", "decode_pt", "load_pt_object",
            "pyg_safe_globals"]
@@ -159,7 +159,7 @@ def load_pt_object(file: Any, *, trusted: bool = False) -> Any:
                 f"not a readable .pt file: {type(error).__name__}: {error}") from error
 
 
-def _checked_items(items: Sequence[Any]) -> list[BaseData]:
+def _checked_items(items: Sequence[Any], limit: int | None) -> list[BaseData]:
     for position, item in enumerate(items):
         if not isinstance(item, BaseData):
             raise PtPayloadError(f"element {position} is a {type(item).__name__}, "
@@ -169,10 +169,20 @@ def _checked_items(items: Sequence[Any]) -> list[BaseData]:
         except Exception as error:  # PyG raises RuntimeError / AttributeError
             raise PtPayloadError(f"element {position} is a damaged "
                                  f"{type(item).__name__}: {error}") from None
-    return list(items)
+    return _bounded(list(items), limit)
 
 
-def _collated(data: Any, slices: dict, data_class: Any = None) -> Sequence[BaseData]:
+def _bounded(samples: list[BaseData], limit: int | None) -> list[BaseData]:
+    """``samples``, once each is known to fit in a file of ``limit`` bytes."""
+    if limit is not None:
+        for position, sample in enumerate(samples):
+            if (problem := bounds_problem(sample, limit)) is not None:
+                raise PtPayloadError(f"sample {position}, {problem}")
+    return samples
+
+
+def _collated(data: Any, slices: dict, data_class: Any = None,
+              limit: int | None = None) -> Sequence[BaseData]:
     try:
         if isinstance(data, dict):
             data_class = Data if data_class is None else data_class
@@ -182,6 +192,10 @@ def _collated(data: Any, slices: dict, data_class: Any = None) -> Sequence[BaseD
         if not isinstance(data, BaseData) or not slices:
             raise PtPayloadError("malformed (data, slices) tuple")
         data.stores  # noqa: B018 - a Data whose storage did not survive raises here
+        if limit is not None:  # before any slice is read or cut
+            for what, value in (("slices", slices), ("the collated data", data)):
+                if (problem := bounds_problem(value, limit)) is not None:
+                    raise PtPayloadError(f"{what}, {problem}")
         if CollatedSamples.indexes(data, slices):
             return CollatedSamples(data, slices)
         # other data classes: PyG's own separate, all at once so that damage shows now
@@ -191,8 +205,8 @@ def _collated(data: Any, slices: dict, data_class: Any = None) -> Sequence[BaseD
                                         for value in slices.values()):
             raise ValueError("slice tensors differ in length or are not tensors")
         count = lengths.pop() - 1
-        return [separate(type(data), batch=data, idx=index, slice_dict=slices,
-                         decrement=False) for index in range(max(count, 0))]
+        return _bounded([separate(type(data), batch=data, idx=index, slice_dict=slices,
+                                  decrement=False) for index in range(max(count, 0))], limit)
     except PtPayloadError:
         raise
     except Exception as error:  # torch/PyG raise RuntimeError, KeyError, ... on bad input
@@ -200,7 +214,7 @@ def _collated(data: Any, slices: dict, data_class: Any = None) -> Sequence[BaseD
                              f"{error}") from error
 
 
-def as_samples(obj: Any) -> Sequence[BaseData]:
+def as_samples(obj: Any, *, limit: int | None = None) -> Sequence[BaseData]:
     """The samples of what a ``.pt`` file held: the one place that knows its layouts.
 
     Accepted: a list or tuple of ``Data``/``HeteroData``; a single one; a ``Batch``
@@ -210,6 +224,9 @@ def as_samples(obj: Any) -> Sequence[BaseData]:
 
     Args:
         obj (Any): The unpickled object.
+        limit (int, optional): The size of the file it came from: refuse samples with
+            tensors that reuse storage elements or claim more bytes than that
+            (:func:`~pyg_atompack.pyg.samples.bounds_problem`). (default: no check)
 
     Returns:
         A sequence of samples (``len`` and integer indexing).
@@ -218,16 +235,18 @@ def as_samples(obj: Any) -> Sequence[BaseData]:
         PtPayloadError: Any other object, or a damaged one.
     """
     if isinstance(obj, Batch):
+        if limit is not None and (problem := bounds_problem(obj, limit)) is not None:
+            raise PtPayloadError(f"the Batch, {problem}")
         try:
             return obj.to_data_list()
         except Exception as error:  # a damaged Batch: PyG raises RuntimeError, ...
             raise PtPayloadError(f"damaged Batch: {type(error).__name__}: {error}") from None
     if isinstance(obj, BaseData):
-        return _checked_items([obj])
+        return _checked_items([obj], limit)
     if isinstance(obj, tuple) and len(obj) in (2, 3) and isinstance(obj[1], dict):
-        return _collated(obj[0], obj[1], obj[2] if len(obj) == 3 else None)
+        return _collated(obj[0], obj[1], obj[2] if len(obj) == 3 else None, limit)
     if isinstance(obj, (list, tuple)):
-        return _checked_items(obj)
+        return _checked_items(obj, limit)
     raise PtPayloadError(f"expected a list of Data, a Batch or a (data, slices) tuple, "
                          f"got {type(obj).__name__}")
 
@@ -252,7 +271,9 @@ def decode_pt(buffer: bytes | bytearray | memoryview, *, trusted: bool = False,
 
     Raises:
         UnsafePtPayloadError: The file needs globals outside the allow-list.
-        PtPayloadError: The file is not a readable ``.pt`` file of PyG samples.
+        PtPayloadError: The file is not a readable ``.pt`` file of PyG samples, or a
+            sample's tensors reuse storage elements or claim more bytes than the file
+            holds (the message names the sample and the attribute).
     """
     if lazy and is_writable_buffer(buffer):
         try:
@@ -260,4 +281,5 @@ def decode_pt(buffer: bytes | bytearray | memoryview, *, trusted: bool = False,
         except NotLazyLayout:
             pass  # another layout (or a damaged file): torch.load decides
     # BytesIO shares ``bytes`` and copies anything else
-    return as_samples(load_pt_object(io.BytesIO(buffer), trusted=trusted))
+    return as_samples(load_pt_object(io.BytesIO(buffer), trusted=trusted),
+                      limit=len(buffer))

@@ -63,7 +63,7 @@ from .pt_archive import (
     read_torch_archive,
     record_end,
 )
-from .samples import BufferViewSamples, CollatedSamples
+from .samples import BufferViewSamples, CollatedSamples, overlapping
 
 __all__ = ["ArrivingPt", "ArrivingPtSamples", "LazyPtSamples", "NotLazyLayout", "index_pt"]
 
@@ -179,9 +179,10 @@ class _Memo(dict):
 
 
 class _TensorRef(tuple):
-    """``(byte offset in the buffer, dtype, shape, stride)`` of one tensor.
+    """``(byte offset in the buffer, dtype, shape, stride, bytes)`` of one tensor.
 
-    ``stride`` is :obj:`None` for a contiguous tensor.
+    ``stride`` is :obj:`None` for a contiguous tensor; ``bytes`` is what its elements
+    hold, or ``-1`` for a view that reuses storage elements (:func:`overlapping`).
     """
 
     __slots__ = ()
@@ -314,7 +315,11 @@ class _ShardPickleMachine:
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo = _Memo()
-        self.geometries: dict[tuple, tuple[int, bool]] = {}  # see _geometry
+        self.geometries: dict[tuple, tuple[int, bool, int]] = {}  # see _geometry
+        #: Most bytes one sample's tensors may claim: the file's size.
+        self.limit = len(buffer)
+        #: The first sample found claiming more than it may: ``(row, key, what)``.
+        self.problem: tuple[int, str, str] | None = None
         self.yielded_at = time.perf_counter()
         self.yields = threading.current_thread() is not threading.main_thread()
 
@@ -560,8 +565,9 @@ class _ShardPickleMachine:
             raise NotLazyLayout(f"storage {key!r} is missing or short")
         return record[0], storage_type.value, numel
 
-    def _geometry(self, shape: Any, stride: Any) -> tuple[int, bool]:
-        """``(elements spanned in the storage, contiguous?)`` of a ``(shape, stride)``."""
+    def _geometry(self, shape: Any, stride: Any) -> tuple[int, bool, int]:
+        """``(elements spanned in the storage, contiguous?, elements or -1)`` of a
+        ``(shape, stride)``; -1 for a view that reuses storage elements."""
         if (type(shape) is not tuple or type(stride) is not tuple
                 or len(shape) != len(stride)
                 or not all(type(size) is int and size >= 0 for size in shape)
@@ -572,8 +578,9 @@ class _ShardPickleMachine:
         contiguous = not span or all(
             size == 1 or step == expected
             for size, step, expected in zip(shape, stride, _contiguous_strides(shape)))
-        self.geometries[(shape, stride)] = span, contiguous
-        return span, contiguous
+        count = -1 if not contiguous and overlapping(shape, stride) else math.prod(shape)
+        geometry = self.geometries[(shape, stride)] = span, contiguous, count
+        return geometry
 
     def _tensor(self, args: Any) -> _TensorRef:
         if type(args) is not tuple or len(args) not in (6, 7):
@@ -583,15 +590,17 @@ class _ShardPickleMachine:
                 len(args) == 7 and args[6] is not None):
             raise NotLazyLayout("tensor with gradient state, hooks or metadata")
         geometry = self.geometries.get((shape, stride))
-        span, contiguous = geometry if geometry is not None else self._geometry(shape,
-                                                                                stride)
+        span, contiguous, count = geometry if geometry is not None else self._geometry(
+            shape, stride)
         offset, dtype, numel = storage
         if type(start) is not int or start < 0 or start + span > numel:
             raise NotLazyLayout("tensor extends past its storage")
-        at = offset + start * dtype.itemsize
-        if at % dtype.itemsize:
+        itemsize = dtype.itemsize
+        at = offset + start * itemsize
+        if at % itemsize:
             raise NotLazyLayout("misaligned storage")
-        return _TensorRef((at, dtype, shape, None if contiguous else stride))
+        return _TensorRef((at, dtype, shape, None if contiguous else stride,
+                           count * itemsize if count >= 0 else -1))
 
     def _finish_sample(self, sample: _Sample, state: Any) -> None:
         if sample.row >= 0 or not isinstance(state, dict):
@@ -607,10 +616,14 @@ class _ShardPickleMachine:
             raise NotLazyLayout("GlobalStorage without a mapping")
         row = self.rows
         columns = self.columns
+        claimed = 0  # bytes the sample's tensors hold
         for key, value in mapping.items():
             column = columns.get(key)
             if type(value) is _TensorRef:
-                offset, dtype, shape, stride = value
+                offset, dtype, shape, stride, size = value
+                claimed += size
+                if (size < 0 or claimed > self.limit) and self.problem is None:
+                    self.problem = (row, key, _bounds_problem(value, claimed, self.limit))
                 if column is None:
                     column = columns[key] = _TensorColumn(dtype, len(shape), row)
                 elif (type(column) is not _TensorColumn or column.dtype != dtype
@@ -632,6 +645,23 @@ class _ShardPickleMachine:
             self.first_mapping = mapping
         sample.row = row
         self.rows = row + 1
+
+
+def _bounds_problem(ref: _TensorRef, claimed: int, limit: int) -> str:
+    """What is wrong with a sample whose tensors reached ``ref`` (see ``problem``)."""
+    _, _, shape, stride, size = ref
+    if size < 0:
+        return (f"a tensor of shape {shape} with strides {stride} reuses elements of its "
+                f"storage, which torch.save of PyG data never writes")
+    return f"its tensors claim {claimed} bytes so far, more than the {limit} bytes of the file"
+
+
+def _refuse(machine: _ShardPickleMachine, layout: str) -> None:
+    """Raise the problem the machine found in a sample, if it found one."""
+    if machine.problem is not None:
+        row, key, what = machine.problem
+        where = f"sample {row}" if layout == "list" else "the collated data"
+        raise PtPayloadError(f"{where}, attribute {key!r}: {what}")
 
 
 # ---------------------------------------------------------------------- samples
@@ -679,7 +709,7 @@ class _BufferTensors:
         return flat.as_strided(shape, stride)
 
     def of(self, ref: _TensorRef) -> torch.Tensor:
-        offset, dtype, shape, stride = ref
+        offset, dtype, shape, stride, _ = ref
         return self.tensor(dtype, _numpy_dtype(dtype), offset, shape, stride)
 
 
@@ -768,6 +798,14 @@ def _collated(buffer: WritableBuffer, mapping: Any, slices: Any) -> CollatedSamp
     """The samples of a collated ``(data, slices)`` archive, over its buffer."""
     if not isinstance(mapping, dict) or not isinstance(slices, dict) or not slices:
         raise NotLazyLayout("not a (data, slices) tuple")
+    for what, values in (("slices", slices), ("the collated data", mapping)):
+        claimed = 0
+        for key, value in values.items():
+            if type(value) is _TensorRef:
+                claimed += value[4]
+                if value[4] < 0 or claimed > len(buffer):
+                    raise PtPayloadError(f"{what}, attribute {key!r}: "
+                                         f"{_bounds_problem(value, claimed, len(buffer))}")
     views = _BufferTensors(buffer)
     data = data_from_mapping({key: views.of(value) if type(value) is _TensorRef
                               else _plain_value(key, value) for key, value in mapping.items()})
@@ -819,11 +857,13 @@ def index_pt(buffer: WritableBuffer) -> BufferViewSamples:
         raise NotLazyLayout(f"{type(error).__name__}: {error}") from None
     if type(result) is tuple and len(result) == 2 and type(result[0]) is _Sample \
             and machine.rows == 1:  # (data, slices)
+        _refuse(machine, "collated")
         return _collated(buffer, machine.first_mapping, result[1])
     if type(result) is tuple and len(result) == 3 and type(result[2]) is _Global \
             and result[2].kind == "data" and machine.rows == 0:  # InMemoryDataset.save
         return _collated(buffer, result[0], result[1])
     tensor_columns, object_columns = _list_columns(machine, result)
+    _refuse(machine, "list")
     return LazyPtSamples(buffer, tensor_columns, object_columns, len(result))
 
 
@@ -1090,6 +1130,7 @@ class ArrivingPt:
                 ValueError, OverflowError) as error:
             raise NotLazyLayout(f"{type(error).__name__}: {error}") from None
         tensor_columns, object_columns = _list_columns(machine, result)
+        _refuse(machine, "list")
         self._sizes, self._alignment = machine.sizes, machine.alignment
         count = len(result)
         row_needs = np.full(count, -1, dtype=np.int64)

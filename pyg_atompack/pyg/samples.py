@@ -7,8 +7,9 @@ each sample when it is taken, its tensors viewing the decoded file's memory.
 
 from __future__ import annotations
 
+import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,10 +20,86 @@ from torch_geometric.data.storage import recursive_apply
 from .data import data_from_mapping
 from .errors import PtPayloadError
 
-__all__ = ["BufferViewSamples", "CollatedSamples"]
+__all__ = ["BufferViewSamples", "CollatedSamples", "bounds_problem", "overlapping"]
 
 _PLAIN_ITEMS = (str, int, float, bool, bytes, type(None))
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a strided view may reach one storage element through two indices.
+
+    The dimensions longer than one are taken by increasing stride, and each stride must
+    step past every element the smaller ones reach. Every narrow, step slice, select and
+    permutation of a contiguous tensor passes (all that PyG's ``collate``, ``separate``
+    and ``InMemoryDataset`` slicing produce); a zero stride on a dimension longer than one
+    (what ``expand`` gives) or two dimensions with one stride do not. A view that passes
+    holds at most as many elements as the storage span it covers, so its size is
+    bounded by its storage's bytes.
+
+    Args:
+        shape (Sequence[int]): The view's sizes.
+        stride (Sequence[int]): Its strides, in elements.
+
+    Returns:
+        :obj:`True` when the view may overlap itself (an empty view never does).
+    """
+    if 0 in shape:
+        return False
+    reach = 0  # the largest offset the smaller dimensions reach
+    for step, size in sorted((step, size) for size, step in zip(shape, stride) if size > 1):
+        if step <= reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+def _tensors(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors inside an attribute value (nested lists, tuples and dicts too)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (list, tuple)):
+        for position, item in enumerate(value):
+            yield from _tensors(f"{name}[{position}]", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(f"{name}[{key!r}]", item)
+
+
+def bounds_problem(sample: BaseData | dict[str, Any], limit: int) -> str | None:
+    """Why a decoded sample cannot be what a file of ``limit`` bytes holds, if it cannot.
+
+    A sample of a ``.pt`` file views that file's storages: no tensor of it may reuse
+    storage elements (:func:`overlapping`; ``torch.ones(1).expand(2**40)`` claims 2**40
+    elements in an 8-byte storage) and its tensors together cannot hold more bytes than
+    the file. Checked before anything allocates what the sample claims (a collate, a
+    copy to a device).
+
+    Args:
+        sample (BaseData | dict[str, Any]): A ``Data``, ``HeteroData``, the collated
+            data of a ``(data, slices)`` file or its slices.
+        limit (int): The file's size in bytes.
+
+    Returns:
+        :obj:`None`, or what is wrong, naming the attribute (``"attribute 'pos': ..."``).
+    """
+    total = 0
+    for store in ([sample] if isinstance(sample, dict) else sample.stores):
+        store_key = getattr(store, "__dict__", {}).get("_key")  # a HeteroData's type
+        prefix = "" if store_key is None else f"{store_key}."
+        for key, value in store.items():
+            for name, tensor in _tensors(f"{prefix}{key}", value):
+                if tensor.layout != torch.strided:
+                    continue  # sparse tensors are made of strided ones torch checked
+                if overlapping(tensor.shape, tensor.stride()):
+                    return (f"attribute {name!r}: a tensor of shape {tuple(tensor.shape)} "
+                            f"with strides {tensor.stride()} reuses elements of its "
+                            f"storage, which torch.save of PyG data never writes")
+                total += math.prod(tensor.shape) * tensor.element_size()
+                if total > limit:
+                    return (f"attribute {name!r}: its tensors claim {total} bytes so far, "
+                            f"more than the {limit} bytes of the file")
+    return None
 
 
 class BufferViewSamples(Sequence):
