@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
-from harness import ServerProcess, dir_bytes, serve_http  # noqa: E402
+from harness import PeakSampler, ServerProcess, dir_bytes, serve_http  # noqa: E402
 
 WORK = HERE / "_work" / "single_file_url"
 MiB = 1 << 20
@@ -92,7 +92,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-class TreeSampler:
+class TreeSampler(PeakSampler):
     """Peak RSS growth of this process plus the children it starts; peak bytes of folders.
 
     At every sample the growth of the tree is this process's RSS minus its RSS at
@@ -116,7 +116,7 @@ class TreeSampler:
         self.first: dict[int, tuple[int, int]] = {}  # child pid -> its first sample
         self.peak_disk = dict.fromkeys(self.folders, 0)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)  # PeakSampler's loop
 
     def _sample(self) -> None:
         own = _memory("self")
@@ -134,19 +134,9 @@ class TreeSampler:
         for name, folder in self.folders.items():
             self.peak_disk[name] = max(self.peak_disk[name], dir_bytes(folder))
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
     def __enter__(self) -> TreeSampler:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        self._sample()  # the children's first samples are their baselines
+        return super().__enter__()
 
 
 # ------------------------------------------------------------------ data and server

@@ -69,7 +69,12 @@ def _write(path: Path, count: int, compression: str = "none", seed: int = 0) -> 
 
 def _run(path: Path, access: str, how: str, shrink) -> tuple[int, str, str]:
     """Start the reader, call ``shrink()`` after its first pass; (exit code, stdout lines)."""
-    process = subprocess.Popen([sys.executable, "-c", READER, str(path), access, how],
+    return _run_script(READER, [str(path), access, how], shrink)
+
+
+def _run_script(script: str, args: list[str], shrink) -> tuple[int, str, str]:
+    """Run ``script`` until it prints ``ready``, call ``shrink()``, then let it go on."""
+    process = subprocess.Popen([sys.executable, "-c", script, *args],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -186,19 +191,7 @@ LOADER = textwrap.dedent("""
 
 
 def _run_loader(path: Path, kind: str, shrink) -> tuple[int, str, str]:
-    process = subprocess.Popen([sys.executable, "-c", LOADER, str(path), kind],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        ready = process.stdout.readline().decode()
-        assert ready.startswith("ready"), process.stderr.read().decode()
-        shrink()
-        out, err = process.communicate(b"go\n", timeout=TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    return process.returncode, ready.split()[1], out.decode() + err.decode()
+    return _run_script(LOADER, [str(path), kind], shrink)
 
 
 @pytest.mark.parametrize("kind", ["AtompackLoader", "DataLoader"])

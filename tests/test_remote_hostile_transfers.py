@@ -52,23 +52,23 @@ def shard_bytes(tmp_path_factory) -> bytes:
     return (root / "x.atp").read_bytes()
 
 
-@pytest.fixture
-def hostile(shard_bytes):
+def _serve(shard_bytes: bytes):
     server = HostileServer({"x.atp": shard_bytes}).start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def hostile(shard_bytes):
+    yield from _serve(shard_bytes)
 
 
 @pytest.fixture
 def other(shard_bytes):
     """A second origin (another port) that only ever logs what reaches it."""
-    server = HostileServer({"x.atp": shard_bytes}).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _serve(shard_bytes)
 
 
 def _manifest(entries: list[tuple[str, int]]) -> dict:

@@ -278,8 +278,8 @@ class HTTPSource(URLShardSource):
             return replace(shard, size=found.size) if found.size is not None else shard
 
         with ThreadPoolExecutor(min(8, len(unsized))) as pool:
-            sized = dict(zip(map(id, unsized), pool.map(ask, unsized)))
-        return tuple(sized.get(id(shard), shard) for shard in shards)
+            asked = iter(list(pool.map(ask, unsized)))
+        return tuple(next(asked) if shard.size is None else shard for shard in shards)
 
     def __repr__(self) -> str:
         origin = redact_url(self.manifest_url) if self.manifest_url else \
