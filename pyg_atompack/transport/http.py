@@ -555,9 +555,8 @@ def fill(url: str, sink: ShardBuffer | ShardPart | FileSink, *, policy: RetryPol
     """
     pin = pin if pin is not None else VersionPin(validator)
     headers = request_headers(headers)
-    clock = TransferClock(url, policy.deadline_for(sink.room(whole=True)
-                                                   if not isinstance(sink, ShardPart)
-                                                   else sink.end - sink.start))
+    size = sink.end - sink.start if isinstance(sink, ShardPart) else sink.limit
+    clock = TransferClock(url, policy.deadline_for(size))
 
     def attempt() -> None:
         clock.check(len(sink))
