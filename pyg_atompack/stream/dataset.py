@@ -19,6 +19,7 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
+from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
 from pyg_atompack.stream.blocks import (
@@ -248,6 +249,13 @@ class ShardStreamDataset(IterableDataset):
             the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
             is initialised in the consuming process when iteration starts, else the
             wall clock. (default: :obj:`"auto"`)
+        device (torch.device or str, optional): Hand items out on this device, each
+            copied one step ahead on a side CUDA stream
+            (:class:`~pyg_atompack.pyg.device.DeviceFeeder`; ``state_dict`` stays exact).
+            Iterating in the main process only: behind DataLoader workers pass
+            ``device=`` to :class:`~pyg_atompack.StatefulLoader`. (default: :obj:`None`)
+        device_transform (Callable, optional): Applied to each item on the device, e.g.
+            ``InteractionGraph.transform()``. (default: :obj:`None`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -264,7 +272,9 @@ class ShardStreamDataset(IterableDataset):
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records"):
+                 verify_before_use: bool | str = "records",
+                 device: torch.device | str | None = None,
+                 device_transform: Callable[[BaseData], BaseData] | None = None):
         super().__init__()
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
@@ -318,6 +328,7 @@ class ShardStreamDataset(IterableDataset):
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.wait_clock = wait_clock
+        self.device_feed = DeviceFeed.of(device, device_transform)
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -390,6 +401,11 @@ class ShardStreamDataset(IterableDataset):
         Returns:
             The state, to pass to :meth:`load_state_dict`.
         """
+        if self.device_feed is not None and get_worker_info() is None:
+            return self.device_feed.state(self._state)  # not the item drawn ahead
+        return self._state()
+
+    def _state(self) -> dict:
         progress = self._progress or StreamProgress(self.epoch, self.slot())
         return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
                 "block_bytes": self.block_bytes if self.blocks is not None else None}
@@ -411,6 +427,8 @@ class ShardStreamDataset(IterableDataset):
                              f"(block_bytes {state.get('block_bytes')}, now {blocks})")
         self._resume = StreamProgress.from_state(state)
         self.epoch = self._resume.epoch
+        if self.device_feed is not None:
+            self.device_feed.reset()
 
     def _start_progress(self, slot: StreamSlot) -> StreamProgress:
         resume, self._resume = self._resume, None
@@ -444,6 +462,8 @@ class ShardStreamDataset(IterableDataset):
         samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
+        if self.device_feed is not None and get_worker_info() is None:
+            return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
 
     def _start_prefetcher(self, plan: StreamPlan | BlockPlan, slot: StreamSlot,
