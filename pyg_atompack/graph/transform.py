@@ -17,7 +17,7 @@ from .radius import DEFAULT_MAX_PAIRS, radius_graph
 
 def edge_vectors(pos: Tensor, batch: Tensor | None, edge_index: Tensor, edge_shift: Tensor,
                  cell: Tensor | None = None, pbc: Tensor | None = None) -> Tensor:
-    """Edge vectors ``pos[j] + shift @ cell - pos[i]``, differentiable w.r.t. ``pos``, ``cell``.
+    """Edge vectors ``pos[j] + shift @ cell - pos[i]``, differentiable in ``pos`` and ``cell``.
 
     Args:
         pos (Tensor): ``[N, 3]`` positions.

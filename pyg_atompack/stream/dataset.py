@@ -22,6 +22,7 @@ from pyg_atompack.pyg import names_transform, resolve_names
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
+from pyg_atompack.stream.autotune import attach, check_memory_budget, stream_tuner
 from pyg_atompack.stream.blocks import (
     DEFAULT_BLOCK_BYTES,
     BlockLoader,
@@ -249,6 +250,13 @@ class ShardStreamDataset(IterableDataset):
             the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
             is initialised in the consuming process when iteration starts, else the
             wall clock. (default: :obj:`"auto"`)
+        memory_budget (int, optional): Bytes this rank's live shards may take; turns on
+            tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
+            runs, from measured download and consumption times, more connections while
+            downloads are the bottleneck and less prefetch when memory is short
+            (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
+            ``autotune``). :obj:`None` keeps ``prefetch`` and ``concurrency`` as given.
+            (default: :obj:`None`)
         device (torch.device or str, optional): Hand items out on this device, each
             copied one step ahead on a side CUDA stream
             (:class:`~pyg_atompack.pyg.device.DeviceFeeder`; ``state_dict`` stays exact).
@@ -273,6 +281,7 @@ class ShardStreamDataset(IterableDataset):
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
                  verify_before_use: bool | str = "records",
+                 memory_budget: int | None = None,
                  device: torch.device | str | None = None,
                  device_transform: Callable[[BaseData], BaseData] | None = None):
         super().__init__()
@@ -329,6 +338,8 @@ class ShardStreamDataset(IterableDataset):
         self.verify_before_use = verify_before_use
         self.wait_clock = wait_clock
         self.device_feed = DeviceFeed.of(device, device_transform)
+        check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -479,16 +490,21 @@ class ShardStreamDataset(IterableDataset):
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency, slot)
+        tuner = recorder.tuner = stream_tuner(
+            self.memory_budget, [self.block_bytes] if isinstance(plan, BlockPlan)
+            else [self.shards[number].size for number in plan.shards], slot.num_workers)
+        if tuner is not None:  # settings chosen by measurement from here on
+            prefetch, concurrency = tuner.start()
         # a download takes the free connections it can use (Prefetcher)
         budget = concurrency if self.split_shards else 1
         first = jobs[0] if jobs else None
         if isinstance(plan, BlockPlan):
             block_parts = loader.connections(budget)
-            return Prefetcher(
+            return attach(tuner, Prefetcher(
                 jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
                                                              parts=lease.connections,
                                                              downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts)
+                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts))
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
         # one, or all; a download keeps its connections until it ends. "First" is the
         # epoch's first shard of this slot, not the first left after a resume: whether a
@@ -506,13 +522,13 @@ class ShardStreamDataset(IterableDataset):
                 return concurrency
             return loader.connections(job[1], budget)
 
-        return Prefetcher(
+        return attach(tuner, Prefetcher(
             jobs, lambda job, cancel, lease: loader.load(
                 *job, cancel, recorder, parts=min(lease.connections, budget),
                 arriving=every or (arriving and job is opening), downloaded=lease.release),
             depth=prefetch, concurrency=concurrency, connections=connections,
             settled=_download_ended if arriving or every else None,
-        )
+        ))
 
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder, prefetcher: Prefetcher,
@@ -636,11 +652,16 @@ class ShardStreamDataset(IterableDataset):
             A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
             overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``,
             the consumer's ``steps, step_wait_s, step_s, wait_share, wait_clock``,
-            plus ``epoch``, ``prefetch`` and ``concurrency``.
+            plus ``epoch``, ``prefetch`` and ``concurrency`` (as given), and ``autotune``
+            (with ``memory_budget``: the budget, the settings chosen and every decision
+            with its reason; one per DataLoader worker; :obj:`None` without a budget).
         """
-        summary = summarize(merge_traces(self._snapshots()))
+        snapshots = self._snapshots()
+        summary = summarize(merge_traces(snapshots))
+        tuned = [s["autotune"] for s in snapshots if s.get("autotune")]
         return {**summary, "epoch": self.epoch, "prefetch": self.prefetch,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency,
+                "autotune": (tuned[0] if len(tuned) == 1 else tuned) or None}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.source!r}, shards={len(self.shards)}, "
