@@ -207,3 +207,10 @@ def test_stream_iteration_on_the_device_resumes_exactly_and_builds_graphs(files:
     assert batch.edge_index.device.type == DEVICE.type
     energy, forces = energy_and_forces(model, batch)
     assert forces.shape == batch.pos.shape and bool(torch.isfinite(forces).all())
+
+
+def test_stream_device_option_behind_workers_is_refused_by_name(files: dict) -> None:
+    stream = ShardStreamDataset(files["shards"], batch_size=4, device=DEVICE)
+    loader = StatefulLoader(stream, batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="pass device= to the loader"):
+        next(iter(loader))

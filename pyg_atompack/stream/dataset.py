@@ -454,6 +454,10 @@ class ShardStreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[BaseData]:
         slot = self.slot()
         if get_worker_info() is not None:
+            if self.device_feed is not None:
+                raise ValueError("ShardStreamDataset(device=...) hands items out on a device "
+                                 "in the main process; behind DataLoader workers pass "
+                                 "device= to the loader (pyg_atompack.StatefulLoader)")
             install_handoff()  # batches leave this worker as one buffer each
         plan = self.plan(slot)
         progress = self._start_progress(slot)
@@ -473,7 +477,7 @@ class ShardStreamDataset(IterableDataset):
         samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
-        if self.device_feed is not None and get_worker_info() is None:
+        if self.device_feed is not None:
             return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
 
