@@ -178,3 +178,30 @@ def test_search_on_the_compute_device_matches_cpu(backend: str) -> None:
                              pbc=pbc.to(DEVICE), return_vectors=True, backend=backend)
     assert on_device.edge_index.device.type == DEVICE
     assert_same(edges(on_device), on_cpu)
+
+
+def test_threads_searching_at_once_get_their_own_results() -> None:
+    # a read-ahead thread's transform and the model's forward may search at the same time
+    import threading
+
+    crystals = [bulk("Cu", "fcc", a=3.5 + 0.05 * k).repeat((3, 3, 3)) for k in range(4)]
+    inputs = [(torch.tensor(c.positions), torch.tensor(np.asarray(c.cell))) for c in crystals]
+    expected = [edges(radius_graph(p, 5.0, cell=c, return_vectors=True, backend="torch"))
+                for p, c in inputs]
+    found: dict[int, list] = {k: [] for k in range(4)}
+
+    def search(k: int) -> None:
+        for _ in range(5):
+            pos, cell = inputs[k]
+            found[k].append(edges(radius_graph(pos, 5.0, cell=cell, return_vectors=True,
+                                               backend="vesin")))
+
+    threads = [threading.Thread(target=search, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k in range(4):
+        assert len(found[k]) == 5
+        for result in found[k]:
+            assert_same(result, expected[k])

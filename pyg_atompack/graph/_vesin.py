@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from types import ModuleType
 
 import torch
@@ -53,10 +54,19 @@ def prefer_vesin(counts: Tensor, periodic: bool) -> bool:
     return int(counts.sum()) >= threshold * len(counts)
 
 
-@functools.lru_cache(maxsize=16)
+_PER_THREAD = threading.local()
+
+
 def _calculator(cutoff: float) -> object:
-    # one thread: the consumer's step and DataLoader workers already use the cores
-    return vesin_module().NeighborList(cutoff=cutoff, full_list=True, n_threads=1)
+    # one per thread (a calculator reuses its buffers: a read-ahead thread's transform and
+    # the model's forward may search at once); one search thread each, as the consumer's
+    # step and DataLoader workers already use the cores
+    calculators = _PER_THREAD.__dict__.setdefault("calculators", {})
+    calculator = calculators.get(cutoff)
+    if calculator is None:
+        calculator = calculators[cutoff] = vesin_module().NeighborList(
+            cutoff=cutoff, full_list=True, n_threads=1)
+    return calculator
 
 
 def vesin_pairs(pos: Tensor, counts: Tensor, r: float, loop: bool, cell: Tensor | None = None,
