@@ -32,9 +32,9 @@ VESIN_MOLECULE_ATOMS = 600
 
 @functools.lru_cache(maxsize=1)
 def vesin_module() -> ModuleType | None:
-    """``vesin.torch`` when ``vesin-torch`` is installed and loads, else :obj:`None`."""
+    """``vesin_torch`` when ``vesin-torch`` is installed and loads, else :obj:`None`."""
     try:
-        return importlib.import_module("vesin.torch")
+        return importlib.import_module("vesin_torch")
     except (ImportError, OSError):  # OSError: a native library built for another torch
         return None
 
