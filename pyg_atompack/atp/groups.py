@@ -702,3 +702,23 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group(indices={self.indices!r}, properties={self.properties!r})"
+
+
+def read_groups(reader: Any) -> Groups:
+    """The groupings of an open reader, from the groups frames its directory lists.
+
+    Args:
+        reader (Any): A reader with ``metadata_frames`` (entries with ``kind``,
+            ``offset``, ``length``) and ``read_metadata(entry)`` (the payload, CRC
+            checked), ``name``, ``len()`` and ``reader[i]``.
+
+    Returns:
+        The :class:`Groups` mapping; members are read through ``reader[i]``.
+
+    Raises:
+        GroupsError: A groups frame is damaged or does not fit the chunks before it.
+    """
+    payloads = [(f"{reader.name}: groups frame at byte {f.offset}", reader.read_metadata(f))
+                for f in reader.metadata_frames if f.kind == FRAME_GROUPS]
+    return Groups(merge_chunks(payloads, len(reader)), lambda ids: [reader[i] for i in ids],
+                  reader.name)
