@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 from pyg_atompack.atp import AtpError
+from pyg_atompack.atp.add_groups import GroupsState, parse_grouping
 from pyg_atompack.atp.groups import (
     Grouping,
     GroupsError,
-    GroupsState,
     decode_groups,
     encode_groups,
     merge_chunks,
-    parse_grouping,
 )
 
 
