@@ -17,8 +17,10 @@ from . import batch as _batch
 from . import cache as _cache
 from .codecs import CODEC_NAMES, decompress
 from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, RecordDecodeError
+from .extensions import read_payload
 from .fields import FieldInfo, fields_from_schema, merge_layout
 from .filestate import F32, FileState
+from .frames import MetaFrame
 from .header import Header
 from .index import molecule_index
 from .molecule import Molecule
@@ -186,6 +188,34 @@ class Reader(ReadOnlyReader):
 
     def __len__(self) -> int:
         return self._state().count
+
+    @property
+    def metadata_frames(self) -> list[MetaFrame]:
+        """The metadata frames the extensions directory lists (every kind, in order).
+
+        A file in the writing state lists the metadata frames its recovery scan found.
+        See :mod:`pyg_atompack.atp.extensions`.
+        """
+        return list(self._state().directory)
+
+    def read_metadata(self, frame: MetaFrame) -> bytes:
+        """The payload of one of :attr:`metadata_frames`, its CRC-32 checked.
+
+        Args:
+            frame (MetaFrame): An entry of :attr:`metadata_frames`.
+
+        Returns:
+            The payload bytes.
+
+        Raises:
+            FrameError: The frame is damaged (names the file, kind and offset).
+            AtpValueError: ``frame`` is not listed by this file.
+        """
+        st = self._state()
+        if frame not in st.directory:
+            raise AtpValueError(f"{self._name}: {frame} is not in the extensions directory")
+        st.check_size()
+        return read_payload(st.read, frame, self._name)
 
     @property
     def n_atoms(self) -> np.ndarray:

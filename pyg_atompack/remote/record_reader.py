@@ -27,7 +27,7 @@ import numpy as np
 
 from pyg_atompack.atp import batch as _batch
 from pyg_atompack.atp.errors import AtpError
-from pyg_atompack.atp.images import FileMeta, gathered_image
+from pyg_atompack.atp.images import FileMeta, gathered_image, record_ranges
 from pyg_atompack.atp.index import molecule_index
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.atp_meta import load_meta
@@ -128,14 +128,9 @@ class RemoteAtpReader:
         return self._fields
 
     # ----------------------------------------------------------------- records
-    def _ranges(self, records: np.ndarray) -> list[tuple[int, int]]:
-        entries = self.meta.index[records]
-        starts = entries["offset"].astype(np.int64)
-        return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
-
     def _image(self, records: np.ndarray) -> Any:
-        return gathered_image(self.meta, records,
-                              self.cache.read(self.range_reader, self._ranges(records)))
+        return gathered_image(self.meta, records, self.cache.read(
+            self.range_reader, record_ranges(self.meta, records)))
 
     def __getitem__(self, i: int) -> Any:
         i = molecule_index(i, len(self), self.name)

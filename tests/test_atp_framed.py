@@ -1,0 +1,313 @@
+"""Framed `.atp` files (the revision after 0.4.1): reading, CRC checks, recovery, verify.
+
+The files come from the independent encoder in ``atp_framed.py``, built from 0.4.1
+files' record bytes the way the reference's ``frames.rs`` lays them out (commit
+90da9bd35904a3625ab143eeb5cdd8d532a22c78): every codec, record format 3, an
+unknown kind-99 frame, torn last frames, a bad CRC mid-file, files never
+committed and files cut at every frame boundary.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyg_atompack import atp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from atp_framed import GROUPS, Framed, boundaries, source_of  # noqa: E402
+
+CODECS = ("none", "lz4", "zstd")
+ACCESS = ("mmap", "pread", "auto", "memory")
+
+
+def _source_file(path: Path, codec: str, count: int = 12, f64: bool = False) -> Path:
+    rng = np.random.default_rng(len(codec) + count)
+    dtype = np.float64 if f64 else np.float32
+    with atp.Writer(path, compression=codec) as w:
+        for i in range(count):
+            n = 2 + i % 4
+            w.add(rng.random((n, 3)).astype(dtype), rng.integers(1, 90, n), energy=float(i),
+                  forces=rng.random((n, 3)).astype(dtype),
+                  properties={"tag": f"m{i}"}, atom_properties={"q": rng.random(n)})
+    return path
+
+
+def _framed(tmp_path: Path, codec: str, count: int = 12, f64: bool = False,
+            meta: bool = True) -> tuple[Framed, Path]:
+    src = _source_file(tmp_path / f"src_{codec}_{f64}.atp", codec, count, f64)
+    items = [("schema",)] + [("record", i) for i in range(count // 2)]
+    if meta:  # a frame "from a newer version" between the records
+        items.append(("meta", 99, b"from a newer version"))
+    items += [("record", i) for i in range(count // 2, count)]
+    return Framed(source_of(src), items), src
+
+
+def _open(path: Path, access: str) -> atp.Reader:
+    if access == "memory":
+        return atp.Reader.from_bytes(path.read_bytes(), name=str(path))
+    return atp.Reader(path, access=access)
+
+
+def _same(got: atp.Reader, want: atp.Reader) -> None:
+    assert len(got) == len(want)
+    everything = list(range(len(want)))
+    a, b = got.read_batch(everything), want.read_batch(everything)
+    for key in ("n_atoms", "positions", "atomic_numbers", "energy", "forces"):
+        assert np.array_equal(a[key], b[key]), key
+    assert [m.properties["tag"] for m in got] == [m.properties["tag"] for m in want]
+    assert all(np.array_equal(g.atom_properties["q"], w.atom_properties["q"])
+               for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("access", ACCESS)
+def test_committed_framed_file_reads_like_its_records(tmp_path, codec, access):
+    framed, src = _framed(tmp_path, codec)
+    path = tmp_path / "framed.atp"
+    path.write_bytes(framed.committed())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a committed file is read without a word
+        reader = _open(path, access)
+        _same(reader, atp.Reader(src))
+    assert reader.header.framed and not reader.header.writing
+    assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
+        [(99, b"from a newer version")]
+
+
+def test_record_format_3_and_float64_positions(tmp_path):
+    framed, src = _framed(tmp_path, "zstd", f64=True)
+    path = tmp_path / "framed.atp"
+    path.write_bytes(framed.committed())
+    reader = atp.Reader(path)
+    assert reader.record_format == 3 and reader.positions_dtype == np.float64
+    _same(reader, atp.Reader(src))
+
+
+def test_atompack_041_reads_the_committed_framed_file(tmp_path):
+    # the framed revision keeps index and schema readable the 0.4.1 way
+    from atp_oracle import assert_same_molecule, normalize_ours, read_atompack
+
+    framed, src = _framed(tmp_path, "lz4")
+    path = tmp_path / "framed.atp"
+    path.write_bytes(framed.committed())
+    want = [normalize_ours(m) for m in atp.Reader(src)]
+    for i, (ours, theirs) in enumerate(zip(atp.Reader(path), read_atompack(path), strict=True)):
+        assert_same_molecule(normalize_ours(ours), want[i], f"ours {i}")
+        assert_same_molecule(theirs, want[i], f"atompack-db {i}")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("access", ("mmap", "pread", "memory"))
+def test_a_flipped_payload_byte_fails_naming_file_and_record(tmp_path, codec, access):
+    framed, _ = _framed(tmp_path, codec, meta=False)
+    good = framed.committed()
+    index = atp.Reader.from_bytes(good).index
+    for i in range(len(index)):
+        data = bytearray(good)
+        data[int(index["offset"][i]) + int(index["stored"][i]) // 2] ^= 0x10
+        path = tmp_path / f"flipped_{i}.atp"
+        path.write_bytes(bytes(data))
+        reader = _open(path, access)
+        with pytest.raises(atp.FrameError, match=rf"{path}: record {i}: CRC-32 mismatch"):
+            reader[i]
+        with pytest.raises(atp.FrameError, match=rf"record {i}: CRC"):
+            _open(path, access).read_batch([j for j in range(len(index)) if j != i] + [i])
+        with pytest.raises(atp.FrameError, match=rf"record {i}: CRC"):
+            _open(path, access).raw_record(i)
+        other = (i + 1) % len(index)
+        assert reader[other].energy == float(other)  # the others still read
+
+
+def test_a_frame_header_that_disagrees_with_the_index_is_refused(tmp_path):
+    framed, _ = _framed(tmp_path, "none", meta=False)
+    data = bytearray(framed.committed())
+    at = int(atp.Reader.from_bytes(bytes(data)).index["offset"][3]) - 20
+    data[at + 12] += 1  # n_atoms in the frame header (the CRC is then wrong too)
+    reader = atp.Reader.from_bytes(bytes(data), name="f.atp")
+    with pytest.raises(atp.FrameError, match=r"f.atp: record 3: the frame header .* disagrees"):
+        reader[3]
+
+
+def test_remote_by_record_and_record_blocks_check_frames(tmp_path):
+    from pyg_atompack.atp.images import block_span, complete_block, plan_blocks
+    from pyg_atompack.remote.atp_meta import load_meta
+    from pyg_atompack.remote.ranges import FileRangeReader
+    from pyg_atompack.remote.record_reader import RemoteAtpReader
+
+    framed, src = _framed(tmp_path, "zstd", count=40)
+    path = tmp_path / "framed.atp"
+    path.write_bytes(framed.committed())
+    remote = RemoteAtpReader(FileRangeReader(path), cache_dir=tmp_path / "cache")
+    want = atp.Reader(src)
+    assert list(remote.read_batch([3, 39, 7, 3])["energy"]) == [3.0, 39.0, 7.0, 3.0]
+    assert remote[25].properties["tag"] == want[25].properties["tag"]
+    meta = load_meta(FileRangeReader(path), tmp_path / "cache")
+    energies = []
+    data = path.read_bytes()
+    for first, stop in zip(*(lambda b: (b[:-1], b[1:]))(plan_blocks(meta, 700).tolist())):
+        start, length, size = block_span(meta, first, stop)
+        image = bytearray(size)
+        image[8192:8192 + length] = data[start:start + length]
+        complete_block(image, meta, first, stop)
+        block = atp.Reader.from_bytes(image, copy=False)
+        assert block.header.framed
+        energies += block.read_batch(range(len(block)))["energy"].tolist()
+    assert energies == [float(i) for i in range(40)]
+
+    damaged = bytearray(data)
+    damaged[int(meta.index["offset"][30]) + 3] ^= 1
+    bad = tmp_path / "bad.atp"
+    bad.write_bytes(bytes(damaged))
+    remote = RemoteAtpReader(FileRangeReader(bad), cache_dir=tmp_path / "cache2")
+    with pytest.raises(atp.FrameError, match=r"bad.atp: record 30: CRC-32"):
+        remote.read_batch([2, 30])
+    assert remote[29].energy == 29.0
+
+
+def test_shard_stream_reads_framed_shards_whole_and_in_blocks(tmp_path):
+    from pyg_atompack.remote.ranges import FileRangeReader
+    from pyg_atompack.stream import LocalSource, ShardStreamDataset
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    framed, _ = _framed(tmp_path, "lz4", count=30)
+    for s in range(2):  # the same records twice: energies 0..29 in each shard
+        (shards / f"part_{s}.atp").write_bytes(framed.committed())
+    local = LocalSource(shards)
+
+    class Ranged:
+        def list_shards(self):
+            return local.list_shards()
+
+        def fetch(self, shard, cancel):
+            return local.fetch(shard, cancel)
+
+        def range_reader(self, shard):
+            return FileRangeReader(shard.location)
+
+    whole = ShardStreamDataset(local, cache_dir=tmp_path / "c1")
+    blocks = ShardStreamDataset(Ranged(), block_bytes=1 << 10, cache_dir=tmp_path / "c2")
+    assert blocks.blocks is not None
+    for dataset in (whole, blocks):
+        got = sorted(int(s.energy.item()) for s in dataset)
+        assert got == sorted(list(range(30)) * 2)
+
+
+# ---------------------------------------------------------------- the writing state
+def _recovered(path: Path, access: str = "mmap") -> tuple[atp.Reader, str]:
+    with pytest.warns(atp.RecoveredWriteWarning) as caught:
+        reader = _open(path, access)
+    assert len(caught) == 1
+    return reader, str(caught[0].message)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("access", ACCESS)
+def test_never_committed_file_is_recovered_with_a_warning(tmp_path, codec, access):
+    framed, src = _framed(tmp_path, codec)
+    path = tmp_path / "writing.atp"
+    path.write_bytes(framed.writing())
+    reader, message = _recovered(path, access)
+    assert f"{path}: the file is in the writing state" in message
+    assert "recovered 12 records" in message and "to the end of the file" in message
+    _same(reader, atp.Reader(src))
+    assert [f.kind for f in reader.metadata_frames] == [99]
+    assert reader.header.writing and reader.schema is not None
+
+
+def test_torn_last_frame_and_bad_crc_mid_file_end_the_recovery(tmp_path):
+    framed, src = _framed(tmp_path, "none", meta=False)
+    full = framed.writing()
+    path = tmp_path / "torn.atp"
+    path.write_bytes(full[:-3])  # the last frame is cut short
+    reader, message = _recovered(path)
+    assert len(reader) == 11 and "recovered 11 records" in message
+    assert "incomplete frame" in message
+    # flip one payload byte of the 4th record: its checksum fails, the scan stops there
+    offset = int(reader.index["offset"][3])
+    data = bytearray(full)
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    reader, message = _recovered(path)
+    assert [m.energy for m in reader] == [0.0, 1.0, 2.0]
+    assert f"found a frame at byte {offset - 20} that fails its CRC-32" in message
+
+
+def test_cut_at_every_frame_boundary(tmp_path):
+    framed, src = _framed(tmp_path, "zstd")
+    want = atp.Reader(src)
+    full = framed.writing()
+    kinds = [item[0] if item[0] != "meta" else item[1] for item in framed.items]
+    path = tmp_path / "cut.atp"
+    for k, end in enumerate(boundaries(framed)):
+        for cut in (end, end + 7):  # whole frames, or whole frames and a torn next one
+            path.write_bytes(full[:cut])
+            reader, message = _recovered(path)
+            expected = kinds[:k + 1].count("record")
+            assert len(reader) == expected, (k, cut)
+            assert f"recovered {expected} records" in message
+            for i in range(expected):
+                assert reader[i].energy == want[i].energy
+            assert [f.kind for f in reader.metadata_frames] == \
+                ([99] if 99 in kinds[:k + 1] else [])
+
+
+def test_a_newer_groups_frame_replaces_the_older_in_a_recovery(tmp_path):
+    framed, _ = _framed(tmp_path, "none", meta=False)
+    framed.items += [("meta", GROUPS, b"old"), ("meta", 99, b"x"), ("meta", GROUPS, b"new")]
+    path = tmp_path / "w.atp"
+    path.write_bytes(framed.writing())
+    reader, _ = _recovered(path)
+    assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
+        [(99, b"x"), (GROUPS, b"new")]
+
+
+def test_remote_readers_refuse_the_writing_state_naming_the_file(tmp_path):
+    from pyg_atompack.remote.ranges import FileRangeReader
+    from pyg_atompack.remote.record_reader import RemoteAtpReader
+
+    framed, _ = _framed(tmp_path, "none")
+    path = tmp_path / "w.atp"
+    path.write_bytes(framed.writing())
+    remote = RemoteAtpReader(FileRangeReader(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(atp.HeaderError, match=rf"{path}: the file is in the writing state"):
+        len(remote)
+
+
+def test_unknown_header_flags_are_refused(tmp_path):
+    from atp_framed import slot
+
+    framed, _ = _framed(tmp_path, "none")
+    data = framed.committed()
+    bad = slot(9, flags=1 | 8) * 2 + data[8192:]
+    with pytest.raises(atp.HeaderError, match="unknown header flags 0x9"):
+        atp.Reader.from_bytes(bad, name="f.atp")
+
+
+@pytest.mark.skipif(
+    tuple(int(p) for p in importlib.metadata.version("atompack-db").split(".")[:3])
+    <= (0, 4, 1), reason="atompack-db 0.4.1 writes no framed files")
+def test_differential_against_a_framed_atompack_db(tmp_path):  # pragma: no cover
+    import atompack
+    from atp_oracle import normalize_ours, read_atompack
+
+    path = tmp_path / "theirs.atp"
+    db = atompack.Database(str(path), overwrite=True)
+    rng = np.random.default_rng(1)
+    for i in range(20):
+        mol = atompack.Molecule(rng.random((3, 3)).astype(np.float32), np.array([1, 6, 8],
+                                                                                np.uint8))
+        mol.energy = float(i)
+        db.add_molecule(mol)
+    db.flush()
+    reader = atp.Reader(path)
+    assert reader.header.framed
+    assert [normalize_ours(m)["energy"] for m in reader] == \
+        [m["energy"] for m in read_atompack(path)]
+    assert atp.verify(path) == []
