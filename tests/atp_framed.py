@@ -123,7 +123,8 @@ class Framed:
         data_end = HEADER + len(frames)
         index = struct.pack("<Q", len(entries)) + b"".join(
             struct.pack("<QIII", *e) for e in entries)
-        directory = b"".join(struct.pack("<IQQ", *m) for m in metadata)
+        directory = struct.pack("<II", 1, len(metadata)) + b"".join(
+            struct.pack("<IQQ", *m) for m in metadata) if metadata else b""
         ext = (data_end + len(index), len(directory)) if directory else (0, 0)
         gen = self.generation + 1
         done = slot(gen, index_offset=data_end, index_len=len(index), count=len(entries),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -105,46 +104,3 @@ def plain_file(path: Path, n: int, compression: str = "zstd") -> Path:
             w.add(rng.normal(size=(k, 3)).astype(np.float32), np.full(k, 6 + i % 3),
                   energy=float(i), forces=rng.normal(size=(k, 3)).astype(np.float32))
     return path
-
-
-MetaFrame = namedtuple("MetaFrame", "kind offset length")
-
-
-class DirectoryReader:
-    """An ``atp.Reader`` of a committed framed file plus the metadata directory, read here
-    with ``struct`` (until the package's reader lists metadata frames itself)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.reader = atp.open(path, access="pread")
-        data = self.path.read_bytes()
-        h = self.reader.header
-        at = 0 if h.slot == "A" else SLOT
-        ext_offset, ext_len = struct.unpack_from("<QQ", data, at + 76)
-        self.metadata_frames = []
-        if ext_len:
-            _, count = struct.unpack_from("<II", data, ext_offset)
-            self.metadata_frames = [
-                MetaFrame(*struct.unpack_from("<IQQ", data, ext_offset + 8 + 20 * j))
-                for j in range(count)]
-        self._data = data
-
-    def read_metadata(self, f) -> bytes:
-        return self._data[f.offset:f.offset + f.length]
-
-    @property
-    def groups(self):
-        from pyg_atompack.atp.groups import read_groups
-
-        return read_groups(self)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("reader", "_data"):
-            raise AttributeError(name)  # unpickling looks these up before they exist
-        return getattr(self.reader, name)
-
-    def __len__(self) -> int:
-        return len(self.reader)
-
-    def __getitem__(self, i: int):
-        return self.reader[i]

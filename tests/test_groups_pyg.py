@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from groups_fixtures import DirectoryReader, plain_file, write_framed
+from groups_fixtures import plain_file, write_framed
 
+from pyg_atompack import atp
 from pyg_atompack.atp.groups import Grouping, encode_groups
 from pyg_atompack.data import AtompackGroupDataset, AtompackLoader
 
@@ -47,7 +48,7 @@ def framed(tmp_path):
 
 
 def test_upstream_read_api(framed):
-    reader = DirectoryReader(framed)
+    reader = atp.open(framed)
     groups = reader.groups
     assert list(groups) == ["adsorption", "ordered"] and len(groups) == 2
     assert "adsorption" in groups and "missing" not in groups
@@ -74,7 +75,7 @@ def test_upstream_read_api(framed):
 
 
 def test_item_is_one_group_as_a_batch(framed):
-    ds = AtompackGroupDataset(DirectoryReader(framed), "adsorption", fields=["energy"],
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"],
                               dtype=torch.float32)
     assert len(ds) == 4 and ds.roles == ROLES
     b = ds[2]
@@ -91,11 +92,11 @@ def test_item_is_one_group_as_a_batch(framed):
     with pytest.raises(IndexError, match="group 4 is out of range"):
         ds[4]
     with pytest.raises(KeyError, match=r"no grouping named 'nope' \(groupings: \['adsorption'"):
-        AtompackGroupDataset(DirectoryReader(framed), "nope")
+        AtompackGroupDataset(framed, "nope")
 
 
 def test_combine_gives_the_adsorption_energy(framed):
-    ds = AtompackGroupDataset(DirectoryReader(framed), "adsorption", fields=["energy"])
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"])
     batch = ds.__getitems__([0, 1, 2, 3])
     assert batch.record.tolist() == [1, 0, 2, 0, 3, 4, 5, 3, 6, 5]  # slab 0 decoded once
     assert batch.group.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3]
@@ -104,7 +105,7 @@ def test_combine_gives_the_adsorption_energy(framed):
     assert ds.combine(batch.energy, batch).tolist() == [1, 5, 12, 11]
     with pytest.raises(KeyError, match=r"weights miss \['gas'\]"):
         ds.combine(batch.energy, batch, {"adslab": 1, "slab": -1})
-    ordered = AtompackGroupDataset(DirectoryReader(framed), "ordered", fields=["energy"])
+    ordered = AtompackGroupDataset(framed, "ordered", fields=["energy"])
     b = ordered[0]
     assert b.role.tolist() == [0, 1, 2] and b.k.tolist() == [7]
     assert ordered.combine(b.energy, b).tolist() == [6.0]
@@ -123,7 +124,7 @@ class EnergyModel(torch.nn.Module):
 
 
 def test_loader_with_two_workers_trains_one_step(framed):
-    ds = AtompackGroupDataset(DirectoryReader(framed), "adsorption", fields=["energy"],
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"],
                               dtype=torch.float32)
     loader = AtompackLoader(ds, batch_size=2, shuffle=True, seed=3, num_workers=2)
     seen = []
