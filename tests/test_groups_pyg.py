@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from groups_fixtures import plain_file, write_framed
+from servers.http_server import serve_directory
 
 from pyg_atompack import atp
 from pyg_atompack.atp.groups import Grouping, encode_groups
@@ -153,3 +154,20 @@ def test_loader_with_two_workers_trains_one_step(framed):
         batch = next(iter(AtompackLoader(ds, batch_size=4)))
         err = ds.combine(model(batch.z, batch.batch, batch.num_graphs), batch, weights)
         assert err.shape == (4,)
+
+
+def test_groups_over_http_by_record(framed, tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    (root / "groups.atp").write_bytes(framed.read_bytes())
+    for server in serve_directory(root):
+        url = server.url("groups.atp")
+        ds = AtompackGroupDataset(url, "adsorption", fields=["energy"],
+                                  cache_dir=tmp_path / "cache")
+        assert len(ds) == 4 and ds.roles == ROLES
+        batch = next(iter(AtompackLoader(ds, batch_size=4)))
+        assert batch.record.tolist() == ADSORPTION.records.tolist()
+        e = ds.combine(batch.energy, batch, {"adslab": 1, "slab": -1, "gas": -1})
+        assert e.tolist() == [1.0, -1.0, -4.0, 1.0]
+        assert batch.id == list("abcd") and batch.e_ads.dtype == torch.float64
+        assert all(r.status in (200, 206) for r in server.requests)
