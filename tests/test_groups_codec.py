@@ -20,6 +20,7 @@ from pyg_atompack.atp.groups import (
     decode_groups,
     encode_groups,
     merge_chunks,
+    shift_chunk,
 )
 
 
@@ -198,3 +199,13 @@ def test_appending_to_a_grouping_checks_its_columns():
     second, _ = state.prepare("g", [[2, 3]], {"y": [2.0]}, None, 4, "f.atp")
     state.push("g", second)
     assert state.groupings["g"].offsets.tolist() == [0, 2, 4]
+
+
+def test_shift_chunk_renumbers_records_for_a_merge():
+    payload = encode_groups([("a", adsorption()), ("o", ordered())])
+    shifted = decode_groups(shift_chunk(payload, 10, 4, "in.atp"), 14, "out.atp")
+    assert shifted[0][1].records.tolist() == [11, 10, 12, 10, 13]
+    assert shifted[1][1].records.tolist() == [13, 11, 12]
+    assert shifted[0][1].properties["id"] == ["a", "b"]
+    with pytest.raises(GroupsError, match=r"in\.atp: .*out of range"):
+        shift_chunk(payload, 10, 3, "in.atp")

@@ -548,3 +548,26 @@ def read_groups(reader: Any) -> Groups:
                 for f in reader.metadata_frames if f.kind == FRAME_GROUPS]
     return Groups(merge_chunks(payloads, len(reader)), lambda ids: [reader[i] for i in ids],
                   reader.name)
+
+
+def shift_chunk(payload: bytes | memoryview, offset: int, num_records: int, where: str
+                ) -> bytes:
+    """A groups chunk with every record index moved by ``offset``, for a merge.
+
+    Files merged one after another renumber their records: a groups frame of a file
+    whose records start at ``offset`` in the output must point ``offset`` further on
+    (frames of unknown kinds are carried as they are; these cannot be).
+
+    Args:
+        payload (bytes | memoryview): A groups frame payload of the input file.
+        offset (int): Where the input file's records start in the output.
+        num_records (int): Records of the input file (its chunks are checked against it).
+        where (str): How messages name the input file and frame.
+
+    Returns:
+        The payload to write into the output.
+    """
+    chunk = decode_groups(payload, num_records, where)
+    for _, grouping in chunk:
+        grouping.records = grouping.records + int(offset)
+    return encode_groups(chunk)
