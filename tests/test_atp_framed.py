@@ -311,3 +311,78 @@ def test_differential_against_a_framed_atompack_db(tmp_path):  # pragma: no cove
     assert [normalize_ours(m)["energy"] for m in reader] == \
         [m["energy"] for m in read_atompack(path)]
     assert atp.verify(path) == []
+
+
+# ---------------------------------------------------------------- verify
+def test_verify_passes_a_good_framed_file_and_names_a_damaged_record(tmp_path):
+    framed, _ = _framed(tmp_path, "zstd")
+    good = tmp_path / "good.atp"
+    good.write_bytes(framed.committed())
+    assert atp.verify(good) == []
+    facts = atp.describe(good)
+    assert facts["framed"] and not facts["writing"] and facts["stale_bytes"] == 0
+    assert facts["metadata_frames"][0]["kind"] == 99
+    assert sorted(slot["writing"] for slot in facts["slots"]) == [False, True]
+
+    data = bytearray(framed.committed())
+    offset = int(atp.Reader(good).index["offset"][5])
+    data[offset + 1] ^= 0x01
+    bad = tmp_path / "bad.atp"
+    bad.write_bytes(bytes(data))
+    problems = atp.verify(bad)
+    assert len(problems) == 1 and problems[0].startswith(f"{bad}: record 5: CRC-32 mismatch")
+
+    data = bytearray(framed.committed())
+    meta = atp.Reader(good).metadata_frames[0]
+    data[meta.offset] ^= 0x01
+    bad.write_bytes(bytes(data))
+    assert atp.verify(bad) == [
+        f"{bad}: metadata frame of kind 99 at byte {meta.offset}: CRC-32 mismatch "
+        f"(frame says {problem_crc(framed)}, the bytes give "
+        f"{atp_crc(bytes(data), meta.offset, meta.length)}): the payload is damaged"]
+
+
+def problem_crc(framed: Framed) -> str:
+    import struct
+
+    data = framed.committed()
+    meta = atp.Reader.from_bytes(data).metadata_frames[0]
+    return f"{struct.unpack_from('<I', data, meta.offset - 4)[0]:#010x}"
+
+
+def atp_crc(data: bytes, offset: int, length: int) -> str:
+    import zlib
+
+    return f"{zlib.crc32(data[offset - 20:offset - 4] + data[offset:offset + length]):#010x}"
+
+
+def test_verify_names_a_file_in_the_writing_state(tmp_path):
+    framed, _ = _framed(tmp_path, "lz4")
+    path = tmp_path / "writing.atp"
+    path.write_bytes(framed.writing()[:-5])
+    problems = atp.verify(path)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}: in the writing state")
+    assert "11 records recovered" in problems[0] and "incomplete frame" in problems[0]
+
+
+def test_cli_verify_understands_frames(tmp_path):
+    import subprocess
+
+    framed, _ = _framed(tmp_path, "none")
+    good = tmp_path / "good.atp"
+    good.write_bytes(framed.committed())
+    data = bytearray(framed.committed())
+    data[int(atp.Reader(good).index["offset"][2]) + 4] ^= 0x40
+    bad = tmp_path / "bad.atp"
+    bad.write_bytes(bytes(data))
+
+    def run(path):
+        return subprocess.run([sys.executable, "-m", "pyg_atompack.cli", "verify", str(path)],
+                              capture_output=True, text=True, timeout=300)
+
+    ok = run(good)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+    failed = run(bad)
+    assert failed.returncode != 0
+    assert f"{bad}: record 2: CRC-32 mismatch" in failed.stdout + failed.stderr
