@@ -100,8 +100,6 @@ class Framed:
             else:
                 kind, payload = item[1], item[2]
                 out += frame(kind, payload)
-                if kind == GROUPS:
-                    metadata = [m for m in metadata if m[0] != GROUPS]
                 metadata.append((kind, at + 20, len(payload)))
         return bytes(out), entries, metadata, schema
 

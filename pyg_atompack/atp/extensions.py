@@ -2,9 +2,10 @@
 
 The header's extensions span points at a directory ``[version u32 = 1][count u32]``
 then 20-byte entries ``[kind u32][offset u64][len u64]``, one per metadata frame
-(groups, and kinds this version does not know), each naming a frame payload. Readers list every entry and
-decode only the kinds they know; writers carry every entry forward unchanged, so
-sections added by a newer version survive an append (the reference's kind-99 test).
+(groups, and kinds this version does not know), each naming a frame payload. Readers
+list every entry and decode only the kinds they know; writers carry every entry forward
+unchanged, so sections added by a newer version survive an append (the reference's
+kind-99 test).
 
 The API other modules build on (``atp/groups.py`` reads and writes the groups
 payload through it):
@@ -40,7 +41,10 @@ __all__ = ["ENTRY", "decode_directory", "encode_directory", "latest_payload",
 
 def encode_directory(frames: list[MetaFrame]) -> bytes:
     """The directory block listing ``frames`` (in order): ``[version u32 = 1][count u32]``
-    then the entries, as upstream's ``Extensions::encode_directory`` (90da9bd) writes it."""
+    then the entries, as upstream's ``Extensions::encode_directory`` (90da9bd) writes it;
+    no frames, no directory (``b""``: the header's span stays ``(0, 0)``)."""
+    if not frames:
+        return b""
     return DIRECTORY_HEAD.pack(DIRECTORY_VERSION, len(frames)) + b"".join(
         ENTRY.pack(f.kind, f.offset, f.length) for f in frames)
 

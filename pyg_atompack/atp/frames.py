@@ -150,9 +150,7 @@ def scan_frames(read: Callable[[int, int], bytes], start: int, size: int) -> Sca
             records.append((offset, length, raw, n_atoms))
         elif kind == FRAME_SCHEMA:
             scan.schema = MetaFrame(kind, offset, length)
-        else:
-            if kind == FRAME_GROUPS:
-                scan.metadata = [m for m in scan.metadata if m.kind != FRAME_GROUPS]
+        else:  # every metadata frame, in file order: each groups frame is one chunk
             scan.metadata.append(MetaFrame(kind, offset, length))
         at = scan.end = offset + length
     if records:

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from .errors import AtpIndexError, AtpValueError
+from .frames import FRAME_GROUPS
 from .types import TAG_F64, TAG_I64, TAG_STR
 
-FRAME_GROUPS = 3
 GROUPS_VERSION = 1
 MAX_ROLES = 0xFFFF  # role ids are u16
 COLUMN_TAGS = {TAG_F64: "float64", TAG_I64: "int64", TAG_STR: "str"}
