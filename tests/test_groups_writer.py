@@ -119,3 +119,25 @@ def test_group_errors(tmp_path):
             reader.groups["g"][bad]
     with pytest.raises(atp.ReadOnlyError, match="read-only"):
         reader.add_groups("g", [[0]], {"y": [1.0]})
+
+
+def test_framed_writer_with_groups_equals_the_independent_encoder(tmp_path):
+    # the whole file, byte for byte: upstream's layout (mod.rs, frames.rs, extensions.rs at
+    # 90da9bd) as tests/groups_fixtures.py writes it from a 0.4.1 file's records
+    from groups_fixtures import plain_file, write_framed
+
+    plain = plain_file(tmp_path / "plain.atp", 5)
+    rng = np.random.default_rng(0)  # plain_file's molecules again
+    with atp.Writer(tmp_path / "ours.atp", compression="zstd", framed=True) as db:
+        for i in range(5):
+            k = i % 3 + 1
+            db.add(rng.normal(size=(k, 3)).astype(np.float32), np.full(k, 6 + i % 3),
+                   energy=float(i), forces=rng.normal(size=(k, 3)).astype(np.float32))
+        db.add_metadata(99, b"from a newer version")
+        db.add_groups("adsorption", [{"adslab": 1, "slab": 0}], {"e": [0.5]})
+        db.add_groups("ordered", [[3, 1, 2]])
+    reader = atp.open(tmp_path / "ours.atp")
+    chunks = [encode_groups([("adsorption", reader.groups["adsorption"].grouping)]),
+              encode_groups([("ordered", reader.groups["ordered"].grouping)])]
+    write_framed(tmp_path / "want.atp", plain, chunks, extra=[(99, b"from a newer version")])
+    assert (tmp_path / "ours.atp").read_bytes() == (tmp_path / "want.atp").read_bytes()

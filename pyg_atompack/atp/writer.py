@@ -222,7 +222,7 @@ class Writer:
                                 f"(1 and 2 are records and schemas; a u32 otherwise)")
         payload = bytes(payload)
         if self._log is not None:
-            entry = self._log.metadata(kind, payload, self._record_format)
+            entry = self._log.metadata(kind, payload)
         else:
             self._truncate_tail()
             self._fh.seek(self._end)
@@ -436,8 +436,7 @@ class Writer:
         if self._log is not None:
             # the schema frame first: a recovery then knows every key of these records
             self._log.schema(self._record_format, encode_schema(self._schema))
-            entries["offset"] = self._log.records(stored, entries["raw"].tolist(), n_atoms,
-                                                  self._record_format)
+            entries["offset"] = self._log.records(stored, entries["raw"].tolist(), n_atoms)
         else:
             entries["offset"] = self._end + np.concatenate([[0], np.cumsum(sizes)[:-1]])
             self._fh.seek(self._end)
@@ -450,7 +449,7 @@ class Writer:
     def flush(self) -> None:
         """Commit: write schema and index, sync, then the alternate header slot, sync.
 
-        A framed file writes its index and extensions directory after the last frame
+        A framed file writes its extensions directory and index after the last frame
         (the schema lives in its schema frame), and nothing at all when nothing was
         written since the last commit.
         """
