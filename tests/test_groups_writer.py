@@ -141,3 +141,40 @@ def test_framed_writer_with_groups_equals_the_independent_encoder(tmp_path):
               encode_groups([("ordered", reader.groups["ordered"].grouping)])]
     write_framed(tmp_path / "want.atp", plain, chunks, extra=[(99, b"from a newer version")])
     assert (tmp_path / "ours.atp").read_bytes() == (tmp_path / "want.atp").read_bytes()
+
+
+def _atompack_newer_than_041() -> bool:
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("atompack-db")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit()) > (0, 4, 1)
+
+
+@pytest.mark.skipif(not _atompack_newer_than_041(),
+                    reason="atompack-db 0.4.1 has no groups (runs with a newer release)")
+def test_differential_groups_against_atompack_db(tmp_path):  # pragma: no cover
+    import atompack
+
+    members = [{"adslab": 1, "slab": 0}, {"adslab": 2, "slab": 0, "gas": 3}]
+    columns = {"e_ads": [-1.5, -0.25], "id": ["a", "b"], "n": np.array([2, 3])}
+    theirs = tmp_path / "theirs.atp"
+    db = atompack.Database(str(theirs), compression="zstd")
+    for i in range(4):
+        mol = atompack.Molecule(np.array([[float(i), 0.0, 0.0]], np.float32),
+                                np.array([6], np.uint8))
+        mol.energy = float(i)
+        db.add_molecule(mol)
+    db.add_groups("adsorption", members, columns)
+    db.flush()
+    ours = atp.open(theirs).groups["adsorption"]  # ours reads theirs
+    assert ours[1].indices == {"adslab": 2, "slab": 0, "gas": 3}
+    assert ours[1].properties == {"e_ads": -0.25, "id": "b", "n": 3}
+    mine = tmp_path / "ours.atp"
+    with _db(mine) as w:
+        w.add_groups("adsorption", members, columns)
+    groups = atompack.Database.open(str(mine)).groups["adsorption"]  # theirs reads ours
+    assert groups[1].indices == {"adslab": 2, "slab": 0, "gas": 3}
+    assert groups[1].properties == {"e_ads": -0.25, "id": "b", "n": 3}
