@@ -408,11 +408,11 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
 
     def touch(st: FileState, i: int) -> Molecule | None:
         nonlocal cold, untimed, last
-        if crc_ok is not None and not crc_ok[i]:
-            return None  # a framed file's unchecked record: the full path checks its CRC
         off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
         if stored != raw or off < HEADER_SIZE or off + raw > size:
             return None
+        if crc_ok is not None and not crc_ok[i]:  # a framed file's record: CRC first
+            st.frames.check(st, i, off, stored, raw, n)
         known = last
         if known[0] == raw and known[1] == n:
             lid, checked = known[2], known[3]

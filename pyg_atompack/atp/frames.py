@@ -203,12 +203,12 @@ class FrameCheck:
         data = st.mv[start:off + stored] if st.mv is not None else \
             st.read(start, FRAME_HEADER_SIZE + stored)
         kind, length, frame_raw, frame_n, crc = FRAME_HEAD.unpack_from(data, 0)
-        if (kind, length, frame_raw, frame_n) != (FRAME_RECORD, stored, raw, n):
+        if kind != FRAME_RECORD or length != stored or frame_raw != raw or frame_n != n:
             raise FrameError(
                 f"{st.name}: record {i}: the frame header at byte {start} (kind {kind}, "
                 f"{length} stored / {frame_raw} raw bytes, {frame_n} atoms) disagrees with "
                 f"the index ({stored} stored / {raw} raw bytes, {n} atoms)")
-        actual = frame_crc(data[:16], data[FRAME_HEADER_SIZE:])
+        actual = zlib.crc32(data[FRAME_HEADER_SIZE:], zlib.crc32(data[:16]))
         if actual != crc:
             raise FrameError(
                 f"{st.name}: record {i}: CRC-32 mismatch (frame says {crc:#010x}, the "
@@ -223,10 +223,16 @@ class FrameCheck:
         new = idx[self.flags[idx] == 0]
         if not len(new):
             return
-        from .cache import entry
+        from .cache import check_entries
 
-        for i in np.unique(new).tolist():
-            entry(st, i)  # checks the bounds, then the frame (cache.entry calls check)
+        entries = st.index[new]
+        check_entries(st, new, entries)  # every entry inside the file, at once
+        check, ok = self.check, self.ok
+        for i, off, stored, raw, n in zip(new.tolist(), entries["offset"].tolist(),
+                                          entries["stored"].tolist(), entries["raw"].tolist(),
+                                          entries["n_atoms"].tolist()):
+            if not ok[i]:  # a repeated index is checked once
+                check(st, i, off, stored, raw, n)
 
 
 @dataclass
