@@ -74,3 +74,14 @@ def test_files_without_groups(tmp_path, source):
         assert len(groups) == 0 and list(groups) == []
         with pytest.raises(KeyError, match="no grouping named 'missing'"):
             groups["missing"]
+
+
+def test_verify_names_groups_that_do_not_fit_the_records(tmp_path, source):
+    good = tmp_path / "good.atp"
+    write_framed(good, source, [encode_groups([("pairs", PAIRS)])])
+    assert atp.verify(good) == []
+    bad = tmp_path / "bad.atp"
+    wide = Grouping(offsets=np.array([0, 2]), records=np.array([0, 9]))
+    write_framed(bad, source, [encode_groups([("pairs", wide)])])
+    (problem,) = atp.verify(bad)
+    assert problem.startswith(f"{bad}: groups frame at byte ") and "record 9" in problem
