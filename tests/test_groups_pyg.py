@@ -171,3 +171,34 @@ def test_groups_over_http_by_record(framed, tmp_path):
         assert e.tolist() == [1.0, -1.0, -4.0, 1.0]
         assert batch.id == list("abcd") and batch.e_ads.dtype == torch.float64
         assert all(r.status in (200, 206) for r in server.requests)
+
+
+def test_remote_groups_fetch_only_metadata_and_members(tmp_path):
+    from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
+
+    root = tmp_path / "www"
+    root.mkdir()
+    source = tmp_path / "big.atp"
+    rng = np.random.default_rng(0)
+    with atp.Writer(source) as w:  # 300 records of ~1 KiB, uncompressed
+        for i in range(300):
+            w.add(rng.normal(size=(40, 3)).astype(np.float32), np.full(40, 6), energy=float(i),
+                  forces=rng.normal(size=(40, 3)).astype(np.float32))
+    members = np.array([10, 150, 290])
+    grouping = Grouping(offsets=np.array([0, 3]), records=members)
+    write_framed(root / "big.atp", source, [encode_groups([("far", grouping)])])
+    size = (root / "big.atp").stat().st_size
+    for server in serve_directory(root):
+        reader = open_remote_atp(url_range_readers(server.url("big.atp")),
+                                 cache_dir=tmp_path / "cache", page_bytes=4096)
+        ds = AtompackGroupDataset(reader, "far", fields=["energy"])
+        batch = ds[0]
+        assert batch.energy.tolist() == [10.0, 150.0, 290.0]
+        fetched = sum(r.body_bytes for r in server.requests)
+        # header, index, schema, directory and groups frame, plus the three members' pages
+        assert fetched < size / 4, (fetched, size)
+        index = atp.open(root / "big.atp").index
+        far_away = int(index["offset"][100])  # a record of no group: never fetched
+        for r in server.requests:
+            start, stop = (int(x) for x in r.range.split("=")[1].split("-"))
+            assert not start <= far_away <= stop
