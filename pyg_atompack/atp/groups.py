@@ -68,14 +68,14 @@ class Grouping:
     ``member_roles[m]`` indexes ``roles``; ordered groups leave both empty.
 
     Args:
-        roles (list[str], optional): Role names (empty for ordered groups). (default: ``[]``)
+        roles (list[str], optional): Role names (empty for ordered groups). (default: :obj:`[]`)
         offsets (np.ndarray, optional): ``n_groups + 1`` member offsets (int64).
-            (default: ``[0]``)
+            (default: :obj:`[0]`)
         records (np.ndarray, optional): Record index of every member (int64). (default: empty)
         member_roles (np.ndarray, optional): Role id of every member (uint16; empty for
             ordered groups). (default: empty)
         properties (dict[str, np.ndarray | list[str]], optional): One column per key, one
-            value per group: float64 or int64 arrays, or lists of str. (default: ``{}``)
+            value per group: float64 or int64 arrays, or lists of str. (default: :obj:`{}`)
     """
 
     roles: list[str] = field(default_factory=list)

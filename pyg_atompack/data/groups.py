@@ -135,7 +135,7 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
             names (AttributeNames, optional): Further renames of member attributes,
                 applied after the dataset's own. (default: :obj:`None`)
             exclude_keys (Sequence[str], optional): Member attributes to leave out.
-                (default: ``()``)
+                (default: :obj:`()`)
 
         Returns:
             Batch: The mini-batch.
