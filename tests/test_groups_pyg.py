@@ -202,3 +202,20 @@ def test_remote_groups_fetch_only_metadata_and_members(tmp_path):
         for r in server.requests:
             start, stop = (int(x) for x in r.range.split("=")[1].split("-"))
             assert not start <= far_away <= stop
+
+
+def test_group_loader_resumes_mid_epoch(framed):
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"])
+
+    def loader() -> AtompackLoader:
+        return AtompackLoader(ds, batch_size=1, shuffle=True, seed=11)
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it).group_id.tolist()]
+    state = first.state_dict()
+    rest = [b.group_id.tolist() for b in it]
+    again = loader()
+    again.load_state_dict(state)
+    assert [b.group_id.tolist() for b in again] == rest
+    assert sorted(g for (g,) in seen + rest) == [0, 1, 2, 3]
