@@ -196,3 +196,24 @@ def test_metadata_kinds_of_records_and_schemas_are_refused(tmp_path):
         for kind in (1, 2, -1, 1 << 32):
             with pytest.raises(atp.AtpValueError, match=f"kind {kind} is not allowed"):
                 db.add_metadata(kind, b"")
+
+
+@pytest.mark.parametrize("framed", (False, True))
+def test_a_rewrite_carries_every_metadata_frame(tmp_path, framed):
+    from pyg_atompack.atp.extensions import copy_metadata
+
+    source = tmp_path / "source.atp"
+    with atp.Writer(source, compression="zstd", framed=True) as db:
+        _add(db, range(4))
+        db.add_metadata(FRAME_GROUPS, b"groups")
+        db.add_metadata(99, b"from a newer version")
+    rewritten = tmp_path / "rewritten.atp"
+    with atp.Reader(source) as reader, \
+            atp.Writer(rewritten, compression="lz4", framed=framed) as db:
+        for mol in reader:
+            db.add(mol.positions, mol.atomic_numbers)
+        copy_metadata(reader, db)
+    reader = atp.Reader(rewritten)
+    assert _xs(rewritten) == [0, 1, 2, 3] and reader.header.framed == framed
+    assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
+        [(FRAME_GROUPS, b"groups"), (99, b"from a newer version")]
