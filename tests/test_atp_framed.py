@@ -319,6 +319,16 @@ def test_differential_against_a_framed_atompack_db(tmp_path):  # pragma: no cove
     assert [normalize_ours(m)["energy"] for m in reader] == \
         [m["energy"] for m in read_atompack(path)]
     assert atp.verify(path) == []
+    # and the other way: our framed writes (committed, then in the writing state)
+    ours = tmp_path / "ours.atp"
+    with atp.Writer(ours, compression="zstd", framed=True) as w:
+        for m in reader:
+            w.add(m.positions, m.atomic_numbers, energy=m.energy)
+    assert [m["energy"] for m in read_atompack(ours)] == [float(i) for i in range(20)]
+    w = atp.Writer.append_to(ours)
+    w.add(np.zeros((1, 3), np.float32), [1], energy=20.0)
+    w.close()  # a crash: their open recovers the frames
+    assert [m["energy"] for m in read_atompack(ours)] == [float(i) for i in range(21)]
 
 
 # ---------------------------------------------------------------- verify
