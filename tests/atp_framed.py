@@ -145,3 +145,26 @@ def boundaries(framed: Framed) -> list[int]:
         at += 20 + length
         ends.append(at)
     return ends
+
+
+#: The framed golden files (``tests/data/atp_framed/``): name -> (0.4.1 golden source,
+#: state). Each holds the source's records, a schema frame first and a kind-99 frame
+#: after the first half of the records.
+GOLDEN_CASES = {
+    "committed_none_rf3.atp": ("f64_positions.atp", "committed"),
+    "committed_zstd.atp": ("builtins_zstd.atp", "committed"),
+    "committed_lz4_custom.atp": ("batch_canonical_lz4.atp", "committed"),
+    "writing_torn_lz4.atp": ("builtins_lz4.atp", "writing, last frame torn"),
+}
+
+
+def golden_bytes(golden_dir: Path, name: str) -> bytes:
+    """What the framed golden file ``name`` holds, built from its 0.4.1 source."""
+    source_name, state = GOLDEN_CASES[name]
+    source = source_of(golden_dir / source_name)
+    count = len(source.records)
+    items = [("schema",)] + [("record", i) for i in range(count // 2)] + \
+        [("meta", 99, b"a frame from a newer version")] + \
+        [("record", i) for i in range(count // 2, count)]
+    framed = Framed(source, items)
+    return framed.committed() if state == "committed" else framed.writing()[:-5]

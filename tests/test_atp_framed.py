@@ -20,9 +20,17 @@ import pytest
 from pyg_atompack import atp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from atp_framed import GROUPS, Framed, boundaries, source_of  # noqa: E402
+from atp_framed import (  # noqa: E402
+    GOLDEN_CASES,
+    GROUPS,
+    Framed,
+    boundaries,
+    golden_bytes,
+    source_of,
+)
 
 CODECS = ("none", "lz4", "zstd")
+FRAMED_GOLDEN = Path(__file__).parent / "data" / "atp_framed"
 ACCESS = ("mmap", "pread", "auto", "memory")
 
 
@@ -313,6 +321,16 @@ def test_differential_against_a_framed_atompack_db(tmp_path):  # pragma: no cove
     assert [normalize_ours(m)["energy"] for m in reader] == \
         [m["energy"] for m in read_atompack(path)]
     assert atp.verify(path) == []
+    # and the other way: our framed writes (committed, then in the writing state)
+    ours = tmp_path / "ours.atp"
+    with atp.Writer(ours, compression="zstd", framed=True) as w:
+        for m in reader:
+            w.add(m.positions, m.atomic_numbers, energy=m.energy)
+    assert [m["energy"] for m in read_atompack(ours)] == [float(i) for i in range(20)]
+    w = atp.Writer.append_to(ours)
+    w.add(np.zeros((1, 3), np.float32), [1], energy=20.0)
+    w.close()  # a crash: their open recovers the frames
+    assert [m["energy"] for m in read_atompack(ours)] == [float(i) for i in range(21)]
 
 
 # ---------------------------------------------------------------- verify
@@ -388,3 +406,39 @@ def test_cli_verify_understands_frames(tmp_path):
     failed = run(bad)
     assert failed.returncode != 0
     assert f"{bad}: record 2: CRC-32 mismatch" in failed.stdout + failed.stderr
+
+
+# ---------------------------------------------------------------- golden framed files
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_framed_golden_files(golden_dir, name):
+    from atp_oracle import assert_same_molecule, normalize_ours, read_atompack
+
+    path = FRAMED_GOLDEN / name
+    assert path.read_bytes() == golden_bytes(golden_dir, name)  # encoder unchanged
+    source = atp.Reader(golden_dir / GOLDEN_CASES[name][0])
+    committed = GOLDEN_CASES[name][1] == "committed"
+    want = [normalize_ours(m) for m in source][:len(source) - (0 if committed else 1)]
+    for access in ACCESS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reader = _open(path, access)
+        recovered = [w for w in caught if issubclass(w.category, atp.RecoveredWriteWarning)]
+        assert len(recovered) == (0 if committed else 1)
+        assert len(reader) == len(want)
+        for i, mol in enumerate(reader):
+            assert_same_molecule(normalize_ours(mol), want[i], f"{name} {access} {i}")
+        batch = reader.read_batch(range(len(reader)))
+        assert np.array_equal(batch["positions"],
+                              source.read_batch(range(len(want)))["positions"])
+        assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
+            [(99, b"a frame from a newer version")]
+    problems = atp.verify(path)
+    facts = atp.describe(path)
+    if committed:
+        assert problems == [] and not facts["writing"]
+        for i, theirs in enumerate(read_atompack(path)):  # atompack-db 0.4.1 reads it too
+            assert_same_molecule(theirs, want[i], f"atompack-db {name} {i}")
+    else:
+        assert len(problems) == 1 and "in the writing state" in problems[0]
+        assert facts["writing"] and facts["recovered"]["records"] == len(want)
+        assert "incomplete frame" in facts["recovered"]["stopped_at"]

@@ -17,7 +17,8 @@ payload through it):
 * :meth:`Writer.add_metadata <pyg_atompack.atp.Writer.add_metadata>` appends a
   metadata frame (``replace=True`` drops the older entries of its kind) and
   :attr:`Writer.metadata_frames <pyg_atompack.atp.Writer.metadata_frames>` lists what
-  the next commit's directory holds.
+  the next commit's directory holds; :func:`copy_metadata` carries every metadata
+  frame of a file into a rewrite of it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ DIRECTORY_VERSION = 1
 #: Most entries a directory may hold (a damaged length cannot make a reader allocate more).
 MAX_ENTRIES = 1 << 20
 
-__all__ = ["ENTRY", "decode_directory", "encode_directory", "latest_payload",
-           "read_directory", "read_payload"]
+__all__ = ["ENTRY", "copy_metadata", "decode_directory", "encode_directory",
+           "latest_payload", "read_directory", "read_payload"]
 
 
 def encode_directory(frames: list[MetaFrame]) -> bytes:
@@ -143,3 +144,22 @@ def latest_payload(reader: Any, kind: int) -> bytes | None:
     """
     found = [f for f in reader.metadata_frames if f.kind == kind]
     return reader.read_metadata(found[-1]) if found else None
+
+
+def copy_metadata(reader: Any, writer: Any, kinds: Any = None) -> list[MetaFrame]:
+    """Append a file's metadata frames, unchanged and in order, to a writer.
+
+    For rewrites that keep the records in their order and number (re-encoding,
+    changing the codec or the layout): payloads that name records by index, such
+    as groups, stay true only then.
+
+    Args:
+        reader (Reader): The file read.
+        writer (Writer): The file written.
+        kinds (Collection[int], optional): Copy only these kinds. (default: every kind)
+
+    Returns:
+        list[MetaFrame]: The writer's new directory entries.
+    """
+    return [writer.add_metadata(frame.kind, reader.read_metadata(frame))
+            for frame in reader.metadata_frames if kinds is None or frame.kind in kinds]

@@ -227,12 +227,24 @@ class FrameCheck:
 
         entries = st.index[new]
         check_entries(st, new, entries)  # every entry inside the file, at once
-        check, ok = self.check, self.ok
+        # :meth:`check` inlined (a first batch pays it per record); on any mismatch
+        # :meth:`check` itself runs again and raises its message
+        ok, mv, low = self.ok, st.mv, st.header.data_start + FRAME_HEADER_SIZE
+        unpack, crc32 = FRAME_HEAD.unpack_from, zlib.crc32
         for i, off, stored, raw, n in zip(new.tolist(), entries["offset"].tolist(),
                                           entries["stored"].tolist(), entries["raw"].tolist(),
                                           entries["n_atoms"].tolist()):
-            if not ok[i]:  # a repeated index is checked once
-                check(st, i, off, stored, raw, n)
+            if ok[i]:  # a repeated index is checked once
+                continue
+            if off < low:
+                self.check(st, i, off, stored, raw, n)
+            data = mv[off - 20:off + stored] if mv is not None else \
+                st.read(off - 20, 20 + stored)
+            kind, length, frame_raw, frame_n, crc = unpack(data, 0)
+            if kind != FRAME_RECORD or length != stored or frame_raw != raw or \
+                    frame_n != n or crc32(data[20:], crc32(data[:16])) != crc:
+                self.check(st, i, off, stored, raw, n)
+            ok[i] = 1
 
 
 @dataclass
