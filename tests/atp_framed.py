@@ -22,9 +22,10 @@ RECORD, SCHEMA, GROUPS = 1, 2, 3
 WRITING_COUNT = (1 << 64) - 1
 
 
-def frame(kind: int, payload: bytes, raw: int | None = None, n_atoms: int = 0) -> bytes:
-    """``[kind][len][uncompressed_len][n_atoms][crc32][payload]``, CRC over head[:16] + payload."""
-    head = struct.pack("<IIII", kind, len(payload), len(payload) if raw is None else raw, n_atoms)
+def frame(kind: int, payload: bytes, raw: int = 0, n_atoms: int = 0) -> bytes:
+    """``[kind][len][uncompressed_len][n_atoms][crc32][payload]``, CRC over head[:16] + payload
+    (``uncompressed_len`` and ``n_atoms`` are 0 in metadata frames: ``write_metadata_frame``)."""
+    head = struct.pack("<IIII", kind, len(payload), raw, n_atoms)
     crc = zlib.crc32(head + payload)
     return head + struct.pack("<I", crc) + payload
 
@@ -81,7 +82,6 @@ class Framed:
 
     source: Source
     items: list = field(default_factory=list)
-    generation: int = 1
 
     def data(self) -> tuple[bytes, list, list, tuple[int, int]]:
         """Frames, index entries, metadata (kind, offset, len) and the schema span."""
@@ -100,8 +100,6 @@ class Framed:
             else:
                 kind, payload = item[1], item[2]
                 out += frame(kind, payload)
-                if kind == GROUPS:
-                    metadata = [m for m in metadata if m[0] != GROUPS]
                 metadata.append((kind, at + 20, len(payload)))
         return bytes(out), entries, metadata, schema
 
@@ -109,30 +107,33 @@ class Framed:
         s = self.source
         return dict(codec=s.codec, level=s.level, record_format=s.record_format)
 
+    def _writing_slots(self) -> tuple[bytes, bytes]:
+        """Slots A and B after ``begin_write`` on a new file (``mod.rs`` at 90da9bd):
+        generations 1 (slot B) and 2 (slot A), the state of the empty file (record
+        format 2, no schema, ``data_end`` 8192), no index, ``num_molecules = 2**64 - 1``."""
+        args = dict(count=WRITING_COUNT, flags=FRAMED | WRITING, data_end=HEADER,
+                    codec=self.source.codec, level=self.source.level, record_format=2)
+        return slot(2, **args), slot(1, **args)
+
     def writing(self) -> bytes:
         """The file as a crash leaves it: both slots in the writing state, no index."""
         frames, _, _, _ = self.data()
-        head = slot(self.generation, count=WRITING_COUNT, flags=FRAMED | WRITING,
-                    **self._slot_args())
-        return head + head + frames
+        return b"".join(self._writing_slots()) + frames
 
     def committed(self) -> bytes:
-        """The file after a flush: index and directory after the last frame, one slot
-        committed (generation + 1), the other still in the writing state."""
+        """The file after a flush: the directory, then the index after the last frame;
+        slot B committed (generation 3), slot A still in the writing state."""
         frames, entries, metadata, schema = self.data()
         data_end = HEADER + len(frames)
         index = struct.pack("<Q", len(entries)) + b"".join(
             struct.pack("<QIII", *e) for e in entries)
-        directory = b"".join(struct.pack("<IQQ", *m) for m in metadata)
-        ext = (data_end + len(index), len(directory)) if directory else (0, 0)
-        gen = self.generation + 1
-        done = slot(gen, index_offset=data_end, index_len=len(index), count=len(entries),
-                    schema=schema, ext=ext, flags=FRAMED, data_end=data_end,
-                    **self._slot_args())
-        writing = slot(self.generation, count=WRITING_COUNT, flags=FRAMED | WRITING,
-                       **self._slot_args())
-        head = done + writing if gen % 2 == 0 else writing + done
-        return head + frames + index + directory
+        directory = struct.pack("<II", 1, len(metadata)) + b"".join(
+            struct.pack("<IQQ", *m) for m in metadata) if metadata else b""
+        ext = (data_end, len(directory)) if directory else (0, 0)
+        done = slot(3, index_offset=data_end + len(directory), index_len=len(index),
+                    count=len(entries), schema=schema, ext=ext, flags=FRAMED,
+                    data_end=data_end, **self._slot_args())
+        return self._writing_slots()[0] + done + frames + directory + index
 
 
 def boundaries(framed: Framed) -> list[int]:

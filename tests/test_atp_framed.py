@@ -266,14 +266,16 @@ def test_cut_at_every_frame_boundary(tmp_path):
                 ([99] if 99 in kinds[:k + 1] else [])
 
 
-def test_a_newer_groups_frame_replaces_the_older_in_a_recovery(tmp_path):
+def test_every_groups_frame_is_kept_in_a_recovery(tmp_path):
+    # each add_groups call is one groups frame (a chunk) and a grouping is its chunks in
+    # file order (extensions.rs at 90da9bd): a recovery keeps them all
     framed, _ = _framed(tmp_path, "none", meta=False)
     framed.items += [("meta", GROUPS, b"old"), ("meta", 99, b"x"), ("meta", GROUPS, b"new")]
     path = tmp_path / "w.atp"
     path.write_bytes(framed.writing())
     reader, _ = _recovered(path)
     assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
-        [(99, b"x"), (GROUPS, b"new")]
+        [(GROUPS, b"old"), (99, b"x"), (GROUPS, b"new")]
 
 
 def test_remote_readers_refuse_the_writing_state_naming_the_file(tmp_path):

@@ -116,10 +116,11 @@ def verify(path: str | os.PathLike) -> list[str]:
         Human-readable problems; an empty list when the file is sound. Problems
         that do not stop reading (an invalid older slot, an uncommitted tail,
         trailing bytes in a record) are reported too. In a framed file every
-        record's and metadata frame's CRC-32 is checked; a file in the writing
-        state (nothing committed, its records recovered from the frames) is a
-        problem, named with the count recovered. The other slot of a framed file
-        left in the writing state by the write before the last commit is not.
+        record's and metadata frame's CRC-32 is checked and the groups are decoded;
+        a file in the writing state (nothing committed, its records recovered from
+        the frames) is a problem, named with the count recovered. The other slot
+        of a framed file left in the writing state by the write before the last
+        commit is not.
     """
     path = os.fspath(path)
     problems: list[str] = []
@@ -149,9 +150,16 @@ def verify(path: str | os.PathLike) -> list[str]:
         elif size > h.committed_end:
             problems.append(f"{path}: {size - h.committed_end} uncommitted bytes after the "
                             f"index (ignored by readers)")
+        damaged = False
         for frame in reader.metadata_frames:
             try:
                 reader.read_metadata(frame)
+            except AtpError as exc:
+                problems.append(str(exc))
+                damaged = True
+        if not damaged:
+            try:  # groups frames decode and fit each other and the records
+                _ = reader.groups
             except AtpError as exc:
                 problems.append(str(exc))
         if h.schema_len:

@@ -1,10 +1,11 @@
 """The extensions directory: the metadata frames of a file (framed revision, spec §15.4).
 
-The header's extensions span points at a directory of 20-byte entries
-``[kind u32][offset u64][len u64]``, one per metadata frame (groups, and kinds this
-version does not know), each naming a frame payload. Readers list every entry and
-decode only the kinds they know; writers carry every entry forward unchanged, so
-sections added by a newer version survive an append (the reference's kind-99 test).
+The header's extensions span points at a directory ``[version u32 = 1][count u32]``
+then 20-byte entries ``[kind u32][offset u64][len u64]``, one per metadata frame
+(groups, and kinds this version does not know), each naming a frame payload. Readers
+list every entry and decode only the kinds they know; writers carry every entry forward
+unchanged, so sections added by a newer version survive an append (the reference's
+kind-99 test).
 
 The API other modules build on (``atp/groups.py`` reads and writes the groups
 payload through it):
@@ -30,6 +31,8 @@ from .frames import FRAME_HEADER_SIZE, FRAME_RECORD, FRAME_SCHEMA, MetaFrame, fr
 from .header import Header
 
 ENTRY = struct.Struct("<IQQ")
+DIRECTORY_HEAD = struct.Struct("<II")  # [version u32][count u32]
+DIRECTORY_VERSION = 1
 #: Most entries a directory may hold (a damaged length cannot make a reader allocate more).
 MAX_ENTRIES = 1 << 20
 
@@ -38,8 +41,13 @@ __all__ = ["ENTRY", "copy_metadata", "decode_directory", "encode_directory",
 
 
 def encode_directory(frames: list[MetaFrame]) -> bytes:
-    """The directory block listing ``frames`` (in order)."""
-    return b"".join(ENTRY.pack(f.kind, f.offset, f.length) for f in frames)
+    """The directory block listing ``frames`` (in order): ``[version u32 = 1][count u32]``
+    then the entries, as upstream's ``Extensions::encode_directory`` (90da9bd) writes it;
+    no frames, no directory (``b""``: the header's span stays ``(0, 0)``)."""
+    if not frames:
+        return b""
+    return DIRECTORY_HEAD.pack(DIRECTORY_VERSION, len(frames)) + b"".join(
+        ENTRY.pack(f.kind, f.offset, f.length) for f in frames)
 
 
 def decode_directory(buf: bytes, name: str) -> list[MetaFrame]:
@@ -53,14 +61,20 @@ def decode_directory(buf: bytes, name: str) -> list[MetaFrame]:
         The entries, in order.
 
     Raises:
-        IndexBlockError: The block's length is not a whole number of entries, or
-            lists more than :data:`MAX_ENTRIES`.
+        IndexBlockError: An unknown version, a length that disagrees with the count,
+            or more than :data:`MAX_ENTRIES` entries.
     """
-    if len(buf) % ENTRY.size or len(buf) // ENTRY.size > MAX_ENTRIES:
-        raise IndexBlockError(f"{name}: the extensions directory is {len(buf)} bytes, not a "
-                              f"whole number of {ENTRY.size}-byte entries (at most "
-                              f"{MAX_ENTRIES})")
-    return [MetaFrame(*ENTRY.unpack_from(buf, at)) for at in range(0, len(buf), ENTRY.size)]
+    if len(buf) < DIRECTORY_HEAD.size:
+        raise IndexBlockError(f"{name}: the extensions directory is {len(buf)} bytes, shorter "
+                              f"than its {DIRECTORY_HEAD.size}-byte head")
+    version, count = DIRECTORY_HEAD.unpack_from(buf, 0)
+    if version != DIRECTORY_VERSION:
+        raise IndexBlockError(f"{name}: unsupported extensions directory version {version}")
+    if count > MAX_ENTRIES or len(buf) != DIRECTORY_HEAD.size + count * ENTRY.size:
+        raise IndexBlockError(f"{name}: the extensions directory is {len(buf)} bytes for "
+                              f"{count} entries of {ENTRY.size} bytes (at most {MAX_ENTRIES})")
+    return [MetaFrame(*ENTRY.unpack_from(buf, at))
+            for at in range(DIRECTORY_HEAD.size, len(buf), ENTRY.size)]
 
 
 def read_directory(buf: bytes, header: Header, name: str) -> list[MetaFrame]:

@@ -10,7 +10,7 @@ What the reference's writer does (``frames.rs``, LeMaterial/atompack commit
 2. frames are written from ``data_end`` (the end of the last frame) on: the index
    and directory of the previous commit after it are a cache, overwritten in place,
    so frequent commits leave no dead bytes;
-3. a commit writes the index and the extensions directory after the last frame,
+3. a commit writes the extensions directory and the index after the last frame,
    syncs, then one header slot (the next generation, flags framed), and syncs.
 
 Unlike an append to a 0.4.1 file, this rewrites bytes a reader opened on the
@@ -61,17 +61,25 @@ class FramedLog:
         self.schema_payload = schema_payload
         self.schema_offset = schema_offset
 
-    def begin(self, record_format: int) -> None:
-        """Put both header slots into the writing state (once per session), then sync."""
+    def begin(self) -> None:
+        """Put both header slots into the writing state (once per session), then sync.
+
+        As upstream's ``begin_write`` (``mod.rs`` at 90da9bd): two generations, each into
+        its own slot, each the current state (record format and schema span of the last
+        commit, ``data_end``) with ``index = (0, 0)``, no directory and
+        ``num_molecules = 2**64 - 1``; the commit then takes the generation after both.
+        """
         if self.writing:
             return
-        self.generation += 1
-        slot = encode_slot(Header(
-            generation=self.generation, num_molecules=WRITING_COUNT, codec=self.header.codec,
-            level=self.header.level, record_format=record_format,
-            flags=FLAG_FRAMED | FLAG_WRITING))
-        self.fh.seek(0)
-        self.fh.write(slot + slot)
+        schema = ((self.schema_offset + 4, len(self.schema_payload) - 4)
+                  if self.schema_payload else (0, 0))
+        for _ in range(2):
+            self.generation += 1
+            self.fh.seek(slot_offset_for_generation(self.generation))
+            self.fh.write(encode_slot(Header(
+                self.generation, self.header.data_start, 0, 0, WRITING_COUNT,
+                self.header.codec, self.header.level, self.header.record_format, *schema,
+                flags=FLAG_FRAMED | FLAG_WRITING, data_end=self.data_end)))
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.writing = True
@@ -90,23 +98,22 @@ class FramedLog:
         payload = struct.pack("<I", record_format) + block
         if payload == self.schema_payload:
             return
-        self.begin(record_format)
+        self.begin()
         start = self.append([encode_frame(FRAME_SCHEMA, payload)])
         self.schema_payload = payload
         self.schema_offset = start + FRAME_HEADER_SIZE
 
-    def records(self, stored: list[bytes], raw: list[int], n_atoms: list[int],
-                record_format: int) -> np.ndarray:
+    def records(self, stored: list[bytes], raw: list[int], n_atoms: list[int]) -> np.ndarray:
         """Write record frames; returns their payload offsets (int64)."""
-        self.begin(record_format)
+        self.begin()
         frames = [encode_frame(1, s, r, n) for s, r, n in zip(stored, raw, n_atoms)]
         start = self.append(frames)
         sizes = np.fromiter((len(f) for f in frames), np.int64, len(frames))
         return start + np.concatenate([[0], np.cumsum(sizes)[:-1]]) + FRAME_HEADER_SIZE
 
-    def metadata(self, kind: int, payload: bytes, record_format: int) -> MetaFrame:
+    def metadata(self, kind: int, payload: bytes) -> MetaFrame:
         """Write one metadata frame; returns its directory entry."""
-        self.begin(record_format)
+        self.begin()
         start = self.append([encode_frame(kind, payload)])
         return MetaFrame(kind, start + FRAME_HEADER_SIZE, len(payload))
 
@@ -122,9 +129,10 @@ class FramedLog:
             return None
         block = encode_index(index)
         ext = encode_directory(directory)
+        # the directory at data_end, the index after it, as upstream's flush
         self.fh.seek(self.data_end)
-        self.fh.write(block + ext)
-        end = self.data_end + len(block) + len(ext)
+        self.fh.write(ext + block)
+        end = self.data_end + len(ext) + len(block)
         # bytes past the new end were never committed (a recovered tail, an older
         # cache): no reader of a commit maps them
         if os.fstat(self.fh.fileno()).st_size > end:
@@ -134,11 +142,12 @@ class FramedLog:
         self.generation += 1
         schema_len = len(self.schema_payload) - 4 if self.schema_payload else 0
         header = Header(
-            self.generation, self.header.data_start, self.data_end, len(block), len(index),
+            self.generation, self.header.data_start, self.data_end + len(ext), len(block),
+            len(index),
             self.header.codec, self.header.level, record_format,
             self.schema_offset + 4 if schema_len else 0, schema_len,
             "A" if self.generation % 2 == 0 else "B",
-            self.data_end + len(block) if ext else 0, len(ext), FLAG_FRAMED, self.data_end)
+            self.data_end if ext else 0, len(ext), FLAG_FRAMED, self.data_end)
         self.fh.seek(slot_offset_for_generation(self.generation))
         self.fh.write(encode_slot(header))
         self.fh.flush()

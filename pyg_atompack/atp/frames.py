@@ -50,7 +50,7 @@ def frame_crc(head: bytes | memoryview, payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(head[:16]))
 
 
-def encode_frame(kind: int, payload: bytes, uncompressed_len: int | None = None,
+def encode_frame(kind: int, payload: bytes, uncompressed_len: int = 0,
                  n_atoms: int = 0) -> bytes:
     """One frame: the 20-byte header (CRC filled in) followed by ``payload``.
 
@@ -58,15 +58,14 @@ def encode_frame(kind: int, payload: bytes, uncompressed_len: int | None = None,
         kind (int): :data:`FRAME_RECORD`, :data:`FRAME_SCHEMA`, :data:`FRAME_GROUPS` or
             another kind.
         payload (bytes): The payload (a record's stored bytes for a record frame).
-        uncompressed_len (int, optional): A record's uncompressed size. (default: the
-            payload's length)
+        uncompressed_len (int, optional): A record's uncompressed size. (default: ``0``,
+            what upstream's ``write_metadata_frame`` writes for every other kind)
         n_atoms (int, optional): A record's atom count. (default: :obj:`0`)
 
     Returns:
         The frame's bytes.
     """
-    raw = len(payload) if uncompressed_len is None else uncompressed_len
-    head = struct.pack("<IIII", kind, len(payload), raw, n_atoms)
+    head = struct.pack("<IIII", kind, len(payload), uncompressed_len, n_atoms)
     return head + struct.pack("<I", frame_crc(head, payload)) + payload
 
 
@@ -153,9 +152,7 @@ def scan_frames(read: Callable[[int, int], bytes], start: int, size: int) -> Sca
             sizes.extend((length, raw, n_atoms))
         elif kind == FRAME_SCHEMA:
             scan.schema = MetaFrame(kind, offset, length)
-        else:
-            if kind == FRAME_GROUPS:
-                scan.metadata = [m for m in scan.metadata if m.kind != FRAME_GROUPS]
+        else:  # every metadata frame, in file order: each groups frame is one chunk
             scan.metadata.append(MetaFrame(kind, offset, length))
         at = scan.end = offset + length
     if offsets:

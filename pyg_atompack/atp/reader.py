@@ -21,6 +21,7 @@ from .extensions import read_payload
 from .fields import FieldInfo, fields_from_schema, merge_layout
 from .filestate import F32, FileState
 from .frames import MetaFrame
+from .groups import Groups, read_groups
 from .header import Header
 from .index import molecule_index
 from .molecule import Molecule
@@ -216,6 +217,23 @@ class Reader(ReadOnlyReader):
             raise AtpValueError(f"{self._name}: {frame} is not in the extensions directory")
         st.check_size()
         return read_payload(st.read, frame, self._name)
+
+    @property
+    def groups(self) -> Groups:
+        """The file's groupings: ``groups[name][i]`` is one group (see :mod:`.groups`).
+
+        Decoded from the groups frames the extensions directory lists on first access
+        (each frame's CRC-32 checked); files without groups give an empty mapping.
+
+        Raises:
+            GroupsError: A groups frame is damaged or breaks a rule (names the file,
+                frame, grouping and field).
+        """
+        st = self._state()
+        cached = getattr(self, "_groups", None)
+        if cached is None or cached[0] is not st:
+            cached = self._groups = (st, read_groups(self))
+        return cached[1]
 
     @property
     def n_atoms(self) -> np.ndarray:

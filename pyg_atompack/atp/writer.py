@@ -7,11 +7,13 @@ import errno
 import os
 import struct
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import locking
+from .add_groups import GroupsState
 from .codecs import CODEC_NONE, CODEC_ZSTD, codec_id, make_compressor
 from .encode import (
     Section,
@@ -22,9 +24,10 @@ from .encode import (
     molecule_sections,
 )
 from .errors import AtpValueError, SchemaConflictError, TruncatedFileError
-from .extensions import encode_directory, read_directory
+from .extensions import encode_directory, read_directory, read_payload
 from .framedwrite import FramedLog, empty_framed_header
 from .frames import FRAME_RECORD, FRAME_SCHEMA, MetaFrame, encode_frame, recover
+from .groups import FRAME_GROUPS, merge_chunks
 from .header import (
     DATA_START,
     HEADER_SIZE,
@@ -219,7 +222,7 @@ class Writer:
                                 f"(1 and 2 are records and schemas; a u32 otherwise)")
         payload = bytes(payload)
         if self._log is not None:
-            entry = self._log.metadata(kind, payload, self._record_format)
+            entry = self._log.metadata(kind, payload)
         else:
             self._truncate_tail()
             self._fh.seek(self._end)
@@ -230,6 +233,44 @@ class Writer:
             self._directory = [f for f in self._directory if f.kind != kind]
         self._directory.append(entry)
         return entry
+
+    def add_groups(self, name: str, members: Any, properties: Mapping[str, Any] | None = None,
+                   roles: Sequence[str] | None = None) -> None:
+        """Append groups to the grouping ``name`` (created if new), as upstream's
+        ``Database.add_groups``: one groups frame, visible after the next :meth:`flush`.
+
+        Args:
+            name (str): The grouping.
+            members (Any): Dicts ``{role: record}`` (named roles), sequences of records
+                (ordered groups), or with ``roles`` a ``(n_groups, len(roles))`` integer
+                array whose ``-1`` entries mark absent members. Records must exist
+                (pending ones count).
+            properties (Mapping[str, Any], optional): One value per group for each key:
+                ints, floats or str (int64, float64, str columns). (default: :obj:`None`)
+            roles (Sequence[str], optional): The role of each column of ``members``.
+                (default: :obj:`None`)
+
+        Raises:
+            GroupsError: Groups that break a rule (a missing record, an empty group, a
+                repeated role, a column of the wrong length, columns that differ from
+                the grouping's); the message names the file, grouping and field.
+            TypeError: Named and ordered groups mixed, or values of an unsupported type.
+        """
+        self._check_open()
+        state = getattr(self, "_groups", None)
+        if state is None:
+            state = self._groups = GroupsState(self._stored_groups)
+        grouping, payload = state.prepare(name, members, properties, roles, len(self),
+                                          self._path)
+        self.add_metadata(FRAME_GROUPS, payload)
+        state.push(name, grouping)
+
+    def _stored_groups(self) -> dict:
+        """The groupings of the groups frames this writer's directory lists."""
+        payloads = [(f"{self._path}: groups frame at byte {f.offset}",
+                     read_payload(self._read, f, self._path))
+                    for f in self._directory if f.kind == FRAME_GROUPS]
+        return merge_chunks(payloads, len(self))
 
     # ------------------------------------------------------------------ appending
     def add(self, positions: Any, atomic_numbers: Any, *, energy: Any = None, forces: Any = None,
@@ -395,8 +436,7 @@ class Writer:
         if self._log is not None:
             # the schema frame first: a recovery then knows every key of these records
             self._log.schema(self._record_format, encode_schema(self._schema))
-            entries["offset"] = self._log.records(stored, entries["raw"].tolist(), n_atoms,
-                                                  self._record_format)
+            entries["offset"] = self._log.records(stored, entries["raw"].tolist(), n_atoms)
         else:
             entries["offset"] = self._end + np.concatenate([[0], np.cumsum(sizes)[:-1]])
             self._fh.seek(self._end)
@@ -409,7 +449,7 @@ class Writer:
     def flush(self) -> None:
         """Commit: write schema and index, sync, then the alternate header slot, sync.
 
-        A framed file writes its index and extensions directory after the last frame
+        A framed file writes its extensions directory and index after the last frame
         (the schema lives in its schema frame), and nothing at all when nothing was
         written since the last commit.
         """

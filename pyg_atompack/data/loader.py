@@ -13,6 +13,7 @@ from torch_geometric.data import Batch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pyg_atompack.data.dataset import AtompackDataset
+from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
 from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
@@ -97,6 +98,25 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return batch if self.all_names is None else self.all_names.apply(batch)
 
 
+class _GroupFetcher(torch.utils.data.Dataset):
+    """Turns one list of group positions into one ``Batch`` of their members."""
+
+    def __init__(self, dataset: AtompackGroupDataset, exclude_keys: Sequence[str],
+                 names: AttributeNames | None) -> None:
+        self.dataset = dataset
+        self.exclude_keys = list(exclude_keys)
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, positions: Sequence[int]) -> Batch:
+        return self.__getitems__(positions)
+
+    def __getitems__(self, positions: Sequence[int]) -> Batch:
+        return self.dataset.fetch(positions, self.names, self.exclude_keys)
+
+
 class AtompackLoader(StatefulDataLoader):
     r"""A fast mini-batch loader for :class:`AtompackDataset`.
 
@@ -135,7 +155,10 @@ class AtompackLoader(StatefulDataLoader):
     fields out with ``fields=`` on the dataset or ``exclude_keys``.
 
     Args:
-        dataset (AtompackDataset): The dataset to load from.
+        dataset (AtompackDataset or AtompackGroupDataset): The dataset to load from; for
+            an :class:`~pyg_atompack.data.AtompackGroupDataset`, ``batch_size`` counts
+            groups and each batch holds all their members (``follow_batch`` is not
+            supported there).
         batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
         shuffle (bool, optional): Reshuffle the data every epoch (see above); not
             allowed together with ``sampler``. (default: :obj:`False`)
@@ -181,10 +204,10 @@ class AtompackLoader(StatefulDataLoader):
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(dataset, AtompackDataset):
+        if not isinstance(dataset, (AtompackDataset, AtompackGroupDataset)):
             raise TypeError(
-                f"AtompackLoader needs an AtompackDataset, got {type(dataset).__name__}; "
-                "use torch_geometric.loader.DataLoader for other datasets"
+                "AtompackLoader needs an AtompackDataset or an AtompackGroupDataset, got "
+                f"{type(dataset).__name__}; use torch_geometric.loader.DataLoader for others"
             )
         for key in ("batch_sampler", "collate_fn"):
             if key in kwargs:
@@ -201,8 +224,12 @@ class AtompackLoader(StatefulDataLoader):
         self.follow_batch = list(follow_batch or [])
         self.exclude_keys = list(exclude_keys or [])
         self.atompack_dataset = dataset
-        fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
-                                resolve_names(rename, names))
+        fetcher: torch.utils.data.Dataset
+        if isinstance(dataset, AtompackGroupDataset):  # each batch: whole groups
+            fetcher = _GroupFetcher(dataset, self.exclude_keys, resolve_names(rename, names))
+        else:
+            fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                    resolve_names(rename, names))
         # in-process iteration (the fast path below): its batch iterator, and the
         # state load_state_dict left for the next iteration
         self._in_process_batches: Any = None
