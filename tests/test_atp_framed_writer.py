@@ -19,24 +19,12 @@ import pytest
 
 from pyg_atompack import atp
 from pyg_atompack.atp.frames import FRAME_GROUPS
-from pyg_atompack.atp.groups import Grouping, encode_groups
-
-# groups frames hold real groups payloads (verify decodes them), over records the files
-# below hold
-
-
-def _groups(name: str, records: list[int]) -> bytes:
-    return encode_groups([(name, Grouping(offsets=np.array([0, len(records)]),
-                                          records=np.array(records)))])
-
-
-PAIRS, V1, V2, GROUPS = (_groups("pairs", [0, 4]), _groups("g", [0, 1]),
-                         _groups("g", [1, 2]), _groups("groups", [0, 3]))
 
 sys.path.insert(0, str(Path(__file__).parent))
 from atp_framed import Framed, source_of  # noqa: E402
 
 FRAMED, WRITING = 1, 2
+OPAQUE = 98  # a metadata kind this version does not decode
 
 
 def _add(writer: atp.Writer, xs: range) -> None:
@@ -65,13 +53,14 @@ def test_unflushed_writes_survive_a_crash(tmp_path):
     _add(db, range(3))
     db.flush()
     _add(db, range(3, 5))
-    db.add_metadata(FRAME_GROUPS, PAIRS)
+    db.add_groups("pairs", [[0, 4]])
     db.close()  # a crash: no flush
     for index_offset, count, flags in _slots(path):
         assert (index_offset, count, flags) == (0, (1 << 64) - 1, FRAMED | WRITING)
     reader = _recovering(lambda: atp.Reader(path))
     assert [float(m.positions[0, 0]) for m in reader] == [0, 1, 2, 3, 4]
-    assert [reader.read_metadata(f) for f in reader.metadata_frames] == [PAIRS]
+    assert [f.kind for f in reader.metadata_frames] == [FRAME_GROUPS]
+    assert list(reader.groups) == ["pairs"]
 
     db = _recovering(lambda: atp.Writer.append_to(path))
     _add(db, range(5, 6))
@@ -79,7 +68,8 @@ def test_unflushed_writes_survive_a_crash(tmp_path):
     db.close()
     assert _xs(path) == [0, 1, 2, 3, 4, 5]
     reader = atp.Reader(path)
-    assert [reader.read_metadata(f) for f in reader.metadata_frames] == [PAIRS]
+    assert [f.kind for f in reader.metadata_frames] == [FRAME_GROUPS]
+    assert list(reader.groups) == ["pairs"]
     assert [s[2] for s in _slots(path)].count(FRAMED) == 1
     assert atp.verify(path) == []
 
@@ -190,17 +180,17 @@ def test_append_to_keeps_every_metadata_frame(tmp_path, framed):
     with atp.Writer(path, compression="lz4", framed=framed) as db:
         _add(db, range(3))
         db.add_metadata(99, b"from a newer version")
-        db.add_metadata(FRAME_GROUPS, V1)
+        db.add_metadata(OPAQUE, b"opaque v1")
     for step in range(3):
         with atp.Writer.append_to(path) as db:
-            assert [f.kind for f in db.metadata_frames] == [99, FRAME_GROUPS]
+            assert [f.kind for f in db.metadata_frames] == [99, OPAQUE]
             _add(db, range(3 + step, 4 + step))
     with atp.Writer.append_to(path) as db:
-        db.add_metadata(FRAME_GROUPS, V2, replace=True)
+        db.add_metadata(OPAQUE, b"opaque v2", replace=True)
     reader = atp.Reader(path)
     assert _xs(path) == [0, 1, 2, 3, 4, 5]
     assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
-        [(99, b"from a newer version"), (FRAME_GROUPS, V2)]
+        [(99, b"from a newer version"), (OPAQUE, b"opaque v2")]
     assert reader.header.framed == framed and atp.verify(path) == []
 
 
@@ -218,7 +208,7 @@ def test_a_rewrite_carries_every_metadata_frame(tmp_path, framed):
     source = tmp_path / "source.atp"
     with atp.Writer(source, compression="zstd", framed=True) as db:
         _add(db, range(4))
-        db.add_metadata(FRAME_GROUPS, GROUPS)
+        db.add_metadata(OPAQUE, b"opaque")
         db.add_metadata(99, b"from a newer version")
     rewritten = tmp_path / "rewritten.atp"
     with atp.Reader(source) as reader, \
@@ -229,4 +219,4 @@ def test_a_rewrite_carries_every_metadata_frame(tmp_path, framed):
     reader = atp.Reader(rewritten)
     assert _xs(rewritten) == [0, 1, 2, 3] and reader.header.framed == framed
     assert [(f.kind, reader.read_metadata(f)) for f in reader.metadata_frames] == \
-        [(FRAME_GROUPS, GROUPS), (99, b"from a newer version")]
+        [(OPAQUE, b"opaque"), (99, b"from a newer version")]
