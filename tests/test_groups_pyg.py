@@ -253,3 +253,26 @@ def test_groups_of_a_sharded_dataset_use_global_record_numbers(tmp_path):
     with pytest.raises(GroupsError, match=r"c\.atp: groups frame at byte \d+: grouping "
                        "'adsorption': cannot mix named-role and ordered groups"):
         _ = atp.open(shards).groups
+
+
+@pytest.mark.parametrize("prefetch_shards", [None, True])
+def test_groups_from_the_loopback_hub(tmp_path, prefetch_shards):
+    from servers.fake_hub import serve_fake_hub
+
+    from pyg_atompack import AtompackDataset
+
+    root = tmp_path / "repo"
+    (root / "train").mkdir(parents=True)
+    pairs = Grouping(offsets=np.array([0, 2]), records=np.array([0, 2]))
+    for name, n in (("part_0.atp", 3), ("part_1.atp", 4)):
+        write_framed(root / "train" / name, plain_file(tmp_path / f"plain_{name}", n),
+                     [encode_groups([("pairs", pairs)])])
+    for hub_server in serve_fake_hub():
+        hub_server.commit("org/groups", root)
+        records = AtompackDataset.from_hub("org/groups", "train", cache_dir=tmp_path / "cache",
+                                           endpoint=hub_server.endpoint, fields=["energy"],
+                                           prefetch_shards=prefetch_shards)
+        ds = AtompackGroupDataset(records, "pairs")
+        batch = next(iter(AtompackLoader(ds, batch_size=2)))
+        assert batch.record.tolist() == [0, 2, 3, 5]  # part_1 starts at record 3
+        assert batch.energy.tolist() == [0.0, 2.0, 0.0, 2.0]
