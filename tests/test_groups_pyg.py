@@ -276,3 +276,13 @@ def test_groups_from_the_loopback_hub(tmp_path, prefetch_shards):
         batch = next(iter(AtompackLoader(ds, batch_size=2)))
         assert batch.record.tolist() == [0, 2, 3, 5]  # part_1 starts at record 3
         assert batch.energy.tolist() == [0.0, 2.0, 0.0, 2.0]
+
+
+def test_group_batches_follow_names_exclusions_and_follow_batch(framed):
+    ds = AtompackGroupDataset(framed, "adsorption", names="pyg-md17")
+    loader = AtompackLoader(ds, batch_size=2, exclude_keys=["force"], follow_batch=["pos"])
+    batch = next(iter(loader))
+    assert "force" not in batch and "forces" not in batch
+    assert batch.energy.dtype == torch.float32  # the preset's energy
+    assert batch.pos_batch.tolist() == batch.batch.tolist()
+    assert batch.group.tolist() == [0, 0, 1, 1, 1]

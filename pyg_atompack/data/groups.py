@@ -127,7 +127,7 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
         return self.fetch(positions)
 
     def fetch(self, positions: Sequence[int], names: AttributeNames | None = None,
-              exclude_keys: Sequence[str] = ()) -> Batch:
+              exclude_keys: Sequence[str] = (), follow_batch: Sequence[str] = ()) -> Batch:
         """One ``Batch`` of the members of the groups at ``positions`` (see the class).
 
         Args:
@@ -136,6 +136,8 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
                 applied after the dataset's own. (default: :obj:`None`)
             exclude_keys (Sequence[str], optional): Member attributes to leave out.
                 (default: :obj:`()`)
+            follow_batch (Sequence[str], optional): Member attributes that get
+                ``<attr>_batch`` / ``<attr>_ptr`` vectors. (default: :obj:`()`)
 
         Returns:
             Batch: The mini-batch.
@@ -155,11 +157,12 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
         flat = dataset.reader.read_batch(unique, fields=dataset.fields)
         if len(unique) != len(records) or not np.array_equal(unique, records):
             flat = reorder_flat(flat, inverse.reshape(-1))
-        stored_exclude = [a if names is None else names.stored_name(a) for a in exclude_keys]
-        batch = flat_to_batch(flat, dtype=dataset.dtype, exclude_keys=stored_exclude,
-                              record_ids=records)
         all_names = dataset.names if names is None else (
             names if dataset.names is None else dataset.names.then(names))
+        stored = [a if all_names is None else all_names.stored_name(a)
+                  for a in (*exclude_keys, *follow_batch)]
+        batch = flat_to_batch(flat, dtype=dataset.dtype, exclude_keys=stored[:len(exclude_keys)],
+                              follow_batch=stored[len(exclude_keys):], record_ids=records)
         if all_names is not None:
             batch = all_names.apply(batch)
         return self._add_group_attributes(batch, positions, sizes, role, records)

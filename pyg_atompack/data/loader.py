@@ -101,9 +101,10 @@ class _BatchFetcher(torch.utils.data.Dataset):
 class _GroupFetcher(torch.utils.data.Dataset):
     """Turns one list of group positions into one ``Batch`` of their members."""
 
-    def __init__(self, dataset: AtompackGroupDataset, exclude_keys: Sequence[str],
-                 names: AttributeNames | None) -> None:
+    def __init__(self, dataset: AtompackGroupDataset, follow_batch: Sequence[str],
+                 exclude_keys: Sequence[str], names: AttributeNames | None) -> None:
         self.dataset = dataset
+        self.follow_batch = list(follow_batch)
         self.exclude_keys = list(exclude_keys)
         self.names = names
 
@@ -114,7 +115,7 @@ class _GroupFetcher(torch.utils.data.Dataset):
         return self.__getitems__(positions)
 
     def __getitems__(self, positions: Sequence[int]) -> Batch:
-        return self.dataset.fetch(positions, self.names, self.exclude_keys)
+        return self.dataset.fetch(positions, self.names, self.exclude_keys, self.follow_batch)
 
 
 class AtompackLoader(StatefulDataLoader):
@@ -157,8 +158,7 @@ class AtompackLoader(StatefulDataLoader):
     Args:
         dataset (AtompackDataset or AtompackGroupDataset): The dataset to load from; for
             an :class:`~pyg_atompack.data.AtompackGroupDataset`, ``batch_size`` counts
-            groups and each batch holds all their members (``follow_batch`` is not
-            supported there).
+            groups and each batch holds all their members.
         batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
         shuffle (bool, optional): Reshuffle the data every epoch (see above); not
             allowed together with ``sampler``. (default: :obj:`False`)
@@ -226,7 +226,8 @@ class AtompackLoader(StatefulDataLoader):
         self.atompack_dataset = dataset
         fetcher: torch.utils.data.Dataset
         if isinstance(dataset, AtompackGroupDataset):  # each batch: whole groups
-            fetcher = _GroupFetcher(dataset, self.exclude_keys, resolve_names(rename, names))
+            fetcher = _GroupFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                    resolve_names(rename, names))
         else:
             fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
                                     resolve_names(rename, names))
