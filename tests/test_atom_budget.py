@@ -14,16 +14,21 @@ Run as a script, this file is the training script of the ``torchrun`` launch.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_atompack import atp  # noqa: E402
+from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
 from pyg_atompack.pyg.budget import (  # noqa: E402
+    AtomBudgetBatchSampler,
     AtomBudgetError,
     balance_batches,
     consumed_positions,
@@ -133,3 +138,156 @@ def test_group_by_atoms_fills_from_its_window() -> None:
     assert fill_window > fill_next  # the window fills batches better
     taken = list(group_by_atoms(iter(range(2000)), 1000, counts.__getitem__, limit=37))
     assert sorted(i for b in taken for i in b) == list(range(37))
+
+
+# ---------------------------------------------------------------- AtompackLoader
+def test_loader_batches_keep_the_budget_and_cover_the_epoch(atp_path: Path,
+                                                            atoms: np.ndarray) -> None:
+    dataset = AtompackDataset(atp_path)
+    loader = AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=SEED)
+    first, second = epoch_batches(loader), epoch_batches(loader)
+    for epoch in (first, second):
+        assert sorted(i for b in epoch for i in b) == list(range(N_MOLECULES))
+        assert max(atoms[b].sum() for b in epoch) <= MAX_ATOMS
+    assert first != second
+    assert len(loader) == len(second)
+    again = AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=SEED)
+    assert epoch_batches(again) == first and epoch_batches(again) == second
+    workers = AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=SEED,
+                             num_workers=2)
+    assert epoch_batches(workers) == first and epoch_batches(workers) == second
+    # a dataset view: counts follow the view's positions
+    view = dataset[10:70]
+    batches = epoch_batches(AtompackLoader(view, max_atoms=MAX_ATOMS, shuffle=True, seed=1))
+    assert sorted(i for b in batches for i in b) == list(range(10, 70))
+    assert max(atoms[b].sum() for b in batches) <= MAX_ATOMS
+    with pytest.raises(ValueError, match="max_atoms plans the batches itself"):
+        AtompackLoader(dataset, max_atoms=MAX_ATOMS, batch_size=8)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resumes_mid_epoch_exactly(atp_path: Path, num_workers: int) -> None:
+    dataset = AtompackDataset(atp_path)
+
+    def make() -> AtompackLoader:
+        return AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=SEED,
+                              num_workers=num_workers)
+
+    full = make()
+    epochs = [epoch_batches(full) for _ in range(2)]
+    interrupted = make()
+    iterator = iter(interrupted)
+    head = [ids(next(iterator)) for _ in range(5)]
+    state = json.loads(json.dumps(interrupted.state_dict()))  # JSON-serialisable
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = epoch_batches(resumed)
+    assert head + tail == epochs[0]
+    assert epoch_batches(resumed) == epochs[1]
+
+
+def test_sampler_state_is_epoch_and_steps() -> None:
+    sampler = AtomBudgetBatchSampler(np.full(50, 100), 1000, seed=2, rank=1, world_size=2)
+    passes = iter(sampler)
+    next(passes), next(passes)
+    state = sampler.state_dict()
+    assert (state["epoch"], state["steps"]) == (0, 2)
+    other = AtomBudgetBatchSampler(np.full(50, 100), 1000, seed=3, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="seed=2, this sampler 3"):
+        other.load_state_dict(state)
+
+
+def test_oversize_in_the_loader_names_file_and_record(tmp_path: Path) -> None:
+    path = write_atp(tmp_path / "one_big.atp", 30, big=17)
+    dataset = AtompackDataset(path)
+    with pytest.raises(AtomBudgetError,
+                       match=rf"record 17 of {path}.*2000 atoms.*max_atoms={MAX_ATOMS}"):
+        AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=0)
+    loader = AtompackLoader(dataset, max_atoms=MAX_ATOMS, shuffle=True, seed=0,
+                            oversize="own_batch")
+    batches = epoch_batches(loader)
+    assert [17] in batches
+    assert sorted(i for b in batches for i in b) == list(range(30))
+
+
+def test_oversize_in_a_sharded_dataset_names_the_shard(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    write_atp(tmp_path / "shards" / "part_000.atp", 10)
+    write_atp(tmp_path / "shards" / "part_001.atp", 10, big=3)
+    dataset = AtompackDataset(tmp_path / "shards")
+    with pytest.raises(AtomBudgetError, match=r"record 3 of .*part_001\.atp \(dataset "
+                                              r"position 13\)"):
+        AtompackLoader(dataset, max_atoms=MAX_ATOMS)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_after_the_last_batch_resumes_at_the_next_epoch(atp_path: Path,
+                                                              num_workers: int) -> None:
+    """A plain shuffled loader saved after its epoch ended resumes at the next epoch."""
+    dataset = AtompackDataset(atp_path)
+
+    def make() -> AtompackLoader:
+        return AtompackLoader(dataset, batch_size=16, shuffle=True, seed=SEED,
+                              num_workers=num_workers)
+
+    full = make()
+    epochs = [epoch_batches(full) for _ in range(3)]
+    first = make()
+    assert epoch_batches(first) == epochs[0]
+    state = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert epoch_batches(resumed) == epochs[1]
+    assert epoch_batches(resumed) == epochs[2]
+
+
+# ---------------------------------------------------------------- torchrun, 2 ranks
+def test_two_ranks_take_equal_steps_under_torchrun(tmp_path: Path, atp_path: Path,
+                                                   atoms: np.ndarray) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", __file__, str(atp_path), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        steps = [reports[r]["epochs"][epoch] for r in range(2)]
+        assert len(steps[0]) == len(steps[1]) == reports[0]["len"][epoch]
+        seen = [i for rank in steps for b in rank for i in b]
+        assert sorted(seen) == list(range(N_MOLECULES))  # split, not padded or dropped
+        assert max(atoms[b].sum() for rank in steps for b in rank) <= MAX_ATOMS
+    assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
+
+
+def _ddp_main(atp_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DistributedDataParallel(torch.nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = AtompackLoader(AtompackDataset(atp_file), max_atoms=MAX_ATOMS, shuffle=True,
+                            seed=SEED, num_workers=1)
+    report: dict = {"epochs": [], "len": []}
+    for _ in range(2):
+        report["len"].append(len(loader))
+        steps = []
+        for batch in loader:
+            # every step all-reduces gradients: unequal step counts would hang
+            loss = model(batch.pos.float()).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            steps.append(ids(batch))
+        report["epochs"].append(steps)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _ddp_main(sys.argv[1], sys.argv[2])
