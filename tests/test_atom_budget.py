@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
+from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset, atp, convert  # noqa: E402
 from pyg_atompack.pyg.budget import (  # noqa: E402
     AtomBudgetBatchSampler,
     AtomBudgetError,
@@ -240,6 +240,48 @@ def test_state_after_the_last_batch_resumes_at_the_next_epoch(atp_path: Path,
     resumed.load_state_dict(state)
     assert epoch_batches(resumed) == epochs[1]
     assert epoch_batches(resumed) == epochs[2]
+
+
+# ---------------------------------------------------------------- ShardStreamDataset
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory, atp_path: Path) -> Path:
+    out = tmp_path_factory.mktemp("budget-shards") / "shards"
+    convert.shard(atp_path, out, 25)
+    return out
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 16])
+def test_stream_batches_keep_the_budget(shards: Path, atoms: np.ndarray,
+                                        shuffle_buffer: int) -> None:
+    def make() -> ShardStreamDataset:
+        return ShardStreamDataset(shards, shuffle=True, seed=SEED, max_atoms=MAX_ATOMS,
+                                  shuffle_buffer=shuffle_buffer)
+
+    batches = epoch_batches(make())
+    assert sorted(i for b in batches for i in b) == list(range(N_MOLECULES))
+    assert max(atoms[b].sum() for b in batches) <= MAX_ATOMS
+    assert epoch_batches(make()) == batches
+    # resume: the interrupted part and the rest cover the epoch exactly once
+    stream = make()
+    iterator = iter(stream)
+    head = [ids(next(iterator)) for _ in range(4)]
+    state = stream.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = epoch_batches(resumed)
+    assert sorted(i for b in head + tail for i in b) == list(range(N_MOLECULES))
+    assert max(atoms[b].sum() for b in tail) <= MAX_ATOMS
+
+
+def test_stream_oversize_names_the_shard(tmp_path: Path) -> None:
+    convert.shard(write_atp(tmp_path / "big.atp", 30, big=17), tmp_path / "shards", 10)
+    stream = ShardStreamDataset(tmp_path / "shards", max_atoms=MAX_ATOMS)
+    with pytest.raises(AtomBudgetError, match=r"sample 7 of shard \S+1\.pt has 2000"):
+        epoch_batches(stream)
+    batches = epoch_batches(ShardStreamDataset(tmp_path / "shards", max_atoms=MAX_ATOMS,
+                                               oversize="own_batch"))
+    assert [17] in batches
 
 
 # ---------------------------------------------------------------- torchrun, 2 ranks
