@@ -26,10 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset, atp, convert  # noqa: E402
+from pyg_atompack import (  # noqa: E402
+    AtompackDataset,
+    AtompackLoader,
+    ShardStreamDataset,
+    StatefulLoader,
+    atp,
+    convert,
+)
 from pyg_atompack.pyg.budget import (  # noqa: E402
     AtomBudgetBatchSampler,
     AtomBudgetError,
+    EqualSteps,
     balance_batches,
     consumed_positions,
     group_by_atoms,
@@ -286,11 +294,11 @@ def test_stream_oversize_names_the_shard(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- torchrun, 2 ranks
 def test_two_ranks_take_equal_steps_under_torchrun(tmp_path: Path, atp_path: Path,
-                                                   atoms: np.ndarray) -> None:
+                                                   shards: Path, atoms: np.ndarray) -> None:
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", __file__, str(atp_path), str(out)]
+               "--nproc_per_node=2", __file__, str(atp_path), str(shards), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
@@ -302,9 +310,17 @@ def test_two_ranks_take_equal_steps_under_torchrun(tmp_path: Path, atp_path: Pat
         assert sorted(seen) == list(range(N_MOLECULES))  # split, not padded or dropped
         assert max(atoms[b].sum() for rank in steps for b in rank) <= MAX_ATOMS
     assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
+    # the stream: EqualSteps stops both ranks at the shorter one, nothing is repeated
+    streamed = [reports[r]["stream"] for r in range(2)]
+    assert len(streamed[0]) == len(streamed[1]) > 0
+    seen = [i for rank in streamed for b in rank for i in b]
+    assert len(seen) == len(set(seen))
+    assert max(atoms[b].sum() for rank in streamed for b in rank) <= MAX_ATOMS
+    cut = [reports[r]["cut_short"] for r in range(2)]
+    assert not all(cut)  # the shortest rank ran to its end
 
 
-def _ddp_main(atp_file: str, out: str) -> None:
+def _ddp_main(atp_file: str, shard_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -326,10 +342,21 @@ def _ddp_main(atp_file: str, out: str) -> None:
             optimizer.step()
             steps.append(ids(batch))
         report["epochs"].append(steps)
+    stream = ShardStreamDataset(shard_dir, shuffle=True, seed=SEED, max_atoms=MAX_ATOMS,
+                                shuffle_buffer=8)
+    steps = EqualSteps(StatefulLoader(stream, batch_size=None, num_workers=1))
+    report["stream"] = []
+    for batch in steps:
+        loss = model(batch.pos.float()).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        report["stream"].append(ids(batch))
+    report["cut_short"] = steps.cut_short
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _ddp_main(sys.argv[1], sys.argv[2])
+    _ddp_main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -23,6 +23,11 @@ the samples in its look-ahead window.
   state is ``(epoch, steps)``, the steps this rank has taken in the epoch.
 * :func:`group_by_atoms`: the streaming counterpart, packing a stream of samples into
   batches within the budget from a bounded look-ahead window (first fit).
+* :class:`EqualSteps`: equal steps for streamed batches, whose count per rank is known
+  only at the end: every step the ranks agree (one all-reduce of one integer) whether
+  all of them still have a batch, and all stop at the shortest rank. The longer ranks'
+  last batches are dropped (``cut_short``), as the stream already drops surplus
+  samples to give ranks equal sample counts.
 
 Edges: no edge budget. The edges of a radius graph depend on positions, which only
 reading every record reveals; the cheap bound ``n * min(n - 1, max_neighbors)`` is
@@ -42,8 +47,8 @@ import torch
 from torch.utils.data import Sampler
 
 __all__ = ["AtomBudgetBatchSampler", "AtomBudgetError", "OVERSIZE_CHOICES",
-           "balance_batches", "consumed_positions", "group_by_atoms", "plan_atom_batches",
-           "rank_batches"]
+           "balance_batches", "consumed_positions", "EqualSteps", "group_by_atoms",
+           "plan_atom_batches", "rank_batches"]
 
 BUDGET_STATE_FORMAT = "pyg_atompack-atom-budget/1"
 
@@ -490,3 +495,70 @@ def group_by_atoms(items: Iterable[T], max_atoms: int, atoms: Callable[[T], int]
         del item
     while held:
         yield form()
+
+
+_END = object()
+
+
+class EqualSteps(Iterator[T]):
+    """Iterate ``batches`` in step with the other DDP ranks: all stop at the shortest.
+
+    Before each step the ranks all-reduce (minimum) whether they still have a batch;
+    when one has none, every rank stops there, so DDP's gradient all-reduce never
+    waits on a rank that has finished. Without an initialised process group the
+    batches pass through unchanged. Use it in the main process (around the
+    ``DataLoader``), not inside workers.
+
+    .. code-block:: python
+
+        steps = EqualSteps(loader)
+        for batch in steps:
+            ...
+        print(steps.steps, steps.cut_short)   # whether this rank had batches left
+
+    Args:
+        batches (Iterable[T]): This rank's batches (e.g. a loader over a
+            ``ShardStreamDataset(max_atoms=...)``).
+        group (Any, optional): The process group. (default: :obj:`None`, the default
+            group)
+
+    Attributes:
+        steps: Batches handed out.
+        cut_short: This rank still had batches when the ranks stopped (they are not
+            pulled, so nothing more is downloaded for them).
+    """
+
+    def __init__(self, batches: Iterable[T], *, group: Any = None) -> None:
+        self.batches = iter(batches)
+        self.group = group
+        self.cut_short = False
+        self.steps = 0
+        self._done = False
+        self._flag: torch.Tensor | None = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # NCCL reduces device tensors only
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.distributed.get_backend(group) == "nccl"
+                      else torch.device("cpu"))
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def __iter__(self) -> EqualSteps[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        batch = next(self.batches, _END)
+        if self._flag is not None:
+            self._flag.fill_(0 if batch is _END else 1)
+            torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MIN,
+                                         group=self.group)
+            everyone = bool(self._flag.item())
+        else:
+            everyone = batch is not _END
+        if not everyone:
+            self._done = True
+            self.cut_short = batch is not _END
+            raise StopIteration
+        self.steps += 1
+        return batch

@@ -253,9 +253,10 @@ class ShardStreamDataset(IterableDataset):
             ``batch_size`` samples (:func:`~pyg_atompack.pyg.budget.group_by_atoms`):
             each filled first fit from a look-ahead of ``shuffle_buffer`` samples (next
             fit without one), every sample in exactly one batch, the same batches for
-            a given seed and epoch. Ranks may take different numbers of steps (atom
-            counts are known only once samples are decoded): for DDP, use
-            ``AtompackLoader(max_atoms=)``. (default: :obj:`None`)
+            a given seed and epoch. Ranks may form different numbers of batches (atom
+            counts are known only once samples are decoded): under DDP iterate through
+            :class:`~pyg_atompack.pyg.budget.EqualSteps`, which stops every rank at the
+            shortest one. (default: :obj:`None`)
         oversize (str, optional): With ``max_atoms``, a sample larger than the budget:
             ``"error"`` (:class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming the
             shard and sample) or ``"own_batch"``. (default: :obj:`"error"`)
