@@ -292,6 +292,23 @@ def test_stream_oversize_names_the_shard(tmp_path: Path) -> None:
     assert [17] in batches
 
 
+# ---------------------------------------------------------------- the benchmark
+def test_benchmark_quick_run_reports_every_measure(tmp_path: Path) -> None:
+    """A smoke run of ``benchmarks/atom_budget.py --quick`` (not a timed assertion)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "atom_budget.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "atom_budget.json").read_text())
+    assert report["spread"]["budget"]["max"] <= report["setup"]["max_atoms"]
+    assert sum(report["atoms"]["fixed"]) == sum(report["atoms"]["budget"])  # same epoch
+    assert set(report["memory"]) == {"fixed", "budget"}
+    assert all(m["peak_mib"] > 0 for m in report["memory"].values())
+    assert report["loader"]["ratio_median"] > 0
+    assert "## Atoms per batch" in (tmp_path / "atom_budget.md").read_text()
+
+
 # ---------------------------------------------------------------- torchrun, 2 ranks
 def test_two_ranks_take_equal_steps_under_torchrun(tmp_path: Path, atp_path: Path,
                                                    shards: Path, atoms: np.ndarray) -> None:
