@@ -8,10 +8,10 @@ the samples in its look-ahead window.
 
 * :func:`plan_atom_batches`: one epoch's batches. The positions are permuted by a
   generator seeded with ``(seed, epoch)`` and cut into consecutive runs whose atoms
-  stay within the budget (*next fit*, one ``searchsorted`` per batch on the cumulative
-  sum, so 10^6 structures plan in well under a second). Next fit keeps the shuffle
-  exactly and wastes less than one structure per batch: on 10-300 atoms and a budget
-  of 2,000, batches hold a median 1,905 atoms.
+  stay within the budget (*next fit*, one binary search per batch on the cumulative
+  sum: 10^6 structures plan in 0.75 s on a loaded 2-core machine, once per epoch).
+  Next fit keeps the shuffle exactly and wastes less than one structure per batch: on
+  10-300 atoms and a budget of 2,000, batches hold a median 1,916 atoms.
 * :func:`balance_batches` / :func:`rank_batches`: every DDP rank takes the same number
   of steps. The epoch's batches are dealt round-robin; when their number does not
   divide by the world size, the batches with the most structures are split in two
@@ -38,6 +38,7 @@ through ``max_atoms`` with a margin.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -130,14 +131,14 @@ def plan_atom_batches(n_atoms: Sequence[int] | np.ndarray, max_atoms: int, *, se
 
 def _next_fit(order: np.ndarray, counts: np.ndarray, max_atoms: int) -> list[np.ndarray]:
     # batch k ends where the cumulative sum passes its start's sum + budget: one binary
-    # search per batch instead of a Python step per structure
-    ends = np.cumsum(counts)
+    # search per batch instead of a Python step per structure (bisect on a list: a
+    # tenth of np.searchsorted's cost on one scalar)
+    ends = np.cumsum(counts).tolist()
     batches = []
     start, total = 0, len(order)
     while start < total:
         base = ends[start - 1] if start else 0
-        stop = int(np.searchsorted(ends, base + max_atoms, side="right"))
-        stop = max(stop, start + 1)  # (only reached with every count within budget)
+        stop = bisect.bisect_right(ends, base + max_atoms, start + 1)
         batches.append(order[start:stop])
         start = stop
     return batches
@@ -168,8 +169,7 @@ def balance_batches(batches: Sequence[np.ndarray], world_size: int) -> list[np.n
         world_size (int): The number of ranks.
 
     Returns:
-        list[np.ndarray]: ``ceil(len(batches) / world_size) * world_size`` batches at
-        most (fewer splits are never enough).
+        list[np.ndarray]: ``ceil(len(batches) / world_size) * world_size`` batches.
     """
     batches = list(batches)
     if world_size < 1:
