@@ -282,6 +282,27 @@ def test_stream_batches_keep_the_budget(shards: Path, atoms: np.ndarray,
     assert max(atoms[b].sum() for b in tail) <= MAX_ATOMS
 
 
+def test_stream_batches_resume_behind_workers(shards: Path, atoms: np.ndarray) -> None:
+    def make() -> StatefulLoader:
+        stream = ShardStreamDataset(shards, shuffle=True, seed=SEED, max_atoms=MAX_ATOMS,
+                                    shuffle_buffer=8)
+        return StatefulLoader(stream, batch_size=None, num_workers=2)
+
+    full = epoch_batches(make())
+    assert sorted(i for b in full for i in b) == list(range(N_MOLECULES))
+    assert max(atoms[b].sum() for b in full) <= MAX_ATOMS
+    interrupted = make()
+    iterator = iter(interrupted)
+    head = [ids(next(iterator)) for _ in range(5)]
+    state = interrupted.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = epoch_batches(resumed)
+    assert sorted(i for b in head + tail for i in b) == list(range(N_MOLECULES))
+    assert max(atoms[b].sum() for b in tail) <= MAX_ATOMS
+
+
 def test_stream_oversize_names_the_shard(tmp_path: Path) -> None:
     convert.shard(write_atp(tmp_path / "big.atp", 30, big=17), tmp_path / "shards", 10)
     stream = ShardStreamDataset(tmp_path / "shards", max_atoms=MAX_ATOMS)
