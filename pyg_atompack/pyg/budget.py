@@ -30,10 +30,12 @@ the samples in its look-ahead window.
   samples to give ranks equal sample counts.
 
 Edges: no edge budget. The edges of a radius graph depend on positions, which only
-reading every record reveals; the cheap bound ``n * min(n - 1, max_neighbors)`` is
-several times the real count for bulk structures, so a budget on it would leave
-batches mostly empty. Atoms set the memory of the per-atom layers; budget edges
-through ``max_atoms`` with a margin.
+reading every record reveals. The one estimate the index allows is the bound
+``n * min(n - 1, k)`` for a ``k``-neighbour cap; on the benchmark's structures (10-300
+atoms, cutoff 5 A, ``k = 32``) the real count is 0.33-0.85 of it (median 0.53), so a
+budget on it would leave batches about half full, and for all but the smallest
+structures it is ``k`` times the atom count: ``max_atoms = max_edges / k`` already
+bounds the edges.
 """
 
 from __future__ import annotations
