@@ -230,14 +230,21 @@ def test_oversize_in_a_sharded_dataset_names_the_shard(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("budget", [False, True])
 def test_state_after_the_last_batch_resumes_at_the_next_epoch(atp_path: Path,
-                                                              num_workers: int) -> None:
-    """A plain shuffled loader saved after its epoch ended resumes at the next epoch."""
+                                                              num_workers: int,
+                                                              budget: bool) -> None:
+    """A shuffled loader saved after its epoch ended resumes at the next epoch.
+
+    With ``budget=False`` (a plain ``batch_size``) and workers this failed before the
+    fix: the resumed loader skipped an epoch.
+    """
     dataset = AtompackDataset(atp_path)
+    size = {"max_atoms": MAX_ATOMS} if budget else {"batch_size": 16}
 
     def make() -> AtompackLoader:
-        return AtompackLoader(dataset, batch_size=16, shuffle=True, seed=SEED,
-                              num_workers=num_workers)
+        return AtompackLoader(dataset, shuffle=True, seed=SEED, num_workers=num_workers,
+                              **size)
 
     full = make()
     epochs = [epoch_batches(full) for _ in range(3)]
