@@ -465,19 +465,22 @@ def group_by_atoms(items: Iterable[T], max_atoms: int, atoms: Callable[[T], int]
         raise ValueError(f"window must be >= 0, got {window}")
     held: list[tuple[T, int]] = []
     held_atoms = 0
+    smallest = max_atoms + 1  # the fewest atoms of any item so far
 
     def form() -> list[T]:
-        nonlocal held, held_atoms
-        batch: list[T] = []
-        total = 0
-        kept: list[tuple[T, int]] = []
-        for entry in held:
-            if total + entry[1] <= max_atoms or not batch:
-                batch.append(entry[0])
-                total += entry[1]
-            else:
-                kept.append(entry)
-        held, held_atoms = kept, held_atoms - total
+        nonlocal held_atoms
+        taken: list[int] = []
+        room = max_atoms
+        for index, (_, count) in enumerate(held):
+            if count <= room:
+                taken.append(index)
+                room -= count
+                if room < smallest:  # nothing can fit any more: stop scanning
+                    break
+        batch = [held[index][0] for index in taken]
+        for index in reversed(taken):  # (a memmove each, not a Python loop)
+            del held[index]
+        held_atoms -= max_atoms - room
         return batch
 
     if limit is not None:  # islice pulls nothing past the limit
@@ -492,6 +495,7 @@ def group_by_atoms(items: Iterable[T], max_atoms: int, atoms: Callable[[T], int]
         else:
             held.append((item, count))
             held_atoms += count
+            smallest = min(smallest, count)
             while held_atoms > max_atoms and len(held) > window:
                 yield form()
         del item
