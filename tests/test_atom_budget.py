@@ -257,6 +257,23 @@ def test_state_after_the_last_batch_resumes_at_the_next_epoch(atp_path: Path,
     assert epoch_batches(resumed) == epochs[2]
 
 
+def test_stateful_loader_after_the_last_batch_resumes_at_the_next_epoch(
+        atp_path: Path) -> None:
+    """The same for ``StatefulLoader(shuffle=True)`` behind workers (it skipped an epoch)."""
+    dataset = AtompackDataset(atp_path)
+
+    def make() -> StatefulLoader:
+        return StatefulLoader(dataset, batch_size=16, shuffle=True, seed=SEED, num_workers=2)
+
+    full = make()
+    epochs = [epoch_batches(full) for _ in range(2)]
+    first = make()
+    assert epoch_batches(first) == epochs[0]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert epoch_batches(resumed) == epochs[1]
+
+
 # ---------------------------------------------------------------- ShardStreamDataset
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory, atp_path: Path) -> Path:

@@ -20,6 +20,8 @@ from pyg_atompack.pyg.resume import (
     ResumableSampler,
     StatefulBatchSampler,
     check_loader_state,
+    finished_pass_state,
+    finished_workers_state,
     quiet_torchdata,
     wrap_loader_state,
 )
@@ -48,18 +50,6 @@ class _RecordName:
                 return f"record {local} of {paths[shard]} (dataset position {position})"
         where = getattr(reader, "path", None) or self.dataset._source_repr
         return f"record {record} of {where} (dataset position {position})"
-
-
-def _finished_pass(saved: dict[str, Any] | None) -> dict[str, Any] | None:
-    # The sampler state of a pass that ran to its end, set to start the next epoch (at
-    # its first batch): a state restored mid-way would make torchdata start a pass,
-    # find it finished and start another, skipping an epoch.
-    if not isinstance(saved, dict):
-        return None
-    saved = saved.get("sampler_state", saved)
-    if "epoch" not in saved or "started" not in saved:
-        return None
-    return {**saved, "epoch": int(saved["epoch"]) + 1, "started": False}
 
 
 def _pass_through(batch: Batch) -> Batch:
@@ -296,7 +286,7 @@ class AtompackLoader(StatefulDataLoader):
                 saved = resume["batch_sampler"]
                 if not resume["finished"]:
                     positions.load_state_dict(saved)
-                elif self._load_finished_pass(saved):
+                elif self._load_finished_pass(finished_pass_state(saved)):
                     positions = iter(self.batch_sampler)
             # DataLoader draws a base seed per epoch from the loader's generator
             # (or the global one); draw it too so that shuffles stay identical.
@@ -311,9 +301,8 @@ class AtompackLoader(StatefulDataLoader):
             yield fetch(batch_positions)
         self._in_process_finished = True
 
-    def _load_finished_pass(self, saved: dict[str, Any] | None) -> bool:
+    def _load_finished_pass(self, state: dict[str, Any] | None) -> bool:
         # a state taken after a pass ended: the sampler starts the epoch after it
-        state = _finished_pass(saved)
         if state is None:
             return False
         target = self.batch_sampler
@@ -363,8 +352,7 @@ class AtompackLoader(StatefulDataLoader):
         state = check_loader_state(state_dict, self.num_workers)
         if self._in_process():
             self._in_process_resume = state
-        elif state.get("_iterator_finished") and self._load_finished_pass(
-                state["_snapshot"]["_main_snapshot"]["_sampler_iter_state"]):
+        elif self._load_finished_pass(finished_workers_state(state)):
             super().load_state_dict({})  # nothing of the finished pass is left
         else:
             super().load_state_dict(state)
