@@ -89,7 +89,7 @@ demo: $(STAMP)
 test:
 	@$(PREREQUISITES)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25
 	@$(MAKE) --no-print-directory test-hf-releases
 
 # REMOTE_TESTS next to each release of HF_RELEASES, one release after another.
