@@ -286,3 +286,16 @@ def test_group_batches_follow_names_exclusions_and_follow_batch(framed):
     assert batch.energy.dtype == torch.float32  # the preset's energy
     assert batch.pos_batch.tolist() == batch.batch.tolist()
     assert batch.group.tolist() == [0, 0, 1, 1, 1]
+
+
+def test_atom_budget_packs_whole_groups(framed):
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"])
+    sizes = (ADSORPTION.records % 3) + 1  # plain_file: record i has i % 3 + 1 atoms
+    counts = np.add.reduceat(sizes, ADSORPTION.offsets[:-1])
+    assert ds.atom_counts().tolist() == counts.tolist() == [3, 5, 6, 4]
+    loader = AtompackLoader(ds, max_atoms=10)
+    batches = list(loader)
+    assert all(int(b.natoms.sum()) <= 10 for b in batches)
+    assert sorted(g for b in batches for g in b.group_id.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="group 2 of grouping 'adsorption'"):
+        AtompackLoader(ds, max_atoms=5)

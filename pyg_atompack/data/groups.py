@@ -116,6 +116,18 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.grouping)
 
+    def atom_counts(self) -> np.ndarray:
+        """Atoms of every group (its members' atoms summed), from the index alone: what
+        ``AtompackLoader(..., max_atoms=N)`` packs batches of groups by.
+
+        Returns:
+            np.ndarray: int64, one count per group.
+        """
+        n_atoms = np.asarray(self.records.reader.n_atoms, dtype=np.int64)
+        per_member = n_atoms[self.grouping.records]
+        return np.add.reduceat(per_member, self.grouping.offsets[:-1]) if len(self) else \
+            np.zeros(0, np.int64)
+
     def __getitem__(self, index: int) -> Batch:
         n = len(self)
         if not -n <= int(index) < n:

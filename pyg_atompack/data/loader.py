@@ -30,8 +30,11 @@ from pyg_atompack.pyg.resume import (
 __all__ = ["AtompackLoader"]
 
 
-def atom_counts(dataset: AtompackDataset) -> np.ndarray:
-    """Atom count of every position of ``dataset``, from the ``.atp`` index alone."""
+def atom_counts(dataset: AtompackDataset | AtompackGroupDataset) -> np.ndarray:
+    """Atom count of every position of ``dataset``, from the ``.atp`` index alone (of a
+    group: all its members' atoms)."""
+    if isinstance(dataset, AtompackGroupDataset):
+        return dataset.atom_counts()
     return np.asarray(dataset.reader.n_atoms, dtype=np.int64)[dataset.record_indices()]
 
 
@@ -42,6 +45,9 @@ class _RecordName:
         self.dataset = dataset
 
     def __call__(self, position: int) -> str:
+        if isinstance(self.dataset, AtompackGroupDataset):
+            return (f"group {position} of grouping {self.dataset.name!r} in "
+                    f"{self.dataset.records._source_repr}")
         record = int(self.dataset.record_indices([position])[0])
         reader = self.dataset.reader
         paths = getattr(reader, "shard_paths", None)
