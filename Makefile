@@ -111,6 +111,8 @@ soak: $(STAMP)
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_atp.py --quick
+	$(PY) benchmarks/framed_crc.py
+	$(PY) benchmarks/atom_budget.py
 	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py
