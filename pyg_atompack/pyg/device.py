@@ -89,7 +89,9 @@ class DeviceFeeder:
             tensors, or lists, tuples and dicts of them.
         device (torch.device or str): Where batches are handed out.
         transform (Callable, optional): Applied to each batch on the device (on the side
-            stream), e.g. to build its neighbour graph. (default: :obj:`None`)
+            stream), e.g. to build its neighbour graph. Kernels of a library that ignores
+            torch's current stream run on the default stream instead: still in order,
+            but without overlapping the step. (default: :obj:`None`)
         pin_memory (bool, optional): Pin batches before copying them to CUDA, so that the
             copy is asynchronous. (default: :obj:`True`)
         snapshot (Callable[[], Any], optional): Returns the loader's resume state; called
