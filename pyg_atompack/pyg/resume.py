@@ -11,9 +11,17 @@ far, even while workers have prefetched further. What it needs from us is
 * datasets with ``state_dict`` / ``load_state_dict`` (``ShardStreamDataset`` has one;
   a map-style ``AtompackDataset`` needs none, its position is the sampler's).
 
-:class:`StatefulLoader` is ``StatefulDataLoader`` with PyG's collation, and checks that a
-state is loaded into a loader with the same number of workers (the per-worker states of
-an iterable dataset cannot be redistributed over a different count).
+:class:`StatefulLoader` is ``StatefulDataLoader`` with PyG's collation.
+
+Elastic resume (another number of workers or ranks): what was handed out is kept in a
+form that does not depend on the (rank, worker) grid. For a map-style dataset that is
+one number: ranks step together, so after ``p`` indices on each of ``R`` ranks they have
+handed out exactly the first ``start + p * R`` positions of the epoch's order
+(:attr:`ResumableSampler.consumed`); any rank's state carries it, and a sampler on
+``R'`` ranks deals the rest round-robin. torchdata's per-worker states are then not
+needed (:func:`restore_loader_state`). An iterable dataset's workers each hold part of
+the position: their states are merged (the dataset's ``merge_states``) and every new
+worker takes its share of what is left.
 """
 
 from __future__ import annotations
@@ -28,14 +36,30 @@ from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
-__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "check_loader_state",
-           "quiet_torchdata", "wrap_loader_state"]
+__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "pass_length",
+           "quiet_torchdata", "restore_loader_state", "saved_sampler_state",
+           "wrap_loader_state"]
 
-SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/1"
+SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/2"
 LOADER_STATE_FORMAT = "pyg_atompack-loader/1"
 
 #: torchdata's batch sampler, whose iterator saves the wrapped sampler's state.
 StatefulBatchSampler = BatchSampler
+
+
+def pass_length(remaining: int, world_size: int, drop_last: bool) -> int:
+    """Indices each of ``world_size`` ranks takes from ``remaining`` positions.
+
+    Args:
+        remaining (int): Positions of the epoch's order not handed out yet.
+        world_size (int): Number of ranks.
+        drop_last (bool): Leave out the tail that does not divide (else pad it).
+
+    Returns:
+        int: The same count for every rank.
+    """
+    remaining = max(remaining, 0)
+    return remaining // world_size if drop_last else -(-remaining // world_size)
 
 
 def _distributed_rank_world() -> tuple[int, int]:
@@ -84,17 +108,32 @@ class ResumableSampler(Sampler[int]):
         self.seed = int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
         self.drop_last = drop_last
-        if drop_last:
-            self.num_samples = self.length // self.world_size
-        else:
-            self.num_samples = -(-self.length // self.world_size)
         self.epoch = 0
-        # indices of the current pass handed out so far, and whether the next pass
-        # continues this one (after load_state_dict) or starts a new one
+        # where in the epoch's order the current pass began (0, or what every rank had
+        # handed out together when a state was loaded), indices of this pass handed out
+        # so far, and whether the next pass continues this one (after load_state_dict)
+        # or starts a new one
+        self.start = 0
         self.position = 0
         self._started = False
         self._resume = False
         self._epoch_pinned = False
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank hands out in the current pass."""
+        return pass_length(self.length - self.start, self.world_size, self.drop_last)
+
+    @property
+    def consumed(self) -> int:
+        """Positions of the epoch's order that all ranks together have handed out.
+
+        Ranks step together (every one takes ``len(self)`` indices a pass), so after
+        ``position`` indices on each rank the ranks have handed out exactly the first
+        ``start + position * world_size`` positions of the epoch's order, whatever
+        ``world_size`` is: the state a resume with another number of ranks needs.
+        """
+        return min(self.length, self.start + self.position * self.world_size)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -130,11 +169,14 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.length, generator=generator)
         else:
             order = torch.arange(self.length)
-        total = self.num_samples * self.world_size
-        if total > len(order):
-            repeats = -(-(total - len(order)) // max(len(order), 1))
+        # the pass deals positions start, start + 1, ... of the order round-robin over
+        # the ranks, padded (drop_last=False) by repeating the order from its beginning:
+        # from start 0 exactly DistributedSampler's indices
+        end = self.start + self.num_samples * self.world_size
+        if end > len(order):
+            repeats = -(-(end - len(order)) // max(len(order), 1))
             order = torch.cat([order, order.repeat(repeats)])
-        return order[:total][self.rank::self.world_size]
+        return order[self.start + self.rank:end:self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         return self._iterate()
@@ -143,41 +185,53 @@ class ResumableSampler(Sampler[int]):
         # a generator: nothing below runs until the first index is requested, so an
         # iterator created and thrown away (as loaders do while restoring) changes nothing
         if self._resume and self.position < self.num_samples:
-            start = self.position
+            skip = self.position
         else:
             if self._started and not self._epoch_pinned:
                 self.epoch += 1
-            start = 0
+            self.start = skip = 0
         self._resume = self._epoch_pinned = False
         self._started = True
-        self.position = start
+        self.position = skip
         # Python ints a block at a time: a list of all of them would cost ~36 bytes
         # an index (3.6 GB for 10^8 structures)
-        for block in self.indices()[start:].split(1 << 16):
+        for block in self.indices()[skip:].split(1 << 16):
             for index in block.tolist():
                 self.position += 1
                 yield index
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the number of indices of it handed out (JSON-serialisable).
+        """The epoch and how much of it was handed out (JSON-serialisable).
+
+        ``consumed`` (see :attr:`consumed`) is the same on every rank and says what all
+        of them handed out together, so any rank's state resumes the epoch on any
+        number of ranks.
 
         Returns:
             dict: The state, for :meth:`load_state_dict`.
         """
         return {"format": SAMPLER_STATE_FORMAT, "epoch": self.epoch,
-                "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
+                "start": self.start, "position": self.position,
+                "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
+                "length": self.length, "drop_last": self.drop_last,
                 "rank": self.rank, "world_size": self.world_size,
-                "num_samples": self.num_samples, "started": self._started}
+                "started": self._started}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved pass with the next iteration.
+        """Continue the saved pass with the next iteration, on any number of ranks.
 
-        A state taken at the end of a pass makes the next iteration start the following
-        epoch, as it would have without the interruption.
+        The next iteration deals the positions of the epoch's order that the saved
+        ranks had not handed out (:attr:`consumed` onwards) over this sampler's ranks,
+        so the epoch ends with every index handed out once (plus the usual padding of
+        the last round, or minus the ``drop_last`` tail). With the saved number of
+        ranks that is exactly the rest of each rank's saved pass. A state taken at the
+        end of a pass makes the next iteration start the following epoch, as it would
+        have without the interruption.
 
         Args:
             state (dict): Output of :meth:`state_dict` from a sampler over the same data
-                with the same ``seed``, ``shuffle``, ``rank`` and ``world_size``.
+                with the same ``seed``, ``shuffle`` and ``drop_last``; any rank's (they
+                agree), any ``world_size``.
 
         Raises:
             ValueError: If the state is not a sampler state or belongs to a different
@@ -185,13 +239,14 @@ class ResumableSampler(Sampler[int]):
         """
         if not isinstance(state, dict) or state.get("format") != SAMPLER_STATE_FORMAT:
             raise ValueError("not a ResumableSampler state_dict")
-        for key in ("seed", "shuffle", "rank", "world_size", "num_samples"):
+        for key in ("seed", "shuffle", "length", "drop_last"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"ResumableSampler state_dict has {key}={state[key]!r}, "
                                  f"this sampler {getattr(self, key)!r}")
         self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
         self._started = bool(state["started"])
+        # what is left of the epoch, re-dealt over this sampler's ranks
+        self.start, self.position = int(state["consumed"]), 0
         self._resume = self._started
         self._epoch_pinned = not self._started
 
@@ -218,23 +273,85 @@ def wrap_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any]
     return {"format": LOADER_STATE_FORMAT, "num_workers": num_workers, "loader": state}
 
 
-def check_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any]:
-    """Unwrap a state of :func:`wrap_loader_state`, checking the worker count.
-
-    Raises:
-        ValueError: If ``state`` is not such a state, or was taken with another
-            number of workers.
-    """
+def _unwrap_loader_state(state: Any) -> tuple[dict[str, Any], int]:
     if not isinstance(state, dict) or state.get("format") != LOADER_STATE_FORMAT:
         raise ValueError("not a pyg_atompack loader state_dict (from StatefulLoader or "
                          "AtompackLoader.state_dict())")
-    if state["num_workers"] != num_workers:
-        raise ValueError(
-            f"the loader state was taken with num_workers={state['num_workers']}, this "
-            f"loader has num_workers={num_workers}: resume with the same number of "
-            "workers (each worker's position is saved separately and cannot be "
-            "redistributed)")
-    return state["loader"]
+    return state["loader"], int(state["num_workers"])
+
+
+def saved_sampler_state(state: dict[str, Any], batch_size: int | None) -> dict[str, Any] | None:
+    """The :class:`ResumableSampler` state inside an unwrapped loader state.
+
+    Finds it in each layout a loader state has (``AtompackLoader``'s in-process one,
+    torchdata's single- and multi-process ones) and counts in the steps torchdata
+    took since its last snapshot (``snapshot_every_n_steps > 1``).
+
+    Args:
+        state (dict): The ``"loader"`` part of a :func:`wrap_loader_state` state.
+        batch_size (int | None): Indices per step.
+
+    Returns:
+        dict, optional: The sampler state, or :obj:`None` when the loader's sampler
+        keeps none (another sampler, or an iterable dataset).
+    """
+    steps = 0
+    if "batch_sampler" in state:  # AtompackLoader's in-process iteration
+        iterator = state["batch_sampler"]
+        if iterator is None:
+            return None
+    elif "_snapshot" in state:  # torchdata, with workers
+        iterator = state["_snapshot"]["_main_snapshot"].get("_sampler_iter_state")
+        steps = int(state.get("_steps_since_snapshot", 0))
+    else:  # torchdata, in the main process
+        iterator = state.get("_sampler_iter_state")
+    saved = iterator.get("sampler_state") if isinstance(iterator, dict) else None
+    if not isinstance(saved, dict) or saved.get("format") != SAMPLER_STATE_FORMAT:
+        return None
+    if steps and batch_size:
+        saved = dict(saved)
+        saved["consumed"] = min(int(saved["length"]), int(saved["consumed"])
+                                + steps * batch_size * int(saved["world_size"]))
+        saved["started"] = True
+    return saved
+
+
+def restore_loader_state(state: Any, num_workers: int, sampler: Any,
+                         batch_size: int | None) -> dict[str, Any] | None:
+    """Unwrap a state of :func:`wrap_loader_state` for a loader with ``num_workers``.
+
+    With the saved worker count the unwrapped state is returned, for the loader to
+    load as it is. With another count, a :class:`ResumableSampler`'s position is all
+    a map-style loader needs: it is loaded into ``sampler`` here (the pass goes on
+    with the indices not handed out yet, see :meth:`ResumableSampler.load_state_dict`)
+    and :obj:`None` is returned.
+
+    Args:
+        state (dict): Output of :func:`wrap_loader_state`.
+        num_workers (int): The loader's workers.
+        sampler (Sampler): The loader's sampler.
+        batch_size (int | None): Indices per step.
+
+    Returns:
+        dict, optional: The loader's own state to load, or :obj:`None`.
+
+    Raises:
+        ValueError: If ``state`` is not such a state, or was taken with another
+            number of workers and a sampler whose position cannot be carried over.
+    """
+    inner, saved_workers = _unwrap_loader_state(state)
+    if saved_workers == num_workers:
+        return inner
+    if isinstance(sampler, ResumableSampler):
+        saved = saved_sampler_state(inner, batch_size)
+        if saved is not None:
+            sampler.load_state_dict(saved)
+            return None
+    raise ValueError(
+        f"the loader state was taken with num_workers={saved_workers}, this "
+        f"loader has num_workers={num_workers}: only a ResumableSampler's position "
+        "(shuffle=True) or a dataset with merge_states can be carried over to another "
+        "number of workers; resume with the same number of workers")
 
 
 class StatefulLoader(StatefulDataLoader):
@@ -314,9 +431,12 @@ class StatefulLoader(StatefulDataLoader):
             state_dict (dict): Output of :meth:`state_dict`.
 
         Raises:
-            ValueError: If the state was taken with a different ``num_workers``.
+            ValueError: If the state was taken with a different ``num_workers`` and
+                cannot be carried over (see :func:`restore_loader_state`).
         """
-        super().load_state_dict(check_loader_state(state_dict, self.num_workers))
+        state = restore_loader_state(state_dict, self.num_workers, self.sampler,
+                                     self.batch_size)
+        super().load_state_dict({} if state is None else state)
 
 
 def _first_item(item: Any) -> Any:

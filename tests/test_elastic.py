@@ -1,0 +1,118 @@
+"""Elastic resume: a state saved on R ranks with W workers resumes on R' ranks with W' workers.
+
+Real launches: ``tests/elastic_worker.py`` runs under ``torchrun --standalone
+--nproc_per_node=R`` (gloo, CPU) and stops every case after a few steps of epoch 0,
+saving each rank's ``loader.state_dict()``; a second launch with ``R'`` ranks builds
+the loaders with ``W'`` workers, loads the states and finishes the epoch, then runs
+the next one. The union of the interrupted part (all old ranks) and the resumed part
+(all new ranks) must be the epoch exactly: every sample id once, none lost, none
+repeated; the next epoch is whole again on the new grid.
+
+Cases: ranks 2 -> 1 and 1 -> 2, and DataLoader workers 2 -> 3, for
+``AtompackLoader(shuffle=True)`` and for ``StatefulLoader`` over ``ShardStreamDataset``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from elastic_worker import parse
+from test_resume import write_atp
+
+from pyg_atompack import AtompackDataset, AtompackLoader, convert
+from pyg_atompack.pyg.resume import ResumableSampler
+
+WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
+N_MOLECULES = 40  # 40 = 3 steps x 4 x (1 or 2 ranks) + a rest that divides by 1 and 2
+SHARD_SIZE = 5
+LAUNCH_TIMEOUT_S = 300
+CASES = ["atp-r2w0-r1w0", "atp-r1w0-r2w2", "atp-r1w2-r1w3"]
+
+
+def _launch(ranks: int, phase: str, cases: list[str], root: Path) -> None:
+    if not cases:
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", str(WORKER), phase,
+               "--atp", str(root / "train.atp"), "--shards", str(root / "shards"),
+               "--out", str(root / "out"), "--cases", ",".join(cases)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=LAUNCH_TIMEOUT_S, cwd=root)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"torchrun {phase} on {ranks} ranks did not finish in "
+                    f"{LAUNCH_TIMEOUT_S}s:\n{expired.stdout}\n{expired.stderr}")
+    assert result.returncode == 0, (f"torchrun {phase} on {ranks} ranks failed:\n"
+                                    f"{result.stdout}\n{result.stderr}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("elastic")
+    write_atp(root / "train.atp", N_MOLECULES)
+    convert.shard(root / "train.atp", root / "shards", SHARD_SIZE)
+    (root / "out").mkdir()
+    for phase, index in (("save", 1), ("load", 3)):
+        for ranks in (1, 2):
+            _launch(ranks, phase, [c for c in CASES if parse(c)[index] == ranks], root)
+    reports = {}
+    for case in CASES:
+        _, before, _, after, _ = parse(case)
+        reports[case] = {
+            "heads": [json.loads((root / "out" / f"{case}.save.rank{r}.json").read_text())
+                      ["head"] for r in range(before)],
+            "tails": [json.loads((root / "out" / f"{case}.load.rank{r}.json").read_text())
+                      for r in range(after)]}
+    return reports
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interrupted_and_resumed_parts_are_one_epoch(runs: dict, case: str) -> None:
+    run = runs[case]
+    head = [i for part in run["heads"] for i in part]
+    tail = [i for part in run["tails"] for i in part["tail"]]
+    assert head and tail
+    assert all(run["heads"]) and all(part["tail"] for part in run["tails"]), \
+        "every rank took part before and after"
+    assert sorted(head + tail) == list(range(N_MOLECULES)), "every sample exactly once"
+    steps = {len(part["tail"]) for part in run["tails"]}
+    assert len(steps) == 1, f"the new ranks take equal shares: {steps}"
+    following = [i for part in run["tails"] for i in part["next_epoch"]]
+    assert sorted(following) == list(range(N_MOLECULES)), "the next epoch is whole"
+
+
+def test_sampler_state_is_the_same_on_every_rank_and_resumes_anywhere() -> None:
+    data = list(range(23))
+    ranks = [ResumableSampler(data, seed=3, rank=r, world_size=2) for r in range(2)]
+    taken = []
+    for sampler in ranks:
+        iterator = iter(sampler)
+        taken += [next(iterator) for _ in range(4)]
+    states = [sampler.state_dict() for sampler in ranks]
+    assert states[0]["consumed"] == states[1]["consumed"] == 8
+    for world in (1, 2, 3, 5):
+        rest = []
+        for rank in range(world):
+            sampler = ResumableSampler(data, seed=3, rank=rank, world_size=world)
+            sampler.load_state_dict(states[rank % 2])
+            rest += list(sampler)
+        left = sorted(set(data) - set(taken))
+        assert len(rest) == -(-15 // world) * world
+        assert sorted(i for i in rest if i in left) == left, f"{world} ranks"
+        # the padding of the last round repeats from the epoch's beginning
+        assert all(i in taken for i in rest if i not in left)
+
+
+def test_another_worker_count_without_a_resumable_sampler_is_refused(tmp_path: Path) -> None:
+    dataset = AtompackDataset(write_atp(tmp_path / "w.atp"))
+    loader = AtompackLoader(dataset, batch_size=4, shuffle=False, num_workers=0)
+    next(iter(loader))
+    with pytest.raises(ValueError, match="num_workers=0.*num_workers=2.*ResumableSampler"):
+        AtompackLoader(dataset, batch_size=4, num_workers=2).load_state_dict(
+            loader.state_dict())
