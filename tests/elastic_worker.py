@@ -53,13 +53,16 @@ def build(kind: str, workers: int, atp_path: str, shards: str):
     if kind == "mix":
         from pyg_atompack.pyg.mixing import MixedDataset
 
+        # one epoch of 40 draws reads about half of each source: no source cycles
         dataset = MixedDataset([AtompackDataset(atp_path), dataset], weights=[1, 1],
-                               seed=SEED)
+                               samples_per_epoch=40, seed=SEED, source_key="source")
     return StatefulLoader(dataset, batch_size=BATCH_SIZE, num_workers=workers)
 
 
 def ids(batch) -> list[int]:
-    return [int(i) for i in batch.sample_id.view(-1)]
+    """Sample ids; a mix's are ``1000 * source + id``."""
+    offset = batch.source.view(-1) * 1000 if "source" in batch else 0
+    return [int(i) for i in batch.sample_id.view(-1) + offset]
 
 
 def main() -> None:

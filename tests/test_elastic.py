@@ -9,7 +9,8 @@ the next one. The union of the interrupted part (all old ranks) and the resumed 
 repeated; the next epoch is whole again on the new grid.
 
 Cases: ranks 2 -> 1 and 1 -> 2, and DataLoader workers 2 -> 3, for
-``AtompackLoader(shuffle=True)`` and for ``StatefulLoader`` over ``ShardStreamDataset``.
+``AtompackLoader(shuffle=True)``, for ``StatefulLoader`` over ``ShardStreamDataset``
+and over a ``MixedDataset`` of an ``AtompackDataset`` and a ``ShardStreamDataset``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from elastic_worker import parse
 from test_resume import write_atp
 
-from pyg_atompack import AtompackDataset, AtompackLoader, convert
+from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset, atp, convert
 from pyg_atompack.pyg.resume import ResumableSampler
+from pyg_atompack.stream import LocalSource
 
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 N_MOLECULES = 40  # 40 = 3 steps x 4 x (1 or 2 ranks) + a rest that divides by 1 and 2
 SHARD_SIZE = 5
 LAUNCH_TIMEOUT_S = 300
-CASES = ["atp-r2w0-r1w0", "atp-r1w0-r2w2", "atp-r1w2-r1w3"]
+CASES = [f"{kind}-{grids}" for kind in ("atp", "stream")
+         for grids in ("r2w0-r1w0", "r1w0-r2w2", "r1w2-r1w3")]
 
 
 def _launch(ranks: int, phase: str, cases: list[str], root: Path) -> None:
@@ -80,10 +84,17 @@ def test_interrupted_and_resumed_parts_are_one_epoch(runs: dict, case: str) -> N
     assert head and tail
     assert all(run["heads"]) and all(part["tail"] for part in run["tails"]), \
         "every rank took part before and after"
-    assert sorted(head + tail) == list(range(N_MOLECULES)), "every sample exactly once"
     steps = {len(part["tail"]) for part in run["tails"]}
     assert len(steps) == 1, f"the new ranks take equal shares: {steps}"
     following = [i for part in run["tails"] for i in part["next_epoch"]]
+    if case.startswith("mix"):
+        # 40 draws an epoch from two sources of 40 that never run out: the draws of
+        # both parts together are 40, and no sample of either source is drawn twice
+        assert len(head + tail) == len(set(head + tail)) == N_MOLECULES
+        assert {i // 1000 for i in head + tail} == {0, 1}
+        assert len(following) == len(set(following)) == N_MOLECULES
+        return
+    assert sorted(head + tail) == list(range(N_MOLECULES)), "every sample exactly once"
     assert sorted(following) == list(range(N_MOLECULES)), "the next epoch is whole"
 
 
@@ -116,3 +127,68 @@ def test_another_worker_count_without_a_resumable_sampler_is_refused(tmp_path: P
     with pytest.raises(ValueError, match="num_workers=0.*num_workers=2.*ResumableSampler"):
         AtompackLoader(dataset, batch_size=4, num_workers=2).load_state_dict(
             loader.state_dict())
+
+
+def _write_atp_shards(directory: Path, sizes: list[int]) -> None:
+    rng = np.random.default_rng(1)
+    directory.mkdir()
+    first = 0
+    for number, size in enumerate(sizes):
+        with atp.Writer(directory / f"part-{number}.atp") as writer:
+            for i in range(first, first + size):
+                n = 3 + i % 5
+                writer.add(rng.normal(size=(n, 3)).astype(np.float32),
+                           rng.integers(1, 10, n).astype(np.uint8), energy=float(i),
+                           properties={"sample_id": i})
+        first += size
+
+
+def _take(dataset: ShardStreamDataset, count: int) -> list[int]:
+    iterator = iter(dataset)
+    taken = [int(next(iterator).sample_id) for _ in range(count)]
+    iterator.close()
+    return taken
+
+
+@pytest.mark.parametrize("mode", ["blocks", "shards"])
+def test_stream_resumes_twice_on_other_grids_with_every_sample_once(tmp_path: Path,
+                                                                    mode: str) -> None:
+    # 2 ranks (unequal progress) -> 3 ranks (part of the rest) -> 1 rank (the end):
+    # a merged state carries what earlier grids handed out into the next merge
+    sizes = [23, 17, 31]
+    _write_atp_shards(tmp_path / "atp", sizes)
+    if mode == "shards":
+        convert.shard(tmp_path / "atp", tmp_path / "pt", 6)
+    total = sum(sizes)
+    options = dict(shuffle=True, seed=5, cache_dir=tmp_path / "cache", interleave=2)
+    if mode == "blocks":
+        options.update(blocks=True, block_bytes=2048)
+    source = str(tmp_path / ("atp" if mode == "blocks" else "pt"))
+
+    def make(rank: int, world: int) -> ShardStreamDataset:
+        return ShardStreamDataset(LocalSource(source), rank=rank, world_size=world, **options)
+
+    if mode == "blocks":
+        assert len(make(0, 1).blocks) > len(sizes), "several blocks per file"
+    seen, states = [], []
+    for rank, count in enumerate((9, 4)):
+        dataset = make(rank, 2)
+        seen += _take(dataset, count)
+        states.append(dataset.state_dict())
+    with pytest.raises(ValueError, match="rank 1 worker 0"):
+        make(0, 1).merge_states(states[:1])
+    merged = make(0, 1).merge_states(states)
+    states = []
+    for rank, count in enumerate((5, 11, 2)):
+        dataset = make(rank, 3)
+        dataset.load_state_dict(json.loads(json.dumps(merged)))  # JSON-serialisable
+        seen += _take(dataset, count)
+        states.append(dataset.state_dict())
+    merged = make(0, 1).merge_states(states)
+    assert len(set(seen)) == len(seen) == 31, "nothing handed out twice so far"
+    dataset = make(0, 1)
+    dataset.load_state_dict(merged)
+    rest = [int(sample.sample_id) for sample in dataset]
+    assert sorted(seen + rest) == list(range(total)), "the epoch exactly, every sample once"
+    dataset.set_epoch(1)
+    assert sorted(int(s.sample_id) for s in dataset) == list(range(total))

@@ -316,36 +316,70 @@ def saved_sampler_state(state: dict[str, Any], batch_size: int | None) -> dict[s
     return saved
 
 
-def restore_loader_state(state: Any, num_workers: int, sampler: Any,
-                         batch_size: int | None) -> dict[str, Any] | None:
-    """Unwrap a state of :func:`wrap_loader_state` for a loader with ``num_workers``.
+def _dataset_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every worker's dataset state inside an unwrapped torchdata loader state."""
+    if "_snapshot" not in state:
+        return [state["dataset_state"]]
+    if state.get("_steps_since_snapshot"):
+        raise ValueError("a loader state taken between two snapshots "
+                         "(snapshot_every_n_steps > 1) cannot resume on another grid")
+    workers = state["_snapshot"]["_worker_snapshots"]
+    return [workers[key]["dataset_state"] for key in sorted(workers)]
 
-    With the saved worker count the unwrapped state is returned, for the loader to
-    load as it is. With another count, a :class:`ResumableSampler`'s position is all
-    a map-style loader needs: it is loaded into ``sampler`` here (the pass goes on
-    with the indices not handed out yet, see :meth:`ResumableSampler.load_state_dict`)
-    and :obj:`None` is returned.
+
+def restore_loader_state(state: Any, num_workers: int, sampler: Any,
+                         batch_size: int | None, dataset: Any = None) -> dict[str, Any] | None:
+    """Unwrap loader states of :func:`wrap_loader_state` for a loader with ``num_workers``.
+
+    One state of the same worker count (and, for an iterable dataset, the same number
+    of ranks) is returned unwrapped, for the loader to load as it is. Otherwise the
+    position is carried over to the new grid here, and :obj:`None` is returned:
+
+    * a map-style loader's is its :class:`ResumableSampler`'s, the same on every rank:
+      any rank's state is loaded into ``sampler`` (the pass goes on with the indices
+      not handed out yet, see :meth:`ResumableSampler.load_state_dict`);
+    * an iterable dataset with ``merge_states`` (``ShardStreamDataset``,
+      ``MixedDataset``) gets the merge of every worker's state of every rank
+      (``state`` is then the list of every rank's loader state), and each new worker
+      takes its share of what is left.
 
     Args:
-        state (dict): Output of :func:`wrap_loader_state`.
+        state (dict | list[dict]): Output of :func:`wrap_loader_state`, or a list of
+            them, one per rank of the saved run.
         num_workers (int): The loader's workers.
         sampler (Sampler): The loader's sampler.
         batch_size (int | None): Indices per step.
+        dataset (Dataset, optional): The loader's dataset. (default: :obj:`None`)
 
     Returns:
         dict, optional: The loader's own state to load, or :obj:`None`.
 
     Raises:
-        ValueError: If ``state`` is not such a state, or was taken with another
-            number of workers and a sampler whose position cannot be carried over.
+        ValueError: If a state is not such a state, or cannot be carried over to this
+            loader (the message says why).
     """
-    inner, saved_workers = _unwrap_loader_state(state)
-    if saved_workers == num_workers:
+    states = [_unwrap_loader_state(s) for s in (state if isinstance(state, list) else [state])]
+    if not states:
+        raise ValueError("no loader state given")
+    inner, saved_workers = states[0]
+    if isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset,
+                                                                          "merge_states"):
+        rank_world = _distributed_rank_world() if getattr(dataset, "rank", None) is None \
+            else (dataset.rank, dataset.world_size)
+        datasets = [d for s, _ in states for d in _dataset_states(s)]
+        same = (len(states) == 1 and saved_workers == num_workers
+                and all(d.get("world_size") == rank_world[1] for d in datasets))
+        if same:
+            return inner
+        dataset.load_state_dict(dataset.merge_states(datasets))
+        return None
+    if len(states) == 1 and saved_workers == num_workers:
         return inner
     if isinstance(sampler, ResumableSampler):
-        saved = saved_sampler_state(inner, batch_size)
-        if saved is not None:
-            sampler.load_state_dict(saved)
+        saved = [saved_sampler_state(s, batch_size) for s, _ in states]
+        if saved[0] is not None and all(x == saved[0] or (x is not None and x["consumed"]
+                                        == saved[0]["consumed"]) for x in saved):
+            sampler.load_state_dict(saved[0])
             return None
     raise ValueError(
         f"the loader state was taken with num_workers={saved_workers}, this "
@@ -424,18 +458,23 @@ class StatefulLoader(StatefulDataLoader):
         """
         return wrap_loader_state(super().state_dict(), self.num_workers)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Make the next iteration continue where the saved one stopped.
 
+        On another number of workers or ranks too (elastic resume, see
+        :func:`restore_loader_state`): an iterable dataset then needs every rank's
+        state, as a list.
+
         Args:
-            state_dict (dict): Output of :meth:`state_dict`.
+            state_dict (dict | list[dict]): Output of :meth:`state_dict`, or that of
+                every rank of the saved run.
 
         Raises:
-            ValueError: If the state was taken with a different ``num_workers`` and
-                cannot be carried over (see :func:`restore_loader_state`).
+            ValueError: If the state cannot be carried over to this loader (see
+                :func:`restore_loader_state`).
         """
         state = restore_loader_state(state_dict, self.num_workers, self.sampler,
-                                     self.batch_size)
+                                     self.batch_size, self.dataset)
         super().load_state_dict({} if state is None else state)
 
 
