@@ -34,7 +34,7 @@ WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 N_MOLECULES = 40  # 40 = 3 steps x 4 x (1 or 2 ranks) + a rest that divides by 1 and 2
 SHARD_SIZE = 5
 LAUNCH_TIMEOUT_S = 300
-CASES = [f"{kind}-{grids}" for kind in ("atp", "stream")
+CASES = [f"{kind}-{grids}" for kind in ("atp", "stream", "mix")
          for grids in ("r2w0-r1w0", "r1w0-r2w2", "r1w2-r1w3")]
 
 

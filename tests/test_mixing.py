@@ -1,0 +1,127 @@
+"""MixedDataset: sources drawn by weight, passes that cycle, determinism and exact resume.
+
+Real parts: ``.atp`` files read by ``AtompackDataset``, ``.pt`` shards streamed by
+``ShardStreamDataset`` from a directory, torchdata ``StatefulDataLoader`` workers
+(``StatefulLoader``) for resume. Proportions are checked against a binomial bound:
+each draw picks source ``k`` with probability ``p_k`` independently, so its count over
+``n`` draws is Binomial(n, p_k) and lies within ``5 sigma`` of ``n p_k`` except with
+probability below 1e-6 (the draws are seeded, so the test is also deterministic).
+Elastic resume of a mix (2 -> 1 ranks, 2 -> 3 workers under torchrun) is in
+``test_elastic.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from test_resume import write_atp
+
+from pyg_atompack import AtompackDataset, ShardStreamDataset, convert
+from pyg_atompack.pyg.mixing import MixedDataset
+from pyg_atompack.pyg.resume import StatefulLoader
+from pyg_atompack.stream import LocalSource
+
+SIZES = (40, 25, 30)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("mixing")
+    paths = [write_atp(root / f"source{n}.atp", size) for n, size in enumerate(SIZES)]
+    convert.shard(paths[2], root / "shards", 5)
+    return {"atp": paths, "shards": root / "shards"}
+
+
+def sources(files: dict) -> list:
+    return [AtompackDataset(files["atp"][0]), AtompackDataset(files["atp"][1]),
+            ShardStreamDataset(LocalSource(files["shards"]), shuffle=True, seed=3)]
+
+
+def drawn(samples) -> list[tuple[int, int]]:
+    return [(int(s.dataset_index), int(s.sample_id)) for s in samples]
+
+
+def test_proportions_are_within_sampling_error_and_sources_cycle(files: dict) -> None:
+    weights = [0.5, 0.3, 0.2]
+    n = 3000
+    mixed = MixedDataset(sources(files), weights, samples_per_epoch=n, seed=1,
+                         source_key="dataset_index")
+    draws = drawn(mixed)
+    assert len(draws) == n
+    counts = Counter(source for source, _ in draws)
+    for source, p in enumerate(weights):
+        sigma = math.sqrt(n * p * (1 - p))
+        assert abs(counts[source] - n * p) <= 5 * sigma, (source, counts[source], n * p)
+    # a source's draws are its passes one after another: each pass every sample once
+    for source, size in enumerate(SIZES):
+        ids = [i for s, i in draws if s == source]
+        assert len(ids) > 2 * size, "the source ran out and cycled"
+        passes = [ids[k:k + size] for k in range(0, len(ids), size)]
+        for number, part in enumerate(passes):
+            assert len(set(part)) == len(part), f"source {source} pass {number} repeats"
+            if len(part) == size:
+                assert sorted(part) == list(range(size))
+        assert passes[0] != passes[1], "each pass is shuffled anew"
+    stats = mixed.stats()
+    assert [s["drawn"] for s in stats["per_source"]] == [counts[k] for k in range(3)]
+    assert stats["samples"] == n
+
+
+def test_draws_are_deterministic_per_seed_and_epoch(files: dict) -> None:
+    def run(seed: int, epoch: int) -> list[tuple[int, int]]:
+        mixed = MixedDataset(sources(files), [1, 1, 1], samples_per_epoch=120, seed=seed,
+                             source_key="dataset_index")
+        mixed.set_epoch(epoch)
+        return drawn(mixed)
+
+    first = run(5, 0)
+    assert run(5, 0) == first
+    assert run(5, 1) != first
+    assert run(6, 0) != first
+
+
+def test_default_weights_follow_sizes_and_one_epoch_reads_about_everything(files: dict) -> None:
+    mixed = MixedDataset(sources(files), source_key="dataset_index")
+    assert mixed.samples_per_epoch == sum(SIZES)
+    assert mixed.weights.tolist() == pytest.approx([s / sum(SIZES) for s in SIZES])
+    assert len(drawn(mixed)) == sum(SIZES)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_on_the_same_grid_continues_exactly(files: dict, workers: int) -> None:
+    def loader() -> StatefulLoader:
+        mixed = MixedDataset(sources(files), [0.5, 0.2, 0.3], samples_per_epoch=150, seed=9,
+                             source_key="dataset_index")
+        return StatefulLoader(mixed, batch_size=4, num_workers=workers)
+
+    def ids(batch) -> list[tuple[int, int]]:
+        return list(zip(batch.dataset_index.tolist(), batch.sample_id.view(-1).tolist()))
+
+    full = [i for batch in loader() for i in ids(batch)]
+    assert len(full) == 150
+    interrupted = loader()
+    head = []
+    for step, batch in enumerate(interrupted):
+        head += ids(batch)
+        if step == 12:
+            break
+    state = interrupted.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    tail = [i for batch in resumed for i in ids(batch)]
+    assert head + tail == full
+
+
+def test_bad_arguments_are_refused(files: dict) -> None:
+    with pytest.raises(ValueError, match="3 weights for 2 sources"):
+        MixedDataset(sources(files)[:2], [1, 2, 3])
+    with pytest.raises(ValueError, match="non-negative"):
+        MixedDataset(sources(files)[:2], [1, -1])
+    batched = ShardStreamDataset(LocalSource(files["shards"]), batch_size=4)
+    with pytest.raises(ValueError, match="mixed source 1 yields batches"):
+        MixedDataset([sources(files)[0], batched], [1, 1])
+    mixed = MixedDataset(sources(files), seed=2)
+    with pytest.raises(ValueError, match="seed=2, this dataset 3"):
+        MixedDataset(sources(files), seed=3).load_state_dict(mixed.state_dict())
