@@ -125,3 +125,52 @@ def test_bad_arguments_are_refused(files: dict) -> None:
     mixed = MixedDataset(sources(files), seed=2)
     with pytest.raises(ValueError, match="seed=2, this dataset 3"):
         MixedDataset(sources(files), seed=3).load_state_dict(mixed.state_dict())
+
+
+@pytest.mark.parametrize("second", ["map", "stream"])
+def test_elastic_resume_while_ranks_are_in_different_passes(files: dict, second: str) -> None:
+    # two "ranks" draw different amounts from sources that cycle many times an epoch,
+    # so they stop in different passes; one rank finishes the epoch. Each pass that was
+    # in flight must then be covered exactly once by both parts together.
+    sizes = [SIZES[0], SIZES[1] if second == "map" else SIZES[2]]
+
+    def make(rank: int, world: int) -> MixedDataset:
+        other = (AtompackDataset(files["atp"][1]) if second == "map" else
+                 ShardStreamDataset(LocalSource(files["shards"]), shuffle=True, seed=3,
+                                    rank=rank, world_size=world))
+        return MixedDataset([AtompackDataset(files["atp"][0]), other],
+                            [0.4, 0.6], samples_per_epoch=300, seed=4,
+                            source_key="dataset_index", rank=rank, world_size=world)
+
+    first, states = [], []
+    for rank, count in enumerate((70, 110)):
+        mixed = make(rank, 2)
+        iterator = iter(mixed)
+        first.append(drawn(next(iterator) for _ in range(count)))
+        states.append(mixed.state_dict())
+    merged = make(0, 1).merge_states(states)
+    resumed = make(0, 1)
+    resumed.load_state_dict(merged)
+    rest = drawn(resumed)
+    assert sum(map(len, first)) + len(rest) == 300, "the epoch's draws, none lost"
+    for source, size in enumerate(sizes):
+        passes: dict[int, list[int]] = {}
+        low = None
+        for rank, part in enumerate(first):
+            ids = [i for s, i in part if s == source]
+            # the rank's share of every pass: every other position, or 3 of 6 shards
+            share = len(range(rank, size, 2))
+            for k in range(0, len(ids), share):
+                passes.setdefault(k // share, []).extend(ids[k:k + share])
+            stopped = len(ids) // share
+            low = stopped if low is None else min(low, stopped)
+        ids = [i for s, i in rest if s == source]
+        for number in sorted(p for p in passes if p >= low):
+            left = size - len(passes[number])
+            passes[number] += ids[:left]
+            ids = ids[left:]
+        assert len(passes) >= 3, "the ranks went through several passes"
+        for number, part in passes.items():
+            assert sorted(part) == list(range(size)), f"source {source} pass {number}"
+        for k in range(0, len(ids), size):  # then whole new passes
+            assert len(set(ids[k:k + size])) == len(ids[k:k + size])

@@ -280,8 +280,9 @@ def _unwrap_loader_state(state: Any) -> tuple[dict[str, Any], int]:
     return state["loader"], int(state["num_workers"])
 
 
-def saved_sampler_state(state: dict[str, Any], batch_size: int | None) -> dict[str, Any] | None:
-    """The :class:`ResumableSampler` state inside an unwrapped loader state.
+def saved_sampler_state(state: dict[str, Any], batch_size: int | None,
+                        state_format: str = SAMPLER_STATE_FORMAT) -> dict[str, Any] | None:
+    """The sampler state inside an unwrapped loader state (a :class:`ResumableSampler`'s).
 
     Finds it in each layout a loader state has (``AtompackLoader``'s in-process one,
     torchdata's single- and multi-process ones) and counts in the steps torchdata
@@ -290,6 +291,9 @@ def saved_sampler_state(state: dict[str, Any], batch_size: int | None) -> dict[s
     Args:
         state (dict): The ``"loader"`` part of a :func:`wrap_loader_state` state.
         batch_size (int | None): Indices per step.
+        state_format (str, optional): The ``"format"`` of the state looked for: a
+            ``batch_sampler`` that keeps its own state (atom budgets) is found too.
+            (default: :obj:`SAMPLER_STATE_FORMAT`)
 
     Returns:
         dict, optional: The sampler state, or :obj:`None` when the loader's sampler
@@ -305,9 +309,12 @@ def saved_sampler_state(state: dict[str, Any], batch_size: int | None) -> dict[s
         steps = int(state.get("_steps_since_snapshot", 0))
     else:  # torchdata, in the main process
         iterator = state.get("_sampler_iter_state")
-    saved = iterator.get("sampler_state") if isinstance(iterator, dict) else None
-    if not isinstance(saved, dict) or saved.get("format") != SAMPLER_STATE_FORMAT:
+    saved = iterator.get("sampler_state", iterator) if isinstance(iterator, dict) else None
+    if not isinstance(saved, dict) or saved.get("format") != state_format:
         return None
+    if steps and state_format != SAMPLER_STATE_FORMAT:
+        raise ValueError("a loader state taken between two snapshots "
+                         "(snapshot_every_n_steps > 1) cannot resume on another grid")
     if steps and batch_size:
         saved = dict(saved)
         saved["consumed"] = min(int(saved["length"]), int(saved["consumed"])
@@ -375,10 +382,14 @@ def restore_loader_state(state: Any, num_workers: int, sampler: Any,
         return None
     if len(states) == 1 and saved_workers == num_workers:
         return inner
-    if isinstance(sampler, ResumableSampler):
-        saved = [saved_sampler_state(s, batch_size) for s, _ in states]
-        if saved[0] is not None and all(x == saved[0] or (x is not None and x["consumed"]
-                                        == saved[0]["consumed"]) for x in saved):
+    # a sampler whose state is the same on every rank and whose load_state_dict takes
+    # it on any grid: ResumableSampler; AtomBudgetBatchSampler for another worker count
+    state_format = sampler.state_dict().get("format") if hasattr(sampler, "state_dict") \
+        and hasattr(sampler, "load_state_dict") else None
+    if isinstance(state_format, str):
+        saved = [saved_sampler_state(s, batch_size, state_format) for s, _ in states]
+        if saved[0] is not None and all(x is not None and x.get("consumed")
+                                        == saved[0].get("consumed") for x in saved):
             sampler.load_state_dict(saved[0])
             return None
     raise ValueError(
