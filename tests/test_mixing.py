@@ -40,14 +40,14 @@ def sources(files: dict) -> list:
 
 
 def drawn(samples) -> list[tuple[int, int]]:
-    return [(int(s.dataset_index), int(s.sample_id)) for s in samples]
+    return [(int(s.source), int(s.sample_id)) for s in samples]
 
 
 def test_proportions_are_within_sampling_error_and_sources_cycle(files: dict) -> None:
     weights = [0.5, 0.3, 0.2]
     n = 3000
     mixed = MixedDataset(sources(files), weights, samples_per_epoch=n, seed=1,
-                         source_key="dataset_index")
+                         source_key="source")
     draws = drawn(mixed)
     assert len(draws) == n
     counts = Counter(source for source, _ in draws)
@@ -72,7 +72,7 @@ def test_proportions_are_within_sampling_error_and_sources_cycle(files: dict) ->
 def test_draws_are_deterministic_per_seed_and_epoch(files: dict) -> None:
     def run(seed: int, epoch: int) -> list[tuple[int, int]]:
         mixed = MixedDataset(sources(files), [1, 1, 1], samples_per_epoch=120, seed=seed,
-                             source_key="dataset_index")
+                             source_key="source")
         mixed.set_epoch(epoch)
         return drawn(mixed)
 
@@ -83,7 +83,7 @@ def test_draws_are_deterministic_per_seed_and_epoch(files: dict) -> None:
 
 
 def test_default_weights_follow_sizes_and_one_epoch_reads_about_everything(files: dict) -> None:
-    mixed = MixedDataset(sources(files), source_key="dataset_index")
+    mixed = MixedDataset(sources(files), source_key="source")
     assert mixed.samples_per_epoch == sum(SIZES)
     assert mixed.weights.tolist() == pytest.approx([s / sum(SIZES) for s in SIZES])
     assert len(drawn(mixed)) == sum(SIZES)
@@ -93,14 +93,18 @@ def test_default_weights_follow_sizes_and_one_epoch_reads_about_everything(files
 def test_resume_on_the_same_grid_continues_exactly(files: dict, workers: int) -> None:
     def loader() -> StatefulLoader:
         mixed = MixedDataset(sources(files), [0.5, 0.2, 0.3], samples_per_epoch=150, seed=9,
-                             source_key="dataset_index")
+                             source_key="source")
         return StatefulLoader(mixed, batch_size=4, num_workers=workers)
 
     def ids(batch) -> list[tuple[int, int]]:
-        return list(zip(batch.dataset_index.tolist(), batch.sample_id.view(-1).tolist()))
+        return list(zip(batch.source.tolist(), batch.sample_id.view(-1).tolist()))
 
-    full = [i for batch in loader() for i in ids(batch)]
+    reference = loader()
+    full = [i for batch in reference for i in ids(batch)]
     assert len(full) == 150
+    per_source = [s["drawn"] for s in reference.dataset.stats()["per_source"]]
+    assert per_source == [sum(1 for s, _ in full if s == k) for k in range(3)], \
+        "stats() counts every worker's draws"
     interrupted = loader()
     head = []
     for step, batch in enumerate(interrupted):
@@ -122,6 +126,8 @@ def test_bad_arguments_are_refused(files: dict) -> None:
     batched = ShardStreamDataset(LocalSource(files["shards"]), batch_size=4)
     with pytest.raises(ValueError, match="mixed source 1 yields batches"):
         MixedDataset([sources(files)[0], batched], [1, 1])
+    with pytest.raises(ValueError, match="offsets attributes named"):
+        MixedDataset(sources(files), source_key="dataset_index")
     mixed = MixedDataset(sources(files), seed=2)
     with pytest.raises(ValueError, match="seed=2, this dataset 3"):
         MixedDataset(sources(files), seed=3).load_state_dict(mixed.state_dict())
@@ -140,7 +146,7 @@ def test_elastic_resume_while_ranks_are_in_different_passes(files: dict, second:
                                     rank=rank, world_size=world))
         return MixedDataset([AtompackDataset(files["atp"][0]), other],
                             [0.4, 0.6], samples_per_epoch=300, seed=4,
-                            source_key="dataset_index", rank=rank, world_size=world)
+                            source_key="source", rank=rank, world_size=world)
 
     first, states = [], []
     for rank, count in enumerate((70, 110)):

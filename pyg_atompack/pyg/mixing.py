@@ -205,7 +205,7 @@ class MixedDataset(IterableDataset):
 
         mixed = MixedDataset([AtompackDataset("omat.atp"),
                               ShardStreamDataset("hf://datasets/me/mptrj")],
-                             weights=[0.7, 0.3], seed=0, source_key="dataset_index")
+                             weights=[0.7, 0.3], seed=0, source_key="source")
         loader = StatefulLoader(mixed, batch_size=32, num_workers=2)
 
     Args:
@@ -222,7 +222,9 @@ class MixedDataset(IterableDataset):
         shuffle (bool, optional): Permute map-style sources every pass (iterable ones
             shuffle as they were built). (default: :obj:`True`)
         source_key (str, optional): Set this attribute of every sample to the index of
-            its source (e.g. for a head per dataset). (default: :obj:`None`)
+            its source (e.g. for a head per dataset), a ``[1]`` tensor. Avoid names
+            containing ``"index"``: PyG's batching offsets those by the node count.
+            (default: :obj:`None`)
         rank (int, optional): This process's rank. (default: from
             :mod:`torch.distributed` when initialised, else :obj:`0`)
         world_size (int, optional): Number of ranks. (default: as for ``rank``)
@@ -235,6 +237,9 @@ class MixedDataset(IterableDataset):
         super().__init__()
         if not sources:
             raise ValueError("MixedDataset needs at least one source")
+        if source_key is not None and ("index" in source_key or source_key == "face"):
+            raise ValueError(f"source_key {source_key!r}: PyG's batching offsets attributes "
+                             "named '*index*' or 'face' by the node count; pick another name")
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         self.sources = list(sources)
