@@ -2,7 +2,8 @@
 
 ``save`` builds each case's loader on this launch's ranks with the case's first worker
 count, takes ``STOP_AFTER`` steps of epoch 0 and writes, per rank, the sample ids it
-handed out and ``loader.state_dict()``. ``load`` (a later launch, maybe with another
+handed out, and rank 0 saves every rank's ``loader.state_dict()`` gathered with
+``gather_loader_states``. ``load`` (a later launch, maybe with another
 number of ranks) builds the loader with the case's second worker count, loads the saved
 states (``AtompackLoader``: the last rank's alone, since any rank's carries the
 position; ``ShardStreamDataset``: every rank's, as a list) and finishes epoch 0, then
@@ -28,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset  # noqa: E402
-from pyg_atompack.pyg.resume import StatefulLoader  # noqa: E402
+from pyg_atompack.pyg.resume import StatefulLoader, gather_loader_states  # noqa: E402
 from pyg_atompack.stream import LocalSource  # noqa: E402
 
 SEED = 11
@@ -87,12 +88,15 @@ def main() -> None:
                 head += ids(batch)
                 if step + 1 == STOP_AFTER:
                     break
-            (out / f"{case}.rank{rank}.state").write_bytes(pickle.dumps(loader.state_dict()))
+            # every rank's state, gathered at the same step; rank 0 saves them
+            states = gather_loader_states(loader.state_dict())
+            if rank == 0:
+                (out / f"{case}.state").write_bytes(pickle.dumps(states))
             report = {"head": head}
         else:
             loader = build(kind, workers_after, args.atp, args.shards)
-            states = [pickle.loads((out / f"{case}.rank{r}.state").read_bytes())
-                      for r in range(ranks)]
+            states = pickle.loads((out / f"{case}.state").read_bytes())
+            assert len(states) == ranks
             loader.load_state_dict(states[-1] if kind == "atp" else states)
             epochs = []
             for epoch in range(2):

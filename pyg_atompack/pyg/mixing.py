@@ -101,7 +101,7 @@ class _MapCursor:
         self.length = len(source)
         self.bases: dict[int, list[list[int]]] = {}
         self.pass_number, self.taken = 0, 0
-        self._share: np.ndarray | None = None
+        self._share: list[int] | None = None
 
     def order(self, pass_number: int) -> np.ndarray:
         if not self.shuffle:
@@ -115,19 +115,21 @@ class _MapCursor:
         left = np.flatnonzero(~_mask(base, self.length))
         return left[stream::count]
 
+    def _indices(self) -> list[int]:
+        # this stream's dataset indices of the current pass, as Python ints
+        share = self.share(self.pass_number, self.stream, self.count,
+                           self.bases.get(self.pass_number))
+        return self.order(self.pass_number)[share].tolist()
+
     def next(self) -> Any:
         if self._share is None:
-            self._share = self.share(self.pass_number, self.stream, self.count,
-                                     self.bases.get(self.pass_number))
-            self._order = self.order(self.pass_number)
+            self._share = self._indices()
         while self.taken >= len(self._share):  # this share is used up: the next pass
             if self.length == 0:
                 raise ValueError(f"mixed source {self.number} is empty")
             self.pass_number, self.taken = self.pass_number + 1, 0
-            self._share = self.share(self.pass_number, self.stream, self.count,
-                                     self.bases.get(self.pass_number))
-            self._order = self.order(self.pass_number)
-        index = int(self._order[self._share[self.taken]])
+            self._share = self._indices()
+        index = self._share[self.taken]
         self.taken += 1
         return self.source[index]
 
@@ -320,7 +322,7 @@ class MixedDataset(IterableDataset):
         while True:
             chunk = rng.choice(len(self.sources), size=_CHOICE_CHUNK, p=self.weights)
             if position + _CHOICE_CHUNK > skip:
-                yield from (int(c) for c in chunk[max(0, skip - position):])
+                yield from chunk[max(0, skip - position):].tolist()
             position += _CHOICE_CHUNK
 
     def __iter__(self) -> Iterator[Any]:
@@ -357,14 +359,17 @@ class MixedDataset(IterableDataset):
     def _draw(self, slot: tuple[int, int, int, int], cursors: list[Any], quota: int,
               generation: int, drawn: int) -> Iterator[Any]:
         choices = self._choices(slot, generation, drawn)
+        take = [cursor.next for cursor in cursors]
+        counts, key = self._counts, self.source_key
         try:
-            while self._drawn < quota:
+            while drawn < quota:
                 number = next(choices)
-                sample = cursors[number].next()
-                if self.source_key is not None:
-                    sample[self.source_key] = torch.tensor([number])
-                self._counts[number] += 1
-                self._drawn += 1
+                sample = take[number]()
+                if key is not None:
+                    sample[key] = torch.tensor([number])
+                counts[number] += 1
+                drawn += 1
+                self._drawn = drawn  # before the yield: state_dict() may be taken there
                 yield sample
         finally:
             for cursor in cursors:

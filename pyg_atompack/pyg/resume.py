@@ -36,7 +36,8 @@ from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
-__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "pass_length",
+__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "gather_loader_states",
+           "pass_length",
            "quiet_torchdata", "restore_loader_state", "saved_sampler_state",
            "wrap_loader_state"]
 
@@ -266,6 +267,27 @@ def quiet_torchdata() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         yield
+
+
+def gather_loader_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's loader state, on every rank (one ``all_gather_object``).
+
+    What a stream or a mix needs to resume on another grid: call it on every rank at
+    the same step, and save the list (from rank 0, say) with the checkpoint. Without
+    an initialised process group it is ``[state]``.
+
+    Args:
+        state (dict): This rank's ``loader.state_dict()``.
+
+    Returns:
+        list[dict]: The states of ranks ``0 .. world_size - 1``, for
+        ``load_state_dict`` on any grid.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(states, state)
+    return states
 
 
 def wrap_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any]:
