@@ -150,6 +150,8 @@ class ResumableSampler(Sampler[int]):
         """
         if self._resume and int(epoch) == self.epoch:
             return
+        if int(epoch) != self.epoch:  # what was handed out belongs to another epoch
+            self.start = self.position = 0
         self.epoch = int(epoch)
         self._epoch_pinned = True
         self._resume = False
