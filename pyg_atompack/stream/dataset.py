@@ -34,7 +34,12 @@ from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
-from pyg_atompack.stream.progress import EpochConsumed, StreamProgress, merge_stream_states
+from pyg_atompack.stream.progress import (
+    EpochConsumed,
+    StreamProgress,
+    merge_stream_states,
+    plan_units,
+)
 from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
@@ -373,12 +378,16 @@ class ShardStreamDataset(IterableDataset):
             :attr:`epoch`, and the number of samples it may hand out.
         """
         base = self._base if self._base is not None and self._base.epoch == self.epoch else None
+        return self._plan(slot or self.slot(), self.epoch, base)
+
+    def _plan(self, slot: StreamSlot, epoch: int,
+              base: EpochConsumed | None) -> StreamPlan | BlockPlan:
         if self.blocks is not None:
-            return plan_block_stream(self.blocks, slot or self.slot(), shuffle=self.shuffle,
-                                     seed=self.seed, epoch=self.epoch, consumed=base)
-        return plan_stream([s.records for s in self.shards], slot or self.slot(),
-                           shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
-                           batch_size=self.batch_size, consumed=base)
+            return plan_block_stream(self.blocks, slot, shuffle=self.shuffle, seed=self.seed,
+                                     epoch=epoch, consumed=base)
+        return plan_stream([s.records for s in self.shards], slot, shuffle=self.shuffle,
+                           seed=self.seed, epoch=epoch, batch_size=self.batch_size,
+                           consumed=base)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict:
@@ -420,22 +429,9 @@ class ShardStreamDataset(IterableDataset):
         """
         for state in states:
             self._check_state(state)
-        epoch = self.epoch
-
-        def units(slot: StreamSlot, before: EpochConsumed | None):
-            self.epoch, saved, self._base = int(states[0]["epoch"]), self._base, before
-            try:
-                plan = self.plan(slot)
-            finally:
-                self._base = saved
-            if isinstance(plan, BlockPlan):
-                return [(b.shard, b.first, b.records) for b in plan.blocks], False, plan.handed
-            return ([(s, 0, self.shards[s].records) for s in plan.shards], True, plan.handed)
-
-        try:
-            merged = merge_stream_states(states, units)
-        finally:
-            self.epoch = epoch
+        epoch = int(states[0]["epoch"]) if states else self.epoch
+        merged = merge_stream_states(states, lambda slot, before: plan_units(
+            self._plan(slot, epoch, before), self.shards))
         return {**merged, "seed": self.seed, "shuffle": self.shuffle,
                 "block_bytes": states[0].get("block_bytes")}
 

@@ -9,8 +9,9 @@ run on any other grid deals what is left (elastic resume).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyg_atompack.stream.splitting import StreamSlot
 
@@ -207,6 +208,15 @@ class EpochConsumed:
             raise ValueError(f"not a ShardStreamDataset state_dict: {error!r}") from error
 
 
+
+
+def plan_units(plan: Any, shards: Sequence[Any]) -> PlanUnits:
+    """A stream's plan (``StreamPlan`` or ``BlockPlan``) as :meth:`EpochConsumed.add_progress`
+    takes it; ``shards`` is the source's listing (their ``records``)."""
+    blocks = getattr(plan, "blocks", None)
+    if blocks is not None:
+        return [(b.shard, b.first, b.records) for b in blocks], False, plan.handed
+    return [(s, 0, shards[s].records) for s in plan.shards], True, plan.handed
 
 
 def merge_stream_states(states: list[dict],
