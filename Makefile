@@ -89,7 +89,7 @@ demo: $(STAMP)
 test:
 	@$(PREREQUISITES)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25
 	@$(MAKE) --no-print-directory test-hf-releases
 
 # REMOTE_TESTS next to each release of HF_RELEASES, one release after another.
@@ -111,6 +111,8 @@ soak: $(STAMP)
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_atp.py --quick
+	$(PY) benchmarks/framed_crc.py
+	$(PY) benchmarks/atom_budget.py
 	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py

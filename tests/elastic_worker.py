@@ -10,9 +10,9 @@ position; ``ShardStreamDataset``: every rank's, as a list) and finishes epoch 0,
 runs epoch 1. Every rank writes ``<case>.<phase>.rank<r>.json``.
 
 A case is ``<kind>-r<R>w<W>-r<R'>w<W'>``: ``atp`` (``AtompackLoader(shuffle=True)``
-over an ``.atp`` file), ``stream`` (``StatefulLoader`` over ``ShardStreamDataset``) or
-``mix`` (``StatefulLoader`` over a ``MixedDataset`` of an ``AtompackDataset`` and a
-``ShardStreamDataset``).
+over an ``.atp`` file), ``budget`` (the same with ``max_atoms``), ``stream``
+(``StatefulLoader`` over ``ShardStreamDataset``) or ``mix`` (``StatefulLoader`` over a
+``MixedDataset`` of an ``AtompackDataset`` and a ``ShardStreamDataset``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def build(kind: str, workers: int, atp_path: str, shards: str):
     """The loader of ``kind`` with ``workers`` DataLoader workers."""
     if kind == "atp":
         return AtompackLoader(AtompackDataset(atp_path), batch_size=BATCH_SIZE, shuffle=True,
+                              seed=SEED, num_workers=workers)
+    if kind == "budget":  # batches of at most 10 atoms (molecules of 2-4)
+        return AtompackLoader(AtompackDataset(atp_path), max_atoms=10, shuffle=True,
                               seed=SEED, num_workers=workers)
     dataset = ShardStreamDataset(LocalSource(shards), shuffle=True, seed=SEED)
     if kind == "mix":
@@ -97,12 +100,14 @@ def main() -> None:
             loader = build(kind, workers_after, args.atp, args.shards)
             states = pickle.loads((out / f"{case}.state").read_bytes())
             assert len(states) == ranks
-            loader.load_state_dict(states[-1] if kind == "atp" else states)
-            epochs = []
+            loader.load_state_dict(states[-1] if kind in ("atp", "budget") else states)
+            epochs, steps = [], []
             for epoch in range(2):
                 loader.set_epoch(epoch)
-                epochs.append([i for batch in loader for i in ids(batch)])
-            report = {"tail": epochs[0], "next_epoch": epochs[1]}
+                batches = [ids(batch) for batch in loader]
+                epochs.append([i for batch in batches for i in batch])
+                steps.append(len(batches))
+            report = {"tail": epochs[0], "next_epoch": epochs[1], "steps": steps}
         (out / f"{case}.{args.phase}.rank{rank}.json").write_text(json.dumps(report),
                                                                   encoding="utf-8")
     dist.barrier()

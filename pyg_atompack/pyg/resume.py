@@ -36,10 +36,9 @@ from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
-__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "gather_loader_states",
-           "pass_length",
-           "quiet_torchdata", "restore_loader_state", "saved_sampler_state",
-           "wrap_loader_state"]
+__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "finished_pass_state",
+           "gather_loader_states", "pass_length", "quiet_torchdata", "restore_loader_state",
+           "saved_sampler_state", "wrap_loader_state"]
 
 SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/2"
 LOADER_STATE_FORMAT = "pyg_atompack-loader/1"
@@ -423,6 +422,38 @@ def restore_loader_state(state: Any, num_workers: int, sampler: Any,
         "number of workers; resume with the same number of workers")
 
 
+def finished_pass_state(saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A sampler state of a pass that ran to its end, set to start the next epoch.
+
+    torchdata restores the state of a finished multi-process pass by starting a pass
+    (whose sampler, at its end, begins the next epoch), marking it finished and then
+    starting another: an epoch is skipped. Loading this state into the sampler and
+    nothing into the loader starts the next epoch at its first batch instead.
+
+    Args:
+        saved (dict | None): A sampler state (``ResumableSampler``,
+            ``AtomBudgetBatchSampler``) or torchdata's batch-sampler iterator state
+            holding one (``sampler_state``).
+
+    Returns:
+        dict | None: The state, or :obj:`None` when ``saved`` holds no such state.
+    """
+    if not isinstance(saved, dict):
+        return None
+    saved = saved.get("sampler_state", saved)
+    if not isinstance(saved, dict) or "epoch" not in saved or "started" not in saved:
+        return None
+    return {**saved, "epoch": int(saved["epoch"]) + 1, "started": False}
+
+
+def finished_workers_state(state: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`finished_pass_state` of a multi-process loader state, if its pass ended."""
+    if not state.get("_iterator_finished"):
+        return None
+    main = state.get("_snapshot", {}).get("_main_snapshot", {})
+    return finished_pass_state(main.get("_sampler_iter_state"))
+
+
 class StatefulLoader(StatefulDataLoader):
     r"""A resumable PyG data loader: torchdata's ``StatefulDataLoader`` with PyG collation.
 
@@ -510,6 +541,11 @@ class StatefulLoader(StatefulDataLoader):
         """
         state = restore_loader_state(state_dict, self.num_workers, self.sampler,
                                      self.batch_size, self.dataset)
+        finished = (finished_workers_state(state) if state is not None and self.num_workers > 0
+                    else None)
+        if finished is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(finished)  # the next epoch, not the one after
+            state = {}
         super().load_state_dict({} if state is None else state)
 
 
