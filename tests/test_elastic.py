@@ -203,3 +203,41 @@ def test_stream_resumes_twice_on_other_grids_with_every_sample_once(tmp_path: Pa
     assert sorted(seen + rest) == list(range(total)), "the epoch exactly, every sample once"
     dataset.set_epoch(1)
     assert sorted(int(s.sample_id) for s in dataset) == list(range(total))
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_atom_budget_sampler_resumes_on_another_world_size(before: int, after: int) -> None:
+    from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
+
+    atoms = np.random.default_rng(0).integers(5, 60, 400)
+
+    def sampler(rank: int, world: int) -> AtomBudgetBatchSampler:
+        return AtomBudgetBatchSampler(atoms, 200, seed=3, rank=rank, world_size=world)
+
+    taken, states = [], []
+    for rank in range(before):
+        saved = sampler(rank, before)
+        iterator = iter(saved)
+        for _ in range(4):
+            taken += next(iterator)
+        states.append(saved.state_dict())
+    assert all(s["consumed"] == states[0]["consumed"] for s in states), "any rank's will do"
+    # a part on a third grid in between: its state carries the first part's too
+    middle = []
+    for rank in range(3):
+        resumed = sampler(rank, 3)
+        resumed.load_state_dict(states[rank % before])
+        iterator = iter(resumed)
+        for _ in range(2):
+            taken += next(iterator)
+        middle.append(resumed.state_dict())
+    rest, steps = [], set()
+    for rank in range(after):
+        resumed = sampler(rank, after)
+        resumed.load_state_dict(middle[rank % 3])
+        batches = list(resumed)
+        steps.add(len(batches))
+        rest += [i for batch in batches for i in batch]
+        assert all(atoms[batch].sum() <= 200 for batch in batches)
+    assert len(steps) == 1, "equal steps on the new ranks"
+    assert sorted(taken + rest) == list(range(len(atoms))), "every structure once"
