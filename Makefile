@@ -102,7 +102,8 @@ test-hf-releases: $(HF_STAMPS)
 
 # A long fuzzing run of the .atp reader and the .pt shard loader (~10 min).
 fuzz: $(STAMP)
-	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py
+	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py \
+	    tests/test_groups_fuzz.py
 
 # Streaming soak test against the fault-injecting loopback server (not in CI).
 soak: $(STAMP)
@@ -113,6 +114,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_atp.py --quick
 	$(PY) benchmarks/framed_crc.py
 	$(PY) benchmarks/atom_budget.py
+	$(PY) benchmarks/groups_loader.py
 	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py

@@ -13,7 +13,7 @@ from groups_fixtures import plain_file, write_framed
 from servers.http_server import serve_directory
 
 from pyg_atompack import atp
-from pyg_atompack.atp.groups import Grouping, encode_groups
+from pyg_atompack.atp.groups import Grouping, GroupsError, encode_groups
 from pyg_atompack.data import AtompackGroupDataset, AtompackLoader
 
 ROLES = ["adslab", "slab", "gas"]
@@ -219,3 +219,83 @@ def test_group_loader_resumes_mid_epoch(framed):
     again.load_state_dict(state)
     assert [b.group_id.tolist() for b in again] == rest
     assert sorted(g for (g,) in seen + rest) == [0, 1, 2, 3]
+
+
+def test_groups_of_a_sharded_dataset_use_global_record_numbers(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    first = Grouping(ROLES[:2], np.array([0, 2]), np.array([1, 0]), np.array([0, 1], np.uint16),
+                     {"e_ads": np.array([-1.5])})
+    second = Grouping(["gas", "adslab", "slab"], np.array([0, 3]), np.array([2, 0, 1]),
+                      np.array([0, 1, 2], np.uint16), {"e_ads": np.array([0.5])})
+    for name, grouping, n in (("a.atp", first, 4), ("b.atp", second, 3)):
+        write_framed(shards / name, plain_file(tmp_path / f"plain_{name}", n),
+                     [encode_groups([("adsorption", grouping)])])
+    reader = atp.open(shards)
+    ads = reader.groups["adsorption"]
+    assert ads.roles == ROLES and len(ads) == 2
+    assert ads[1].indices == {"gas": 6, "adslab": 4, "slab": 5}  # b.atp starts at record 4
+    assert ads[1]["gas"].energy == 2.0  # record 2 of b.atp
+    ds = AtompackGroupDataset(shards, "adsorption", fields=["energy"])
+    batch = ds.__getitems__([0, 1])
+    assert batch.record.tolist() == [1, 0, 6, 4, 5]
+    assert batch.energy.tolist() == [1.0, 0.0, 2.0, 0.0, 1.0]
+    assert batch.role.tolist() == [0, 1, 2, 0, 1]
+    # the same files over HTTP, one dataset of two remote files read by record
+    for server in serve_directory(shards):
+        urls = [server.url("a.atp"), server.url("b.atp")]
+        remote = AtompackGroupDataset(urls, "adsorption", fields=["energy"],
+                                      cache_dir=tmp_path / "cache")
+        assert remote.__getitems__([0, 1]).record.tolist() == [1, 0, 6, 4, 5]
+    ordered = Grouping(offsets=np.array([0, 1]), records=np.array([0]))
+    write_framed(shards / "c.atp", plain_file(tmp_path / "plain_c.atp", 2),
+                 [encode_groups([("adsorption", ordered)])])
+    with pytest.raises(GroupsError, match=r"c\.atp: groups frame at byte \d+: grouping "
+                       "'adsorption': cannot mix named-role and ordered groups"):
+        _ = atp.open(shards).groups
+
+
+@pytest.mark.parametrize("prefetch_shards", [None, True])
+def test_groups_from_the_loopback_hub(tmp_path, prefetch_shards):
+    from servers.fake_hub import serve_fake_hub
+
+    from pyg_atompack import AtompackDataset
+
+    root = tmp_path / "repo"
+    (root / "train").mkdir(parents=True)
+    pairs = Grouping(offsets=np.array([0, 2]), records=np.array([0, 2]))
+    for name, n in (("part_0.atp", 3), ("part_1.atp", 4)):
+        write_framed(root / "train" / name, plain_file(tmp_path / f"plain_{name}", n),
+                     [encode_groups([("pairs", pairs)])])
+    for hub_server in serve_fake_hub():
+        hub_server.commit("org/groups", root)
+        records = AtompackDataset.from_hub("org/groups", "train", cache_dir=tmp_path / "cache",
+                                           endpoint=hub_server.endpoint, fields=["energy"],
+                                           prefetch_shards=prefetch_shards)
+        ds = AtompackGroupDataset(records, "pairs")
+        batch = next(iter(AtompackLoader(ds, batch_size=2)))
+        assert batch.record.tolist() == [0, 2, 3, 5]  # part_1 starts at record 3
+        assert batch.energy.tolist() == [0.0, 2.0, 0.0, 2.0]
+
+
+def test_group_batches_follow_names_exclusions_and_follow_batch(framed):
+    ds = AtompackGroupDataset(framed, "adsorption", names="pyg-md17")
+    loader = AtompackLoader(ds, batch_size=2, exclude_keys=["force"], follow_batch=["pos"])
+    batch = next(iter(loader))
+    assert "force" not in batch and "forces" not in batch
+    assert batch.energy.dtype == torch.float32  # the preset's energy
+    assert batch.pos_batch.tolist() == batch.batch.tolist()
+    assert batch.group.tolist() == [0, 0, 1, 1, 1]
+
+
+def test_atom_budget_packs_whole_groups(framed):
+    ds = AtompackGroupDataset(framed, "adsorption", fields=["energy"])
+    sizes = (ADSORPTION.records % 3) + 1  # plain_file: record i has i % 3 + 1 atoms
+    counts = np.add.reduceat(sizes, ADSORPTION.offsets[:-1])
+    assert ds.atom_counts().tolist() == counts.tolist() == [3, 5, 6, 4]
+    loader = AtompackLoader(ds, max_atoms=10)
+    batches = list(loader)
+    assert all(int(b.natoms.sum()) <= 10 for b in batches)
+    assert sorted(g for b in batches for g in b.group_id.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="group 2 of grouping 'adsorption'"):
+        AtompackLoader(ds, max_atoms=5)

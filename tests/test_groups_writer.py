@@ -178,3 +178,18 @@ def test_differential_groups_against_atompack_db(tmp_path):  # pragma: no cover
     groups = atompack.Database.open(str(mine)).groups["adsorption"]  # theirs reads ours
     assert groups[1].indices == {"adslab": 2, "slab": 0, "gas": 3}
     assert groups[1].properties == {"e_ads": -0.25, "id": "b", "n": 3}
+
+
+def test_cli_info_lists_the_groupings(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "groups.atp"
+    with _db(path) as db:
+        db.add_groups("adsorption", [{"adslab": 1, "slab": 0}, {"adslab": 2, "slab": 0}],
+                      {"e_ads": [-1.5, -0.25]})
+        db.add_groups("ordered", [[3, 1, 2]])
+    out = subprocess.run([sys.executable, "-m", "pyg_atompack.cli", "info", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "groupings:\n  adsorption: 2 groups, 4 members, roles adslab, slab; columns: " \
+           "e_ads\n  ordered: 1 groups, 3 members, ordered; columns: none" in out

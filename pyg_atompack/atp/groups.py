@@ -361,7 +361,8 @@ def _as_int64(values: np.ndarray, r: _Cursor, what: str) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def merge_chunks(payloads: Sequence[tuple[str, bytes | memoryview]], num_records: int
+def merge_chunks(payloads: Sequence[tuple[str, bytes | memoryview]], num_records: int,
+                 offset: int = 0, into: dict[str, Grouping] | None = None
                  ) -> dict[str, Grouping]:
     """The groupings of a file: its groups chunks concatenated in file order.
 
@@ -369,6 +370,11 @@ def merge_chunks(payloads: Sequence[tuple[str, bytes | memoryview]], num_records
         payloads (Sequence[tuple[str, bytes]]): ``(where, payload)`` of every groups frame
             in file order; ``where`` names the file and frame in messages.
         num_records (int): Records in the file.
+        offset (int, optional): Added to every record index: where the file's records
+            start in a dataset of several files (its shards). (default: :obj:`0`)
+        into (dict[str, Grouping], optional): Groupings of the files before, which these
+            chunks extend (a sharded dataset's groupings are its shards' in order).
+            (default: :obj:`None`)
 
     Returns:
         ``name -> Grouping``, sorted by name (upstream's order).
@@ -376,9 +382,11 @@ def merge_chunks(payloads: Sequence[tuple[str, bytes | memoryview]], num_records
     Raises:
         GroupsError: A chunk is damaged or does not fit the chunks before it.
     """
-    merged: dict[str, Grouping] = {}
+    merged: dict[str, Grouping] = dict(into or {})
     for where, payload in payloads:
         for name, chunk in decode_groups(payload, num_records, where):
+            if offset:
+                chunk.records = chunk.records + int(offset)
             old = merged.get(name)
             merged[name] = chunk if old is None else old.appended(
                 chunk, f"{where}: grouping {name!r}")
@@ -530,24 +538,42 @@ class Group:
         return f"Group(indices={self.indices!r}, properties={self.properties!r})"
 
 
-def read_groups(reader: Any) -> Groups:
+def read_groups(reader: Any, shards: Sequence[tuple[Any, int]] | None = None) -> Groups:
     """The groupings of an open reader, from the groups frames its directory lists.
 
     Args:
-        reader (Any): A reader with ``metadata_frames`` (entries with ``kind``,
-            ``offset``, ``length``) and ``read_metadata(entry)`` (the payload, CRC
-            checked), ``name``, ``len()`` and ``reader[i]``.
+        reader (Any): The reader members are read through (``reader[i]``, ``name``).
+        shards (Sequence[tuple[Any, int]], optional): For a dataset of several files:
+            each file's reader and where its records start, in order. A file's groups
+            point at its own records; here they are moved to the dataset's numbering and
+            the groupings of one name concatenated file after file. Each reader needs
+            ``metadata_frames`` (entries with ``kind``, ``offset``, ``length``),
+            ``read_metadata(entry)`` (the payload, CRC checked), ``name`` and ``len()``.
+            (default: :obj:`None`: ``reader`` is one file)
 
     Returns:
-        The :class:`Groups` mapping; members are read through ``reader[i]``.
+        The :class:`Groups` mapping.
 
     Raises:
         GroupsError: A groups frame is damaged or does not fit the chunks before it.
     """
-    payloads = [(f"{reader.name}: groups frame at byte {f.offset}", reader.read_metadata(f))
-                for f in reader.metadata_frames if f.kind == FRAME_GROUPS]
-    return Groups(merge_chunks(payloads, len(reader)), lambda ids: [reader[i] for i in ids],
-                  reader.name)
+    merged: dict[str, Grouping] = {}
+    for part, start in [(reader, 0)] if shards is None else shards:
+        payloads = [(f"{part.name}: groups frame at byte {f.offset}", part.read_metadata(f))
+                    for f in part.metadata_frames if f.kind == FRAME_GROUPS]
+        merged = merge_chunks(payloads, len(part), start, merged)
+    name = getattr(reader, "name", None) or getattr(reader, "path", None)
+    return Groups(merged, _Members(reader), str(name or type(reader).__name__))
+
+
+class _Members:
+    """Reads member molecules through a reader (picklable, unlike a lambda)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def __call__(self, ids: Sequence[int]) -> list[Any]:
+        return [self.reader[i] for i in ids]
 
 
 def shift_chunk(payload: bytes | memoryview, offset: int, num_records: int, where: str

@@ -116,6 +116,18 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.grouping)
 
+    def atom_counts(self) -> np.ndarray:
+        """Atoms of every group (its members' atoms summed), from the index alone: what
+        ``AtompackLoader(..., max_atoms=N)`` packs batches of groups by.
+
+        Returns:
+            np.ndarray: int64, one count per group.
+        """
+        n_atoms = np.asarray(self.records.reader.n_atoms, dtype=np.int64)
+        per_member = n_atoms[self.grouping.records]
+        return np.add.reduceat(per_member, self.grouping.offsets[:-1]) if len(self) else \
+            np.zeros(0, np.int64)
+
     def __getitem__(self, index: int) -> Batch:
         n = len(self)
         if not -n <= int(index) < n:
@@ -127,7 +139,7 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
         return self.fetch(positions)
 
     def fetch(self, positions: Sequence[int], names: AttributeNames | None = None,
-              exclude_keys: Sequence[str] = ()) -> Batch:
+              exclude_keys: Sequence[str] = (), follow_batch: Sequence[str] = ()) -> Batch:
         """One ``Batch`` of the members of the groups at ``positions`` (see the class).
 
         Args:
@@ -136,6 +148,8 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
                 applied after the dataset's own. (default: :obj:`None`)
             exclude_keys (Sequence[str], optional): Member attributes to leave out.
                 (default: :obj:`()`)
+            follow_batch (Sequence[str], optional): Member attributes that get
+                ``<attr>_batch`` / ``<attr>_ptr`` vectors. (default: :obj:`()`)
 
         Returns:
             Batch: The mini-batch.
@@ -155,11 +169,12 @@ class AtompackGroupDataset(torch.utils.data.Dataset):
         flat = dataset.reader.read_batch(unique, fields=dataset.fields)
         if len(unique) != len(records) or not np.array_equal(unique, records):
             flat = reorder_flat(flat, inverse.reshape(-1))
-        stored_exclude = [a if names is None else names.stored_name(a) for a in exclude_keys]
-        batch = flat_to_batch(flat, dtype=dataset.dtype, exclude_keys=stored_exclude,
-                              record_ids=records)
         all_names = dataset.names if names is None else (
             names if dataset.names is None else dataset.names.then(names))
+        stored = [a if all_names is None else all_names.stored_name(a)
+                  for a in (*exclude_keys, *follow_batch)]
+        batch = flat_to_batch(flat, dtype=dataset.dtype, exclude_keys=stored[:len(exclude_keys)],
+                              follow_batch=stored[len(exclude_keys):], record_ids=records)
         if all_names is not None:
             batch = all_names.apply(batch)
         return self._add_group_attributes(batch, positions, sizes, role, records)

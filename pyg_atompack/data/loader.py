@@ -30,8 +30,11 @@ from pyg_atompack.pyg.resume import (
 __all__ = ["AtompackLoader"]
 
 
-def atom_counts(dataset: AtompackDataset) -> np.ndarray:
-    """Atom count of every position of ``dataset``, from the ``.atp`` index alone."""
+def atom_counts(dataset: AtompackDataset | AtompackGroupDataset) -> np.ndarray:
+    """Atom count of every position of ``dataset``, from the ``.atp`` index alone (of a
+    group: all its members' atoms)."""
+    if isinstance(dataset, AtompackGroupDataset):
+        return dataset.atom_counts()
     return np.asarray(dataset.reader.n_atoms, dtype=np.int64)[dataset.record_indices()]
 
 
@@ -42,6 +45,9 @@ class _RecordName:
         self.dataset = dataset
 
     def __call__(self, position: int) -> str:
+        if isinstance(self.dataset, AtompackGroupDataset):
+            return (f"group {position} of grouping {self.dataset.name!r} in "
+                    f"{self.dataset.records._source_repr}")
         record = int(self.dataset.record_indices([position])[0])
         reader = self.dataset.reader
         paths = getattr(reader, "shard_paths", None)
@@ -127,9 +133,10 @@ class _BatchFetcher(torch.utils.data.Dataset):
 class _GroupFetcher(torch.utils.data.Dataset):
     """Turns one list of group positions into one ``Batch`` of their members."""
 
-    def __init__(self, dataset: AtompackGroupDataset, exclude_keys: Sequence[str],
-                 names: AttributeNames | None) -> None:
+    def __init__(self, dataset: AtompackGroupDataset, follow_batch: Sequence[str],
+                 exclude_keys: Sequence[str], names: AttributeNames | None) -> None:
         self.dataset = dataset
+        self.follow_batch = list(follow_batch)
         self.exclude_keys = list(exclude_keys)
         self.names = names
 
@@ -140,7 +147,7 @@ class _GroupFetcher(torch.utils.data.Dataset):
         return self.__getitems__(positions)
 
     def __getitems__(self, positions: Sequence[int]) -> Batch:
-        return self.dataset.fetch(positions, self.names, self.exclude_keys)
+        return self.dataset.fetch(positions, self.names, self.exclude_keys, self.follow_batch)
 
 
 class AtompackLoader(StatefulDataLoader):
@@ -194,8 +201,7 @@ class AtompackLoader(StatefulDataLoader):
     Args:
         dataset (AtompackDataset or AtompackGroupDataset): The dataset to load from; for
             an :class:`~pyg_atompack.data.AtompackGroupDataset`, ``batch_size`` counts
-            groups and each batch holds all their members (``follow_batch`` is not
-            supported there).
+            groups and each batch holds all their members.
         batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
         shuffle (bool, optional): Reshuffle the data every epoch (see above); not
             allowed together with ``sampler``. (default: :obj:`False`)
@@ -280,7 +286,8 @@ class AtompackLoader(StatefulDataLoader):
         self.atompack_dataset = dataset
         fetcher: torch.utils.data.Dataset
         if isinstance(dataset, AtompackGroupDataset):  # each batch: whole groups
-            fetcher = _GroupFetcher(dataset, self.exclude_keys, resolve_names(rename, names))
+            fetcher = _GroupFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                    resolve_names(rename, names))
         else:
             fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
                                     resolve_names(rename, names))
