@@ -21,10 +21,10 @@ from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
     ResumableSampler,
     StatefulBatchSampler,
-    check_loader_state,
     finished_pass_state,
     finished_workers_state,
     quiet_torchdata,
+    restore_loader_state,
     wrap_loader_state,
 )
 
@@ -174,8 +174,9 @@ class AtompackLoader(StatefulDataLoader):
     :mod:`torch.distributed` is initialised (``DistributedSampler``'s order). The
     loader is a torchdata ``StatefulDataLoader``: :meth:`state_dict` between two
     steps, then :meth:`load_state_dict` on a loader built the same way (in a new
-    process too, with the same ``num_workers``), continues the epoch with exactly
-    the batches that were left.
+    process too), continues the epoch with exactly the batches that were left; with
+    ``shuffle=True`` also on another number of workers or ranks (the indices no rank
+    had handed out, dealt over the new ranks).
 
     ``max_atoms=N`` replaces ``batch_size``: batches hold at most ``N`` atoms, planned
     from the ``.atp`` index's atom counts without reading a record
@@ -397,17 +398,31 @@ class AtompackLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next iteration continue the saved pass.
 
+        A state taken with another ``num_workers`` or on another number of ranks
+        resumes too when the loader shuffles (``ResumableSampler``) or batches by
+        ``max_atoms``: the rest of the epoch is then the indices (batches) no rank had
+        handed out, dealt over the new ranks.
+
         Args:
             state_dict (dict): Output of :meth:`state_dict` of a loader built the same
-                way (dataset, batch size, sampler or ``seed``, ``num_workers``).
+                way (dataset, batch size, sampler or ``seed``); any rank's.
 
         Raises:
-            ValueError: If the state was taken with a different ``num_workers``.
+            ValueError: If the state was taken with a different ``num_workers`` and a
+                sampler whose position cannot be carried over.
         """
-        state = check_loader_state(state_dict, self.num_workers)
         if self.device_feed is not None:
             self.device_feed.reset()
-        if self._in_process():
+        holder = self.batch_sampler  # what keeps the position: the budget's batch sampler
+        if not isinstance(holder, AtomBudgetBatchSampler):
+            holder = holder.sampler
+        state = restore_loader_state(state_dict, self.num_workers, holder,
+                                     getattr(self.batch_sampler, "batch_size", None))
+        if state is None:  # carried over through the sampler alone
+            self._in_process_resume = None
+            if not self._in_process():
+                super().load_state_dict({})
+        elif self._in_process():
             self._in_process_resume = state
         elif self._load_finished_pass(finished_workers_state(state)):
             super().load_state_dict({})  # nothing of the finished pass is left

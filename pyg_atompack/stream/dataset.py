@@ -37,7 +37,12 @@ from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
-from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.progress import (
+    EpochConsumed,
+    StreamProgress,
+    merge_stream_states,
+    plan_units,
+)
 from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
@@ -368,6 +373,8 @@ class ShardStreamDataset(IterableDataset):
         self._recorder: TraceRecorder | None = None
         self._progress: StreamProgress | None = None
         self._resume: StreamProgress | None = None
+        # what every stream had handed out of an epoch before an elastic resume
+        self._base: EpochConsumed | None = None
 
     # ----------------------------------------------------------------- configuration
     def set_epoch(self, epoch: int) -> None:
@@ -409,12 +416,17 @@ class ShardStreamDataset(IterableDataset):
             The shards, in reading order, assigned to the slot for the current
             :attr:`epoch`, and the number of samples it may hand out.
         """
+        base = self._base if self._base is not None and self._base.epoch == self.epoch else None
+        return self._plan(slot or self.slot(), self.epoch, base)
+
+    def _plan(self, slot: StreamSlot, epoch: int,
+              base: EpochConsumed | None) -> StreamPlan | BlockPlan:
         if self.blocks is not None:
-            return plan_block_stream(self.blocks, slot or self.slot(), shuffle=self.shuffle,
-                                     seed=self.seed, epoch=self.epoch)
-        return plan_stream([s.records for s in self.shards], slot or self.slot(),
-                           shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
-                           batch_size=self.batch_size)
+            return plan_block_stream(self.blocks, slot, shuffle=self.shuffle, seed=self.seed,
+                                     epoch=epoch, consumed=base)
+        return plan_stream([s.records for s in self.shards], slot, shuffle=self.shuffle,
+                           seed=self.seed, epoch=epoch, batch_size=self.batch_size,
+                           consumed=base)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict:
@@ -424,7 +436,8 @@ class ShardStreamDataset(IterableDataset):
         With DataLoader workers, let torchdata's ``StatefulDataLoader`` (or
         :class:`~pyg_atompack.StatefulLoader`) call it inside every worker: its own
         ``state_dict()`` then holds every worker's position, and a loader with the same
-        ``num_workers`` resumes exactly (a state of another stream is refused).
+        ``num_workers`` resumes exactly. For another grid of ranks and workers, merge
+        the states of every stream first (:meth:`merge_states`).
 
         Returns:
             The state, to pass to :meth:`load_state_dict`.
@@ -435,8 +448,44 @@ class ShardStreamDataset(IterableDataset):
 
     def _state(self) -> dict:
         progress = self._progress or StreamProgress(self.epoch, self.slot())
+        base = self._base if self._base is not None and self._base.epoch == progress.epoch \
+            else None
         return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
-                "block_bytes": self.block_bytes if self.blocks is not None else None}
+                "block_bytes": self.block_bytes if self.blocks is not None else None,
+                "base": None if base is None else base.to_state()}
+
+    def merge_states(self, states: list[dict]) -> dict:
+        """One state from those of every (rank, worker) stream of a run, for any grid.
+
+        The merged state names what all streams handed out by shard and sample; loaded
+        into the datasets of a run with any number of ranks and DataLoader workers,
+        every stream takes its share of what is left of the epoch (rank equalisation
+        as for a whole epoch, over the samples left), so the interrupted and the
+        resumed parts together are the epoch: none lost, none repeated.
+        :class:`~pyg_atompack.StatefulLoader` merges by itself when given every rank's
+        loader state.
+
+        Args:
+            states (list[dict]): :meth:`state_dict` of every stream of the saved run.
+
+        Returns:
+            dict: A state for :meth:`load_state_dict`.
+        """
+        for state in states:
+            self._check_state(state)
+        epoch = int(states[0]["epoch"]) if states else self.epoch
+        merged = merge_stream_states(states, lambda slot, before: plan_units(
+            self._plan(slot, epoch, before), self.shards))
+        return {**merged, "seed": self.seed, "shuffle": self.shuffle,
+                "block_bytes": states[0].get("block_bytes")}
+
+    def _check_state(self, state: dict) -> None:
+        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
+            raise ValueError("state_dict was saved with a different seed or shuffle setting")
+        blocks = self.block_bytes if self.blocks is not None else None
+        if state.get("block_bytes", blocks) != blocks:
+            raise ValueError("state_dict was saved with different record blocks "
+                             f"(block_bytes {state.get('block_bytes')}, now {blocks})")
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the next iteration at the first unread shard and sample of ``state``.
@@ -444,26 +493,34 @@ class ShardStreamDataset(IterableDataset):
         Also sets the epoch to the saved one.
 
         Args:
-            state (dict): Output of :meth:`state_dict`, from a dataset with the same source,
-                seed and shuffle settings.
+            state (dict): Output of :meth:`state_dict` (this stream's) or of
+                :meth:`merge_states` (every stream's), from a dataset with the same
+                source, seed and shuffle settings.
         """
-        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
-            raise ValueError("state_dict was saved with a different seed or shuffle setting")
-        blocks = self.block_bytes if self.blocks is not None else None
-        if state.get("block_bytes", blocks) != blocks:
-            raise ValueError("state_dict was saved with different record blocks "
-                             f"(block_bytes {state.get('block_bytes')}, now {blocks})")
-        self._resume = StreamProgress.from_state(state)
-        self.epoch = self._resume.epoch
+        self._check_state(state)
         if self.device_feed is not None:
             self.device_feed.reset()
+        if state.get("merged"):
+            self._resume = None
+            self._base = EpochConsumed.from_state(state["consumed"])
+            self.epoch = int(state["epoch"])
+            return
+        self._resume = StreamProgress.from_state(state)
+        self.epoch = self._resume.epoch
+        base = state.get("base")
+        self._base = None if base is None else EpochConsumed.from_state(base)
 
-    def _start_progress(self, slot: StreamSlot) -> StreamProgress:
+    def _start_progress(self, slot: StreamSlot, plan: StreamPlan | BlockPlan) -> StreamProgress:
         resume, self._resume = self._resume, None
         if resume is None or resume.epoch != self.epoch:
-            return StreamProgress(self.epoch, slot)
+            # after an elastic resume, what other streams handed out of this stream's
+            # shards counts as handed out
+            return StreamProgress(self.epoch, slot,
+                                  partial={p: set(s) for p, s in plan.handed.items()})
         if resume.slot != slot:
-            raise ValueError(f"state_dict belongs to stream {resume.slot}, not {slot}")
+            raise ValueError(f"state_dict belongs to stream {resume.slot}, not {slot}: "
+                             "to resume on another grid of ranks or workers, load the "
+                             "merge_states() of every stream's state")
         resume.finished = False
         return resume
 
@@ -477,7 +534,7 @@ class ShardStreamDataset(IterableDataset):
                                  "device= to the loader (pyg_atompack.StatefulLoader)")
             install_handoff()  # batches leave this worker as one buffer each
         plan = self.plan(slot)
-        progress = self._start_progress(slot)
+        progress = self._start_progress(slot, plan)
         recorder = TraceRecorder(slot.rank, slot.worker)
         if get_worker_info() is None:  # a worker cannot see the main process's steps
             recorder.meter = StepWaitMeter(self.wait_clock)
