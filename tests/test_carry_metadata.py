@@ -18,7 +18,6 @@ from pyg_atompack import atp
 from pyg_atompack.atp.groups import merge_chunks
 from pyg_atompack.cli import main
 from pyg_atompack.convert import ConversionNote, ConvertError, WriteOptions, convert
-from pyg_atompack.convert.merge import merge_parts
 from pyg_atompack.convert.parallel import Part
 from pyg_atompack.convert.pipeline import reencode
 
@@ -119,7 +118,8 @@ def test_atp_to_atp_keeps_groups_and_unknown_frames(tmp_path, framed, compressio
         assert a.groups["adsorption"][3]["gas"].energy == 10.0
 
 
-def test_cli_convert_and_independent_encoder(tmp_path):
+@pytest.mark.parametrize("state", ["committed", "writing"])
+def test_cli_convert_and_independent_encoder(tmp_path, state):
     plain = tmp_path / "plain.atp"
     db = atp.Writer(plain)
     _records(db, 4)
@@ -134,9 +134,14 @@ def test_cli_convert_and_independent_encoder(tmp_path):
     items = [("schema",), ("record", 0), ("record", 1), ("meta", 99, NEWER),
              ("record", 2), ("meta", 3, chunk), ("record", 3), ("meta", 1234, b"")]
     src = tmp_path / "encoded.atp"
-    src.write_bytes(Framed(source, items).committed())
+    framed = Framed(source, items)
+    # "writing": a crash before the commit; the reader recovers every frame (with a warning)
+    src.write_bytes(framed.committed() if state == "committed" else framed.writing())
     out = tmp_path / "copy.atp"
-    assert main(["convert", str(src), str(out), "-q"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", atp.RecoveredWriteWarning)
+        assert main(["convert", str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "-q"]) == 0
     with atp.open(out) as reader:
         assert reader.header.framed
         assert [(f.kind, bytes(reader.read_metadata(f))) for f in reader.metadata_frames] == \
@@ -152,6 +157,7 @@ def test_shards_renumber_groups_and_copy_unknown_frames(tmp_path):
     with pytest.warns(ConversionNote, match=r"src\.atp.*copied unchanged into every shard"):
         convert(src, out, write_options=WriteOptions(shard_size=4))
     _same_records(src, out)
+    assert main(["verify", str(out), "-q"]) == 0
     assert _members(_groupings(out)) == _members(_groupings(src))
     assert _others(out) == [[NEWER]] * 3
     assert _framed_flags(out) == [True] * 3
@@ -210,10 +216,12 @@ def test_parts_and_merge_equal_one_conversion(tmp_path):
         warnings.simplefilter("ignore", ConversionNote)
         convert(src, whole, write_options=options)
         parts = [tmp_path / f"part{i}" for i in range(2)]
-        for i, part in enumerate(parts):
-            convert(src, part, write_options=options, part=Part(i, 2))
+        convert(src, parts[0], write_options=options, part=Part(0, 2))
+        # the other part as a cluster job runs it: the command line, two reading processes
+        assert main(["convert", str(src), str(parts[1]), "--shard-size", "4", "--part", "1/2",
+                     "--workers", "2", "-q"]) == 0
     merged = tmp_path / "merged"
-    assert merge_parts(merged, parts) == N
+    assert main(["merge", str(merged), *map(str, parts), "-q"]) == 0
     for k in range(3):
         name = f"shard_{k:05d}.atp"
         assert (merged / name).read_bytes() == (whole / name).read_bytes()
@@ -262,3 +270,13 @@ def test_no_metadata_frames_no_change(tmp_path, framed):
     db.flush()
     db.close()
     assert out.read_bytes() == direct.read_bytes()
+
+
+def test_parallel_reading_keeps_the_frames(tmp_path):
+    src = _source(tmp_path / "src.atp", framed=False, compression="none")
+    one, two = tmp_path / "one.atp", tmp_path / "two.atp"
+    convert(src, one)
+    convert(src, two, workers=2)
+    assert two.read_bytes() == one.read_bytes()
+    assert _groupings(two) == _groupings(src) and _others(two) == [[NEWER]]
+    assert _framed_flags(two) == [False]  # a 0.4.1 file with a directory stays one
