@@ -280,3 +280,26 @@ def test_parallel_reading_keeps_the_frames(tmp_path):
     assert two.read_bytes() == one.read_bytes()
     assert _groupings(two) == _groupings(src) and _others(two) == [[NEWER]]
     assert _framed_flags(two) == [False]  # a 0.4.1 file with a directory stays one
+
+
+def test_resharding_a_directory_moves_groups_between_files(tmp_path):
+    shards = tmp_path / "in"
+    shards.mkdir()
+    for k in range(2):  # records 0..11 and 12..23
+        db = atp.Writer(shards / f"shard_{k:05d}.atp", framed=True)
+        _records(db)
+        _groups(db)
+        db.flush()
+        db.close()
+    out = tmp_path / "out"
+    with pytest.warns(ConversionNote, match="copied unchanged"):
+        convert(shards, out, write_options=WriteOptions(shard_size=8))
+    assert _members(_groupings(out)) == _members(_groupings(shards))
+    # the middle shard (source records 8..15) takes the tail of one input and the head of
+    # the other, and a copy of each input's kind-99 frame, in input order
+    assert _others(out) == [[NEWER], [NEWER, NEWER], [NEWER]]
+    with atp.open(out / "shard_00001.atp") as shard:
+        g = merge_chunks([("s", shard.read_metadata(f)) for f in shard.metadata_frames
+                          if f.kind == 3], len(shard))
+        assert g["ordered"].records.tolist() == [3, 7, 5, 6]  # [11] then [15, 13, 14]
+        assert g["adsorption"].properties["tag"] == ["d", "a", "b"]

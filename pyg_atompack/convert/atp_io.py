@@ -308,6 +308,10 @@ class CarriedMetadata:
         self.name = name
         self.inputs = inputs
         self.framed = framed
+        self._edges = np.zeros(1, np.int64)
+        # (input, frame) -> [(name, grouping, groups in output order, cuts per output)]
+        self._plans: dict[tuple[int, int], list[tuple[str, Grouping, np.ndarray,
+                                                      np.ndarray]]] = {}
 
     @classmethod
     def of_source(cls, src: str | os.PathLike) -> CarriedMetadata:
@@ -356,7 +360,7 @@ class CarriedMetadata:
             raise ConvertError(item.path, str(exc)) from exc
 
     def check_outputs(self, bounds: list[int], destination: str | os.PathLike) -> None:
-        """Refuse groups that would straddle two outputs.
+        """Refuse groups that would straddle two outputs, and plan where each group goes.
 
         Args:
             bounds (list[int]): Source record indices where outputs start, then where
@@ -368,36 +372,41 @@ class CarriedMetadata:
                 the converted range and some outside it; names the input file, the
                 grouping, the group and the records.
         """
-        edges = np.asarray(bounds, np.int64)
-        for item in self.inputs:
-            for kind, payload in item.frames:
+        edges = self._edges = np.asarray(bounds, np.int64)
+        after = len(edges) - 1  # "output" of records past the range; -1 before it
+        self._plans = {}
+        for i, item in enumerate(self.inputs):
+            for j, (kind, payload) in enumerate(item.frames):
                 if kind != FRAME_GROUPS:
                     continue
+                plan = self._plans[i, j] = []
                 for name, grouping in self._groupings(item, payload):
-                    if not len(grouping):
-                        continue
                     members = grouping.records + item.start
-                    # output of each member: -1 before the range, len(bounds) - 1 after it
                     where = np.searchsorted(edges, members, side="right") - 1
-                    where[members >= edges[-1]] = len(edges) - 1
-                    starts = grouping.offsets[:-1]
-                    low = np.minimum.reduceat(where, starts)
-                    high = np.maximum.reduceat(where, starts)
-                    inside = (high >= 0) & (low <= len(edges) - 2)
-                    split = np.flatnonzero((low != high) & inside)
+                    where[members >= edges[-1]] = after
+                    if len(grouping):
+                        starts = grouping.offsets[:-1]
+                        low = np.minimum.reduceat(where, starts)
+                        high = np.maximum.reduceat(where, starts)
+                    else:
+                        low = high = np.zeros(0, np.int64)
+                    split = np.flatnonzero((low != high) & (high >= 0) & (low < after))
                     if len(split):
                         g = int(split[0])
-                        recs = members[grouping.offsets[g]:grouping.offsets[g + 1]]
+                        lo, hi = grouping.offsets[g], grouping.offsets[g + 1]
                         raise ConvertError(item.path, _split_message(
-                            name, g, recs, where[grouping.offsets[g]:grouping.offsets[g + 1]],
-                            edges, destination))
+                            name, g, members[lo:hi], where[lo:hi], edges, destination))
+                    # groups sorted by output (stable: file order within one), and where
+                    # each output's run begins
+                    order = np.argsort(low, kind="stable")
+                    cuts = np.searchsorted(low[order], np.arange(-1, after + 1))
+                    plan.append((name, grouping, order, cuts))
 
     def frames_for(self, start: int, stop: int, last: bool = True
                    ) -> list[tuple[int, bytes]]:
         """The metadata frames of the output holding source records ``start:stop``.
 
-        Call :meth:`check_outputs` first: a group crossing ``start`` or ``stop`` is
-        left out here (it was refused there).
+        :meth:`check_outputs` must have been given this output's bounds.
 
         Args:
             start (int): The output's first source record.
@@ -408,8 +417,14 @@ class CarriedMetadata:
         Returns:
             ``(kind, payload)`` in input order, then directory order.
         """
+        k = int(np.searchsorted(self._edges, start, side="right")) - 1
+        planned = 0 <= k < len(self._edges) - 1 and \
+            (int(self._edges[k]), int(self._edges[k + 1])) == (start, stop)
+        if not planned and start != stop:  # an empty output takes whole files only
+            raise ValueError(f"{self.name}: records {start}:{stop} are not an output "
+                             f"planned by check_outputs")
         out: list[tuple[int, bytes]] = []
-        for item in self.inputs:
+        for i, item in enumerate(self.inputs):
             end = item.start + item.count
             if item.count == 0:
                 # a file with no records still owns its frames: they go to the output
@@ -419,17 +434,20 @@ class CarriedMetadata:
             elif end <= start or item.start >= stop:
                 continue
             whole = start <= item.start and end <= stop
-            for kind, payload in item.frames:
+            for j, (kind, payload) in enumerate(item.frames):
                 if kind != FRAME_GROUPS:
                     out.append((kind, payload))
                 elif whole:
                     out.append((kind, payload if item.start == start else shift_chunk(
                         payload, item.start - start, item.count, f"{item.path}: groups frame")))
                 else:
-                    chunk = [(name, _subset(g, item.start - start, stop - start,
-                                            keep_empty=item.start >= start))
-                             for name, g in self._groupings(item, payload)]
-                    chunk = [(name, g) for name, g in chunk if g is not None]
+                    chunk = []
+                    for name, grouping, order, cuts in self._plans[i, j]:
+                        # cuts[0] starts the groups before the range: output k is k + 1
+                        chosen = order[cuts[k + 1]:cuts[k + 2]]
+                        if len(chosen) or (len(grouping) == 0 and start <= item.start):
+                            chunk.append((name, _take_groups(grouping, chosen,
+                                                             item.start - start)))
                     if chunk:
                         out.append((kind, encode_groups(chunk)))
         return out
@@ -442,25 +460,21 @@ class CarriedMetadata:
                 and np.any((edges > item.start) & (edges < item.start + item.count))]
 
 
-def _subset(grouping: Grouping, shift: int, size: int, keep_empty: bool) -> Grouping | None:
-    """The groups of ``grouping`` whose members, moved by ``shift``, lie in ``0:size``
-    (renumbered); :obj:`None` when none does (unless ``keep_empty``: an empty grouping
-    is kept once, in the output where its file starts)."""
-    records = grouping.records + shift
-    inside = (records >= 0) & (records < size)
-    starts = grouping.offsets[:-1]
-    keep = np.logical_and.reduceat(inside, starts) if len(grouping) else np.zeros(0, bool)
-    if not keep.any() and not (keep_empty and len(grouping) == 0):
-        return None
-    sizes = np.diff(grouping.offsets)[keep]
-    member = np.repeat(keep, np.diff(grouping.offsets))
-    properties = {key: ([v for v, k in zip(values, keep) if k] if isinstance(values, list)
-                        else np.asarray(values)[keep])
+def _take_groups(grouping: Grouping, chosen: np.ndarray, shift: int) -> Grouping:
+    """Groups ``chosen`` (ascending) of ``grouping``, their records moved by ``shift``;
+    the work is proportional to the groups taken, not to the grouping."""
+    sizes = np.diff(grouping.offsets)[chosen]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    # member positions: each chosen group's run, laid end to end
+    members = (np.arange(offsets[-1], dtype=np.int64)
+               + np.repeat(grouping.offsets[chosen] - offsets[:-1], sizes))
+    roles = grouping.member_roles[members] if len(grouping.member_roles) \
+        else grouping.member_roles
+    properties = {key: ([values[int(g)] for g in chosen] if isinstance(values, list)
+                        else np.asarray(values)[chosen])
                   for key, values in grouping.properties.items()}
-    return Grouping(list(grouping.roles), np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                    records[member].astype(np.int64),
-                    grouping.member_roles[member] if len(grouping.member_roles)
-                    else grouping.member_roles, properties)
+    return Grouping(list(grouping.roles), offsets, grouping.records[members] + shift, roles,
+                    properties)
 
 
 def _split_message(name: str, group: int, records: np.ndarray, outputs: np.ndarray,
