@@ -160,6 +160,10 @@ def test_shards_renumber_groups_and_copy_unknown_frames(tmp_path):
     assert main(["verify", str(out), "-q"]) == 0
     assert _members(_groupings(out)) == _members(_groupings(src))
     assert _others(out) == [[NEWER]] * 3
+    with atp.open(out) as reader:  # the sharded reader serves them in the whole's numbering
+        group = reader.groups["adsorption"][3]  # the second chunk's group, in shard 1
+        assert list(map(int, group.indices.values())) == [6, 4]
+        assert group["adslab"].energy == 6.0 and group.properties["tag"] == "e"
     assert _framed_flags(out) == [True] * 3
     with atp.open(out / "shard_00001.atp") as shard:  # records 4..7, renumbered from 0
         g = merge_chunks([("s", shard.read_metadata(f)) for f in shard.metadata_frames
