@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from pyg_atompack.data.dataset import AtompackDataset
 from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
 from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
+from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
     ResumableSampler,
@@ -230,6 +231,13 @@ class AtompackLoader(StatefulDataLoader):
             unset. (default: :obj:`None`)
         oversize (str, optional): With ``max_atoms``, a molecule larger than the
             budget: ``"error"`` or ``"own_batch"``. (default: :obj:`"error"`)
+        device (torch.device or str, optional): Hand batches out on this device, each
+            copied from pinned memory on a side CUDA stream while the previous step
+            runs (:class:`~pyg_atompack.pyg.device.DeviceFeeder`); resuming stays exact.
+            (default: :obj:`None`, batches stay on the CPU)
+        device_transform (Callable, optional): Applied to each batch on the device, on
+            the side stream, e.g. ``InteractionGraph.transform()`` to build its
+            neighbour graph there. (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
@@ -251,8 +259,11 @@ class AtompackLoader(StatefulDataLoader):
         seed: int | None = None,
         max_atoms: int | None = None,
         oversize: str = "error",
+        device: torch.device | str | None = None,
+        device_transform: Callable[[Batch], Batch] | None = None,
         **kwargs: Any,
     ) -> None:
+        self.device_feed = DeviceFeed.of(device, device_transform)
         if not isinstance(dataset, (AtompackDataset, AtompackGroupDataset)):
             raise TypeError(
                 "AtompackLoader needs an AtompackDataset or an AtompackGroupDataset, got "
@@ -308,6 +319,11 @@ class AtompackLoader(StatefulDataLoader):
         return self.num_workers == 0 and not self.pin_memory
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.device_feed is not None:
+            return self.device_feed.wrap(self._cpu_batches(), snapshot=self._loader_state)
+        return self._cpu_batches()
+
+    def _cpu_batches(self) -> Iterator[Batch]:
         if self._in_process():
             # In-process loading needs none of the iterator machinery of
             # DataLoader (profiler scopes, worker bookkeeping: ~15 us a batch,
@@ -365,6 +381,11 @@ class AtompackLoader(StatefulDataLoader):
         Returns:
             dict: The state, for :meth:`load_state_dict`.
         """
+        if self.device_feed is not None:  # not the state of the batch drawn ahead
+            return self.device_feed.state(self._loader_state)
+        return self._loader_state()
+
+    def _loader_state(self) -> dict[str, Any]:
         if self._in_process():
             batches = self._in_process_batches
             state = {"batch_sampler": None if batches is None else batches.state_dict(),
@@ -384,6 +405,8 @@ class AtompackLoader(StatefulDataLoader):
             ValueError: If the state was taken with a different ``num_workers``.
         """
         state = check_loader_state(state_dict, self.num_workers)
+        if self.device_feed is not None:
+            self.device_feed.reset()
         if self._in_process():
             self._in_process_resume = state
         elif self._load_finished_pass(finished_workers_state(state)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -292,6 +292,11 @@ class StatefulLoader(StatefulDataLoader):
             vectors. (default: :obj:`None`)
         exclude_keys (list[str], optional): Attributes to leave out of batches.
             (default: :obj:`None`)
+        device (torch.device or str, optional): Hand batches out on this device, copied
+            one step ahead on a side CUDA stream (:class:`~pyg_atompack.pyg.device.DeviceFeeder`);
+            resuming stays exact. (default: :obj:`None`)
+        device_transform (Callable, optional): Applied to each batch on the device, e.g.
+            ``InteractionGraph.transform()``. (default: :obj:`None`)
         **kwargs (optional): Further arguments of ``StatefulDataLoader``
             (``num_workers``, ``sampler``, ``drop_last``, ``snapshot_every_n_steps``,
             ...).
@@ -299,9 +304,14 @@ class StatefulLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False,
                  seed: int = 0, follow_batch: Sequence[str] | None = None,
-                 exclude_keys: Sequence[str] | None = None, **kwargs: Any) -> None:
+                 exclude_keys: Sequence[str] | None = None,
+                 device: torch.device | str | None = None,
+                 device_transform: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         from torch_geometric.loader.dataloader import Collater
 
+        from pyg_atompack.pyg.device import DeviceFeed
+
+        self.device_feed = DeviceFeed.of(device, device_transform)
         if "collate_fn" in kwargs:
             raise TypeError("StatefulLoader does not accept 'collate_fn': it collates the "
                             "PyG way")
@@ -331,13 +341,23 @@ class StatefulLoader(StatefulDataLoader):
         if hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
 
+    def __iter__(self) -> Iterator[Any]:
+        if self.device_feed is None:
+            return super().__iter__()
+        return self.device_feed.wrap(super().__iter__(), snapshot=self._loader_state)
+
+    def _loader_state(self) -> dict[str, Any]:
+        return wrap_loader_state(super().state_dict(), self.num_workers)
+
     def state_dict(self) -> dict[str, Any]:
         """The position of the current iteration, including every worker's.
 
         Returns:
             dict: The state, tagged with the number of workers.
         """
-        return wrap_loader_state(super().state_dict(), self.num_workers)
+        if self.device_feed is not None:  # not the state of the batch drawn ahead
+            return self.device_feed.state(self._loader_state)
+        return self._loader_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next iteration continue where the saved one stopped.
@@ -348,6 +368,8 @@ class StatefulLoader(StatefulDataLoader):
         Raises:
             ValueError: If the state was taken with a different ``num_workers``.
         """
+        if self.device_feed is not None:
+            self.device_feed.reset()
         state = check_loader_state(state_dict, self.num_workers)
         finished = finished_workers_state(state) if self.num_workers > 0 else None
         if finished is not None and hasattr(self.sampler, "load_state_dict"):

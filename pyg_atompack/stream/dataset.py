@@ -20,8 +20,10 @@ from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
 from pyg_atompack.pyg.budget import check_budget, group_by_atoms
+from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
+from pyg_atompack.stream.autotune import attach, check_memory_budget, stream_tuner
 from pyg_atompack.stream.blocks import (
     DEFAULT_BLOCK_BYTES,
     BlockLoader,
@@ -260,6 +262,20 @@ class ShardStreamDataset(IterableDataset):
         oversize (str, optional): With ``max_atoms``, a sample larger than the budget:
             ``"error"`` (:class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming the
             shard and sample) or ``"own_batch"``. (default: :obj:`"error"`)
+        memory_budget (int, optional): Bytes this rank's live shards may take; turns on
+            tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
+            runs, from measured download and consumption times, more connections while
+            downloads are the bottleneck and less prefetch when memory is short
+            (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
+            ``autotune``). :obj:`None` keeps ``prefetch`` and ``concurrency`` as given.
+            (default: :obj:`None`)
+        device (torch.device or str, optional): Hand items out on this device, each
+            copied one step ahead on a side CUDA stream
+            (:class:`~pyg_atompack.pyg.device.DeviceFeeder`; ``state_dict`` stays exact).
+            Iterating in the main process only: behind DataLoader workers pass
+            ``device=`` to :class:`~pyg_atompack.StatefulLoader`. (default: :obj:`None`)
+        device_transform (Callable, optional): Applied to each item on the device, e.g.
+            ``InteractionGraph.transform()``. (default: :obj:`None`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -277,7 +293,9 @@ class ShardStreamDataset(IterableDataset):
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
                  verify_before_use: bool | str = "records", max_atoms: int | None = None,
-                 oversize: str = "error"):
+                 oversize: str = "error", memory_budget: int | None = None,
+                 device: torch.device | str | None = None,
+                 device_transform: Callable[[BaseData], BaseData] | None = None):
         super().__init__()
         if max_atoms is not None:
             check_budget(max_atoms, oversize)
@@ -336,6 +354,9 @@ class ShardStreamDataset(IterableDataset):
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.wait_clock = wait_clock
+        self.device_feed = DeviceFeed.of(device, device_transform)
+        check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -408,6 +429,11 @@ class ShardStreamDataset(IterableDataset):
         Returns:
             The state, to pass to :meth:`load_state_dict`.
         """
+        if self.device_feed is not None and get_worker_info() is None:
+            return self.device_feed.state(self._state)  # not the item drawn ahead
+        return self._state()
+
+    def _state(self) -> dict:
         progress = self._progress or StreamProgress(self.epoch, self.slot())
         return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
                 "block_bytes": self.block_bytes if self.blocks is not None else None}
@@ -429,6 +455,8 @@ class ShardStreamDataset(IterableDataset):
                              f"(block_bytes {state.get('block_bytes')}, now {blocks})")
         self._resume = StreamProgress.from_state(state)
         self.epoch = self._resume.epoch
+        if self.device_feed is not None:
+            self.device_feed.reset()
 
     def _start_progress(self, slot: StreamSlot) -> StreamProgress:
         resume, self._resume = self._resume, None
@@ -443,6 +471,10 @@ class ShardStreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[BaseData]:
         slot = self.slot()
         if get_worker_info() is not None:
+            if self.device_feed is not None:
+                raise ValueError("ShardStreamDataset(device=...) hands items out on a device "
+                                 "in the main process; behind DataLoader workers pass "
+                                 "device= to the loader (pyg_atompack.StatefulLoader)")
             install_handoff()  # batches leave this worker as one buffer each
         plan = self.plan(slot)
         progress = self._start_progress(slot)
@@ -462,6 +494,8 @@ class ShardStreamDataset(IterableDataset):
         samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
+        if self.device_feed is not None:
+            return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
 
     def _start_prefetcher(self, plan: StreamPlan | BlockPlan, slot: StreamSlot,
@@ -477,16 +511,21 @@ class ShardStreamDataset(IterableDataset):
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency, slot)
+        tuner = recorder.tuner = stream_tuner(
+            self.memory_budget, [self.block_bytes] if isinstance(plan, BlockPlan)
+            else [self.shards[number].size for number in plan.shards], slot.num_workers)
+        if tuner is not None:  # settings chosen by measurement from here on
+            prefetch, concurrency = tuner.start()
         # a download takes the free connections it can use (Prefetcher)
         budget = concurrency if self.split_shards else 1
         first = jobs[0] if jobs else None
         if isinstance(plan, BlockPlan):
             block_parts = loader.connections(budget)
-            return Prefetcher(
+            return attach(tuner, Prefetcher(
                 jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
                                                              parts=lease.connections,
                                                              downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts)
+                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts))
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
         # one, or all; a download keeps its connections until it ends. "First" is the
         # epoch's first shard of this slot, not the first left after a resume: whether a
@@ -504,13 +543,13 @@ class ShardStreamDataset(IterableDataset):
                 return concurrency
             return loader.connections(job[1], budget)
 
-        return Prefetcher(
+        return attach(tuner, Prefetcher(
             jobs, lambda job, cancel, lease: loader.load(
                 *job, cancel, recorder, parts=min(lease.connections, budget),
                 arriving=every or (arriving and job is opening), downloaded=lease.release),
             depth=prefetch, concurrency=concurrency, connections=connections,
             settled=_download_ended if arriving or every else None,
-        )
+        ))
 
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder, prefetcher: Prefetcher,
@@ -650,11 +689,16 @@ class ShardStreamDataset(IterableDataset):
             A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
             overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``,
             the consumer's ``steps, step_wait_s, step_s, wait_share, wait_clock``,
-            plus ``epoch``, ``prefetch`` and ``concurrency``.
+            plus ``epoch``, ``prefetch`` and ``concurrency`` (as given), and ``autotune``
+            (with ``memory_budget``: the budget, the settings chosen and every decision
+            with its reason; one per DataLoader worker; :obj:`None` without a budget).
         """
-        summary = summarize(merge_traces(self._snapshots()))
+        snapshots = self._snapshots()
+        summary = summarize(merge_traces(snapshots))
+        tuned = [s["autotune"] for s in snapshots if s.get("autotune")]
         return {**summary, "epoch": self.epoch, "prefetch": self.prefetch,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency,
+                "autotune": (tuned[0] if len(tuned) == 1 else tuned) or None}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.source!r}, shards={len(self.shards)}, "
