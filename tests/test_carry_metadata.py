@@ -189,9 +189,23 @@ def test_damaged_groups_frame_names_the_file(tmp_path):
     db.add_metadata(3, struct.pack("<II", 1, 1) + b"\xff" * 3)
     db.flush()
     db.close()
-    with pytest.raises(ConvertError, match=r"bad\.atp.*groups"):
+    with pytest.raises(ConvertError, match=r"bad\.atp: groups frame: truncated") as info:
         convert(src, tmp_path / "out.atp")
+    assert str(info.value).count("bad.atp") == 1
     assert not (tmp_path / "out.atp").exists()
+
+
+def test_damaged_unknown_frame_names_the_file(tmp_path):
+    src = _source(tmp_path / "src.atp", framed=True)
+    with atp.open(src) as reader:
+        at = next(f for f in reader.metadata_frames if f.kind == 99).offset
+    data = bytearray(src.read_bytes())
+    data[at] ^= 1
+    src.write_bytes(data)
+    with pytest.raises(ConvertError, match=r"src\.atp: metadata frame of kind 99 at byte "
+                                           rf"{at}: CRC-32 mismatch"):
+        convert(src, tmp_path / "out", write_options=WriteOptions(shard_size=4))
+    assert not (tmp_path / "out").exists()
 
 
 def test_shards_merged_into_one_file_shift_groups(tmp_path):
@@ -244,8 +258,8 @@ def test_part_with_a_group_across_parts_is_refused(tmp_path):
     db.add_groups("pair", [[1, 6]])
     db.flush()
     db.close()
-    with pytest.raises(ConvertError, match=r"src\.atp.*source record 6 \(outside the "
-                                           r"records converted\)"):
+    with pytest.raises(ConvertError, match=r"src\.atp.*source record 6 \(in another "
+                                           r"part"):
         convert(src, tmp_path / "p0", write_options=WriteOptions(shard_size=4),
                 part=Part(0, 2))
 

@@ -338,7 +338,7 @@ class CarriedMetadata:
                     frames = [(f.kind, bytes(shard.read_metadata(f)))
                               for f in shard.metadata_frames]
                 except atp.AtpError as exc:
-                    raise ConvertError(shard.path, str(exc)) from exc
+                    raise ConvertError(shard.path, _unnamed(exc, shard.path)) from exc
                 inputs.append(_Input(str(shard.path), start, len(shard), frames))
                 framed = framed or bool(shard.header.framed)
                 start += len(shard)
@@ -357,7 +357,7 @@ class CarriedMetadata:
         try:
             return decode_groups(payload, item.count, f"{item.path}: groups frame")
         except atp.AtpError as exc:
-            raise ConvertError(item.path, str(exc)) from exc
+            raise ConvertError(item.path, _unnamed(exc, item.path)) from exc
 
     def check_outputs(self, bounds: list[int], destination: str | os.PathLike) -> None:
         """Refuse groups that would straddle two outputs, and plan where each group goes.
@@ -477,10 +477,16 @@ def _take_groups(grouping: Grouping, chosen: np.ndarray, shift: int) -> Grouping
                     properties)
 
 
+def _unnamed(exc: BaseException, path: str) -> str:
+    """The format layer's message without its leading file name (ConvertError adds it)."""
+    text = str(exc)
+    return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
+
+
 def _split_message(name: str, group: int, records: np.ndarray, outputs: np.ndarray,
                    edges: np.ndarray, destination: str | os.PathLike) -> str:
     last = len(edges) - 1
-    places = ["outside the records converted" if o < 0 or o >= last
+    places = ["in another part: outside the records this --part converts" if o < 0 or o >= last
               else f"the shard of source records {int(edges[o])}..{int(edges[o + 1]) - 1}"
               for o in outputs]
     members = ", ".join(f"source record {int(r)} ({p})" for r, p in zip(records, places))
