@@ -184,7 +184,7 @@ def test_breaking_out_cancels_in_flight_downloads_promptly(tmp_path):
             server.add_fault(name, "stall")  # would hold the connection for 30 s
         dataset = ShardStreamDataset(
             HTTPSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60)),
-            prefetch=3, concurrency=3)
+            prefetch=3, concurrency=3, retrieval="threads")  # threads in this process
         iterator = iter(dataset)
         next(iterator)
         time.sleep(0.2)  # downloads of shards 1-3 are now in flight, two of them stalled
@@ -254,7 +254,8 @@ def test_downloads_start_at_iter_and_stop_when_the_iterator_is_dropped(tmp_path)
         return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
 
     for server in serve_directory(tmp_path):
-        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json")), prefetch=1)
+        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json")), prefetch=1,
+                                     retrieval="threads")  # threads in this process
         samples = iter(dataset)  # a DataLoader worker calls iter() well before next()
         deadline = time.monotonic() + 30
         while not any(e.path.endswith(".pt") for e in server.requests):

@@ -55,7 +55,7 @@ from torch_geometric.data import Batch, Data, HeteroData
 
 from pyg_atompack.pyg.arena import Arena, find_arena
 
-__all__ = ["ARENA_MIN_BYTES", "INLINE_BYTES", "install", "install_in_worker", "pack_shared",
+__all__ = ["ARENA_MIN_BYTES", "INLINE_BYTES", "install", "install_in_worker", "pack", "pack_shared",
            "reduce_packed", "use_arena"]
 
 #: Largest packed buffer sent inside the pickle; bigger ones go as one shared-memory tensor.
@@ -108,8 +108,10 @@ class _Collector(pickle.Pickler):
         return number
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Batch) and type(obj) is _BATCH_CLASSES.get(type(obj).__bases__[-1]):
-            return _new_batch, (type(obj).__bases__[-1],), obj.__dict__.copy()
+        if isinstance(obj, Batch):
+            bases = type(obj).__bases__
+            if len(bases) == 2 and bases[0] is Batch and type(obj) is _batch_class(bases[1]):
+                return _new_batch, (bases[1],), obj.__dict__.copy()
         return NotImplemented
 
 
@@ -203,16 +205,20 @@ def _new_batch(base_class: type) -> Any:
     return object.__new__(_batch_class(base_class))
 
 
-def reduce_packed(obj: Any) -> tuple:
-    """``ForkingPickler`` reducer sending ``obj`` with all its tensors in one buffer.
+def pack(obj: Any, share: bool = True) -> tuple | None:
+    """``obj`` with all its tensors in one buffer, as a rebuild function and its arguments.
 
     Args:
-        obj (Any): A ``Data``, ``HeteroData`` or ``Batch`` (any picklable object works).
+        obj (Any): Any picklable object (a ``Data``, ``Batch``, a dict of tensors, ...).
+        share (bool, optional): Send a buffer above :data:`INLINE_BYTES` (without an
+            arena) as a torch shared-memory tensor, which the receiver maps while this
+            process lives; :obj:`False` keeps it in the arguments as bytes.
+            (default: :obj:`True`)
 
     Returns:
-        A reduce tuple: the rebuild function and its arguments (the buffer inline up to
-        :data:`INLINE_BYTES`, else as one shared-memory tensor), or the object's default
-        reduction when it cannot be packed (see the module docstring).
+        ``(rebuild, args)``: the buffer in this process's arena (:func:`use_arena`), in
+        the arguments, or shared; :obj:`None` when ``obj`` cannot be packed (see the
+        module docstring).
     """
     file = io.BytesIO()
     collector = _Collector(file)
@@ -220,13 +226,13 @@ def reduce_packed(obj: Any) -> tuple:
         collector.dump(obj)
         _check_no_overlap(collector.tensors)
     except (_Unpackable, pickle.PicklingError, TypeError, AttributeError):
-        return obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return None
     tensors = collector.tensors
     specs, total = _layout(tensors)
     shared = pack_shared(tensors, specs, total, file.getvalue())
     if shared is not None:
         return shared
-    if total <= INLINE_BYTES:
+    if total <= INLINE_BYTES or not share:
         raw = bytearray(total)
         if total:
             _fill(torch.frombuffer(raw, dtype=torch.uint8), tensors, specs)
@@ -234,6 +240,20 @@ def reduce_packed(obj: Any) -> tuple:
     buffer = torch.empty(total, dtype=torch.uint8)
     _fill(buffer, tensors, specs)
     return _rebuild_packed, (buffer.share_memory_(), file.getvalue(), specs)
+
+
+def reduce_packed(obj: Any) -> tuple:
+    """``ForkingPickler`` reducer sending ``obj`` with all its tensors in one buffer.
+
+    Args:
+        obj (Any): A ``Data``, ``HeteroData`` or ``Batch`` (any picklable object works).
+
+    Returns:
+        A reduce tuple: :func:`pack`'s, or the object's default reduction when it
+        cannot be packed (see the module docstring).
+    """
+    packed = pack(obj)
+    return packed if packed is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
 
 _BATCH_CLASSES: dict[type, type] = {}  # Data / HeteroData -> PyG's Batch class of it

@@ -32,6 +32,7 @@ from pyg_atompack.stream.blocks import (
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
+from pyg_atompack.stream.offproc import RETRIEVAL_CHOICES, iterate_in_child, use_child_process
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import StreamProgress
@@ -248,6 +249,16 @@ class ShardStreamDataset(IterableDataset):
             the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
             is initialised in the consuming process when iteration starts, else the
             wall clock. (default: :obj:`"auto"`)
+        retrieval (str, optional): Where an iteration retrieves, decodes and batches:
+            ``"threads"``, on background threads of the iterating process;
+            ``"process"``, in a child process forked when iteration starts, which
+            hands finished items over through shared memory
+            (:mod:`pyg_atompack.stream.offproc`), so that none of that work needs the
+            consumer's GIL (a training loop driving a GPU holds it nearly all the
+            time); ``"auto"``, ``"process"`` when iterating in a main process (not a
+            DataLoader worker) on Linux with ``prefetch >= 1``, else ``"threads"``.
+            With a child process, items must be picklable and ``transform`` runs in
+            the child, on the CPU. (default: :obj:`"auto"`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -264,7 +275,7 @@ class ShardStreamDataset(IterableDataset):
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records"):
+                 verify_before_use: bool | str = "records", retrieval: str = "auto"):
         super().__init__()
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
@@ -280,6 +291,8 @@ class ShardStreamDataset(IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         check_wait_clock(wait_clock)
+        if retrieval not in RETRIEVAL_CHOICES:
+            raise ValueError(f"retrieval must be one of {RETRIEVAL_CHOICES}, got {retrieval!r}")
         if wait_clock == "cuda" and not torch.cuda.is_available():
             raise ValueError("wait_clock='cuda' needs a CUDA device; torch sees none")
         if isinstance(source, (str, os.PathLike)):
@@ -318,6 +331,7 @@ class ShardStreamDataset(IterableDataset):
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.wait_clock = wait_clock
+        self.retrieval = retrieval
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -423,6 +437,11 @@ class ShardStreamDataset(IterableDataset):
 
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BaseData]:
+        if use_child_process(self.retrieval, self.prefetch, get_worker_info() is not None):
+            return iterate_in_child(self)  # the loop below, in a child process
+        return self._iterate_here()
+
+    def _iterate_here(self) -> Iterator[BaseData]:
         slot = self.slot()
         if get_worker_info() is not None:
             install_handoff()  # batches leave this worker as one buffer each
