@@ -15,9 +15,9 @@ thread only receives finished items:
   The consumer unpickles the message and rebuilds the item as views of the arena's
   chunks (~0.1 ms for a batch of 32 molecules); the chunks go back to the child when the
   item dies. No thread of the consumer's process takes part: it receives on ``next()``.
-* **Bound.** At most :data:`AHEAD_ITEMS` items are built ahead of the consumer (a
-  semaphore the consumer releases per item received), on top of the stream's own
-  ``prefetch + 1`` decoded shards in the child.
+* **Bound.** At most :data:`AHEAD_ITEMS` batches (:data:`AHEAD_SAMPLES` samples) are
+  built ahead of the consumer (a semaphore the consumer releases per item received),
+  on top of the stream's own ``prefetch + 1`` decoded shards in the child.
 * **Order and resume.** The child runs the stream of the same (rank, worker) slot, so
   items and their order are those of in-process iteration. Every message carries the
   samples the item hands out (and the shards it completes); the consumer's process
@@ -30,9 +30,11 @@ thread only receives finished items:
   and raised in the consumer as it is (it names the shard); a child that dies raises
   :class:`~pyg_atompack.stream.errors.RetrievalProcessError` naming its exit status.
   Closing the iteration (end, ``break``, an exception, the iterator garbage-collected)
-  stops the child, waits up to :data:`STOP_WAIT_S` for it and kills it after that; the
-  child also dies with the consumer's thread (``PR_SET_PDEATHSIG``) and leaves when its
-  parent is gone. Nothing is named in ``/dev/shm``: the arena is anonymous memory.
+  stops the child: a watcher thread in it sends the trace so far and ends the process
+  at once, wherever its stream waits (a download in flight included); the consumer waits
+  up to :data:`STOP_WAIT_S` for that and kills the child after. The watcher also ends
+  the child within :data:`WATCH_S` of its parent's death. Nothing is named in
+  ``/dev/shm``: the arena is anonymous memory.
 
 Used where :func:`use_child_process` says so (the ``retrieval`` setting of
 ``ShardStreamDataset``): by default when the stream is iterated in a main process (not
@@ -44,11 +46,11 @@ in the child, on the CPU.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -69,15 +71,18 @@ if TYPE_CHECKING:
 
 #: Values of ``ShardStreamDataset(retrieval=)``.
 RETRIEVAL_CHOICES = ("auto", "process", "threads")
-#: Items the child builds ahead of the consumer.
+#: Batches the child builds ahead of the consumer.
 AHEAD_ITEMS = 8
+#: Samples it builds ahead when the stream yields samples.
+AHEAD_SAMPLES = 64
 #: Address space of the child's arena (only the chunks in use become resident).
 ARENA_BYTES = 256 << 20
 #: Seconds a closing iteration waits for the child to stop before killing it.
 STOP_WAIT_S = 2.0
+#: How often the child checks that its parent is alive.
+WATCH_S = 1.0
 
 _ITEM, _END, _ERROR, _LOG = b"I", b"E", b"X", b"L"
-_PR_SET_PDEATHSIG = 1
 
 
 def use_child_process(retrieval: str, prefetch: int, in_worker: bool) -> bool:
@@ -119,14 +124,6 @@ class _LoggedProgress(StreamProgress):
     def mark_complete(self, position: int) -> None:
         super().mark_complete(position)
         self.log.append((position, None))
-
-
-def _die_with_parent_thread() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # best effort; the getppid check remains
-        pass
 
 
 def _trace_state(dataset: ShardStreamDataset) -> dict | None:
@@ -180,14 +177,33 @@ def _pack_item(marks: list, item: Any) -> bytes:
     return pickle.dumps((marks, packed, None), pickle.HIGHEST_PROTOCOL)
 
 
-def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any, stop: Any,
-                arena: Arena, parent: int) -> None:
+def _watch(dataset: ShardStreamDataset, sender: _Sender, stop: int, stopping: threading.Event,
+           parent: int) -> None:
+    # a stop or the parent's death ends the child at once, wherever its stream waits (a
+    # download in flight included): the trace so far goes first, then the process. (A
+    # pipe, not a multiprocessing.Event: setting one waits for every process that waited
+    # on it to wake, and a child that exited mid-wait never does.)
+    while not select.select([stop], [], [], WATCH_S)[0]:
+        if os.getppid() != parent:
+            os._exit(0)
+    stopping.set()
+    with contextlib.suppress(OSError):
+        sender.send(_END, pickle.dumps((False, _trace_state(dataset))))
+    os._exit(0)
+
+
+def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
+                stop_pipe: tuple[int, int], arena: Arena, parent: int) -> None:
     """The child: iterate the stream here and send every item to the parent."""
-    _die_with_parent_thread()
     use_arena(arena)  # large buffers go into the shared arena
     sender = _Sender(connection)
     logger = logging.getLogger("pyg_atompack")
     logger.handlers, logger.propagate = [_ForwardLogs(sender)], False  # logged by the parent
+    stop, writer = stop_pipe
+    os.close(writer)
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(dataset, sender, stop, stopping, parent),
+                     daemon=True, name="pyg_atompack-stream-watch").start()
     iterator = None
     try:
         iterator = dataset._iterate_here()
@@ -196,11 +212,11 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any, stop: 
         progress.log = []
         for item in iterator:
             while not ahead.acquire(timeout=0.25):  # the consumer is AHEAD_ITEMS behind
-                if stop.is_set():
+                if stopping.is_set():
                     break
                 if os.getppid() != parent:  # orphaned: nobody will read
                     return
-            if stop.is_set():
+            if stopping.is_set():
                 break
             marks, progress.log = progress.log, []
             message = _pack_item(marks, item)
@@ -209,7 +225,7 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any, stop: 
         else:
             iterator = None  # ran to its end (its finally has run)
     except BaseException as error:  # noqa: BLE001 - every failure goes to the consumer
-        if stop.is_set():
+        if stopping.is_set():
             return
         with contextlib.suppress(OSError):
             sender.send(_ERROR, _pickled_error(error))
@@ -263,14 +279,16 @@ class ChildStream:
         self.name = repr(dataset)
         self.arena = Arena(ARENA_BYTES)
         self._receive, send = context.Pipe(duplex=False)
-        self._ahead = context.Semaphore(AHEAD_ITEMS)
-        self._stop = context.Event()
+        # batches are bounded by bytes, samples (much smaller) by the consumer's pace
+        self._ahead = context.Semaphore(AHEAD_ITEMS if dataset.batch_size else AHEAD_SAMPLES)
+        self._stop = os.pipe()  # the parent writes a byte to stop the child
         self.process = context.Process(
             target=_child_main, name="pyg_atompack-stream",
             args=(dataset, send, self._ahead, self._stop, self.arena, os.getpid()),
             daemon=True)
         self.process.start()
         send.close()  # the child holds the only writer: its death reads as end of file
+        os.close(self._stop[0])
         self.finished = False
         self.trace: dict | None = None
         self._closed = False
@@ -313,7 +331,9 @@ class ChildStream:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._stop[1], b"x")
+        os.close(self._stop[1])
         self._ahead.release()  # wake it if it waits for room
         deadline = time.monotonic() + STOP_WAIT_S
         try:
