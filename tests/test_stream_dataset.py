@@ -166,7 +166,10 @@ def test_state_dict_rejects_other_settings(server):
 
 @pytest.mark.parametrize(("prefetch", "concurrency"), [(0, 1), (1, 1), (2, 2), (3, 3)])
 def test_live_shard_bound_is_never_exceeded(server, prefetch, concurrency):
-    dataset = ShardStreamDataset(_source(server), prefetch=prefetch, concurrency=concurrency)
+    # threads: the consumer below is the one the prefetcher runs ahead of (a retrieval
+    # process builds items ahead of it, and its own consumer is fast)
+    dataset = ShardStreamDataset(_source(server), prefetch=prefetch, concurrency=concurrency,
+                                 retrieval="threads")
     for _ in dataset:
         time.sleep(0.003)  # a slow consumer lets the prefetcher run as far ahead as allowed
     stats = dataset.stats()
