@@ -15,6 +15,14 @@ thread only receives finished items:
   The consumer unpickles the message and rebuilds the item as views of the arena's
   chunks (~0.1 ms for a batch of 32 molecules); the chunks go back to the child when the
   item dies. No thread of the consumer's process takes part: it receives on ``next()``.
+* **Depth.** The child's prefetcher runs one shard deeper than ``prefetch``: its own
+  consumer (the loop that builds items) is done with a shard once the shard's items are
+  built, and with one job slot more a shard downloads while the previous one decodes
+  (the prefetcher has a thread more than connections). With one connection, downloads
+  then follow each other without a gap (``benchmarks/stream_overlap.py --consumer gil``
+  at D/C = 1: the consumer no longer waits at every shard's start). The cost: up to
+  ``prefetch + 2`` decoded shards in the child (one more than in-process) while the
+  consumer is slower than retrieval.
 * **Bound.** At most :data:`AHEAD_ITEMS` batches (:data:`AHEAD_SAMPLES` samples) are
   built ahead of the consumer (a semaphore the consumer releases per item received),
   on top of the stream's own ``prefetch + 1`` decoded shards in the child.
@@ -205,6 +213,10 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
     threading.Thread(target=_watch, args=(dataset, sender, stop, stopping, parent),
                      daemon=True, name="pyg_atompack-stream-watch").start()
     iterator = None
+    # the shard being batched here is released once its items are built (the consumer
+    # holds packed items, not the shard): one more shard may download while the next
+    # one decodes, which one connection needs to keep downloading (see the module doc)
+    dataset.prefetch += 1
     try:
         iterator = dataset._iterate_here()
         progress = dataset._progress
