@@ -292,7 +292,8 @@ class ChildStream:
         self.arena = Arena(ARENA_BYTES)
         self._receive, send = context.Pipe(duplex=False)
         # batches are bounded by bytes, samples (much smaller) by the consumer's pace
-        self._ahead = context.Semaphore(AHEAD_ITEMS if dataset.batch_size else AHEAD_SAMPLES)
+        batches = dataset.batch_size is not None or dataset.max_atoms is not None
+        self._ahead = context.Semaphore(AHEAD_ITEMS if batches else AHEAD_SAMPLES)
         self._stop = os.pipe()  # the parent writes a byte to stop the child
         self.process = context.Process(
             target=_child_main, name="pyg_atompack-stream",
