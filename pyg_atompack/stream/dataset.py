@@ -82,8 +82,11 @@ class ShardStreamDataset(IterableDataset):
     r"""Stream ``.pt`` / ``.atp`` shards from a :class:`~pyg_atompack.stream.Source` as PyG data.
 
     Shards are downloaded and deserialised ahead of the consumer on background threads,
-    so the retrieval of shard ``i + 1`` overlaps training on shard ``i``. Memory stays
-    bounded by shard size: at most ``prefetch + 1`` decoded shards are alive, and a
+    so the retrieval of shard ``i + 1`` overlaps training on shard ``i``; by default
+    (``retrieval="auto"``) those threads and the batching run in a child process, off
+    the consumer's GIL (:mod:`pyg_atompack.stream.offproc`). Memory stays
+    bounded by shard size: at most ``prefetch + 1`` decoded shards are alive (one more
+    in a retrieval process, plus the items it has built ahead), and a
     shard's bytes are held once: either as the storage a lazily decoded shard reads its
     samples from (``.atp`` shards, ``.pt`` lists of ``Data``), or until it is unpickled.
     Downloads of known size go to anonymous memory maps that are unmapped the moment a
