@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 from torch_geometric.data import Batch, Data, HeteroData
@@ -153,11 +154,25 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple], int]:
 
 
 def _fill(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequence[tuple]) -> None:
+    # numpy copies a plain contiguous tensor in ~3 us against ~8 us for the torch calls
+    # (17 tensors a Batch); conjugated, negated or strided ones, and dtypes numpy lacks
+    # (bfloat16), take the torch path
+    target = buffer.numpy()
     for tensor, (offset, size, _, _, _) in zip(tensors, specs):
-        if size:
-            start = offset * tensor.element_size()
-            flat = tensor.resolve_conj().resolve_neg().reshape(-1)
-            buffer[start:start + size].copy_(flat.view(torch.uint8))
+        if not size:
+            continue
+        start = offset * tensor.element_size()
+        if (tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+                and tensor.dtype in _NUMPY_DTYPES):
+            target[start:start + size] = tensor.numpy().reshape(-1).view(np.uint8)
+            continue
+        flat = tensor.resolve_conj().resolve_neg().reshape(-1)
+        buffer[start:start + size].copy_(flat.view(torch.uint8))
+
+
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64,
+                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                           torch.complex64, torch.complex128})
 
 
 class _Rebuilder(pickle.Unpickler):
