@@ -142,7 +142,8 @@ def _trace_state(dataset: ShardStreamDataset) -> dict | None:
         records = {position: vars(record).copy()
                    for position, record in recorder._records.items()}
     return {"origin": recorder.origin, "wait_s": recorder.wait_s,
-            "peak_live_shards": recorder.peak_live_shards, "records": records}
+            "peak_live_shards": recorder.peak_live_shards, "records": records,
+            "autotune": None if recorder.tuner is None else recorder.tuner.report()}
 
 
 class _Sender:
@@ -217,6 +218,7 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
     # holds packed items, not the shard): one more shard may download while the next
     # one decodes, which one connection needs to keep downloading (see the module doc)
     dataset.prefetch += 1
+    dataset.device_feed = None  # the parent moves items to the device (CUDA never forks)
     try:
         iterator = dataset._iterate_here()
         progress = dataset._progress
@@ -367,6 +369,16 @@ class ChildStream:
         self._receive.close()
 
 
+class _TunerReport:
+    """The child's autotuner report, standing in for the tuner in this process's trace."""
+
+    def __init__(self, report: dict) -> None:
+        self._report = report
+
+    def report(self) -> dict:
+        return self._report
+
+
 def _merge_child_trace(recorder: TraceRecorder, trace: dict | None) -> None:
     # the child's downloads and decoding, onto the consumer's clock (both monotonic)
     if trace is None:
@@ -380,6 +392,8 @@ def _merge_child_trace(recorder: TraceRecorder, trace: dict | None) -> None:
                 setattr(record, key, fields[key] + shift)
         record.bytes, record.structures = fields["bytes"], fields["structures"]
         record.status = fields["status"]
+    if trace.get("autotune") is not None:  # what the child's tuner chose, for stats()
+        recorder.tuner = _TunerReport(trace["autotune"])
     recorder.wait_s = trace["wait_s"]
     recorder.peak_live_shards = trace["peak_live_shards"]
 
@@ -397,7 +411,8 @@ def iterate_in_child(dataset: ShardStreamDataset) -> Iterator[Any]:
     # the child is forked before the resume state is taken here: both start from it
     channel = ChildStream(dataset)
     try:
-        progress = dataset._start_progress(slot)
+        plan = dataset.plan(slot)
+        progress = dataset._start_progress(slot, plan)
     except BaseException:
         channel.close()
         raise
@@ -406,6 +421,8 @@ def iterate_in_child(dataset: ShardStreamDataset) -> Iterator[Any]:
     dataset._recorder, dataset._progress = recorder, progress
     items = _consume(dataset, channel, progress, recorder)
     weakref.finalize(items, channel.close)
+    if dataset.device_feed is not None:  # items go to the device here, never in the child
+        return dataset.device_feed.wrap(items, snapshot=dataset._state)
     return items
 
 
