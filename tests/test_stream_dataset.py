@@ -223,7 +223,8 @@ def test_trace_records_and_summary(server):
     assert stats["shards"] == len(SIZES) and stats["structures"] == sum(SIZES)
     assert stats["bytes"] == sum(r["bytes"] for r in trace)
     assert stats["io_s"] > 0 and stats["total_s"] >= stats["consume_s"]
-    assert stats["peak_live_shards"] <= 3
+    # prefetch + 1, and one more in the retrieval process the default forks (offproc)
+    assert stats["peak_live_shards"] <= 4
 
 
 def test_transform_and_local_source(server):
