@@ -108,9 +108,10 @@ def child_stream(spec: dict) -> dict:
     source = HTTPSource(spec["url"])
     if spec.get("only"):
         source._shards = tuple(s for s in source.list_shards() if s.name == spec["only"])
+    # threads: the blocks' memory in this process, whose resident set is sampled
     dataset = ShardStreamDataset(source, prefetch=spec["k"], concurrency=spec.get("c", 1),
                                  blocks=spec["blocks"], block_bytes=spec.get("block", 64 * MiB),
-                                 cache_dir=spec["cache"])
+                                 cache_dir=spec["cache"], retrieval="threads")
     opened = time.perf_counter()
     count, first = 0, None
     with PeakSampler(interval=0.005) as rss:

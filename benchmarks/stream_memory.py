@@ -121,14 +121,18 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
         names = names or sorted(p.name for p in Path(folder).glob("*.atp"))
         if warm:
             warm_up = ShardStreamDataset(HTTPSource([f"{base_url}/{names[0]}"]),
-                                         prefetch=prefetch, concurrency=concurrency)
+                                         prefetch=prefetch, concurrency=concurrency,
+                                         retrieval="threads")
             for _ in warm_up:
                 pass
             del warm_up, _
             gc.collect()
             release_free_memory()
         source = HTTPSource([f"{base_url}/{name}" for name in names])
-        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency)
+        # threads: the stream's memory in this process, whose resident set is sampled
+        # (the default would hold the shards in a child process)
+        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
+                                     retrieval="threads")
         baseline = _rss_bytes()
         peak = baseline
         stop = threading.Event()

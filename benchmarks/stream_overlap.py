@@ -14,6 +14,9 @@ starves retrieval threads of it). It is called per sample, or per batch with
 * ``prefetch``: ``ShardStreamDataset(prefetch=k, concurrency=c)`` (the defaults: each
   ``.pt`` list of ``Data`` indexed in place by ``pyg_atompack.pyg.pt_index`` and its
   samples built as the consumer takes them);
+* ``threads`` (with ``--arms``): the ``prefetch`` stream with ``retrieval="threads"``:
+  retrieval, decoding and batching on background threads of the consumer's process
+  instead of the child process the default forks (``pyg_atompack/stream/offproc.py``);
 * ``workers2`` (with ``--arms``): the ``prefetch`` stream inside a ``DataLoader`` with two
   worker processes (``batch_size=None``: the dataset's own samples or batches), whose
   retrieval does not share the consumer's GIL;
@@ -151,7 +154,7 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
                lazy_decode: bool = True, s3_endpoint: str | None = None,
                s3_prefix: str = "shards", blocks: bool | None = None,
                block_bytes: int = 64 << 20, cache_dir: Path | None = None,
-               read_ahead: int = 16, workers: int = 0):
+               read_ahead: int = 16, workers: int = 0, retrieval: str = "auto"):
     if s3_endpoint is None:
         source = HTTPSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
@@ -159,7 +162,8 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                  lazy_decode=lazy_decode, blocks=blocks,
                                  block_bytes=block_bytes, cache_dir=cache_dir,
-                                 read_ahead=read_ahead, batch_size=CONSUMER["batch_size"])
+                                 read_ahead=read_ahead, batch_size=CONSUMER["batch_size"],
+                                 retrieval=retrieval)
     items = dataset
     if workers:  # the dataset's own samples or batches, retrieved in worker processes
         items = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
@@ -421,6 +425,11 @@ def main() -> None:
                             server.base_url, prefetch, concurrency, compute_per_sample,
                             workers=2)
                         traces[variant] = (trace, stats)
+                    elif variant == "threads":
+                        elapsed, growth, trace, stats = run_stream(
+                            server.base_url, prefetch, concurrency, compute_per_sample,
+                            retrieval="threads")
+                        traces[variant] = (trace, stats)
                     elif variant in ("views", "views-inline"):
                         elapsed, growth, trace, stats = run_stream(
                             f"{server.base_url}/views", prefetch, concurrency,
@@ -488,6 +497,9 @@ def main() -> None:
             summaries["ceiling_vs_foldpipe"] = summarize_pairs(times["foldpipe"], ceiling)
         summaries["workers2_vs_sequential"] = pair("sequential", "workers2")
         summaries["workers2_vs_foldpipe"] = pair("foldpipe", "workers2")
+        summaries["threads_vs_sequential"] = pair("sequential", "threads")
+        summaries["threads_vs_foldpipe"] = pair("foldpipe", "threads")
+        summaries["prefetch_vs_threads"] = pair("threads", "prefetch")
         # D/C as the sequential consumer saw it: all it waited for (request, transfer,
         # decoding, batching) over its own compute, per pair
         measured = statistics.median((t - b) / b for t, b in zip(times["sequential"],
@@ -583,6 +595,27 @@ def main() -> None:
             f"{probe['units_gil']} steps beside the GIL-holding consumer (ratio "
             f"{probe['ratio']:.3f}).",
         ]
+    if "threads" in arms:
+        lines += [
+            "",
+            "## Retrieval in a child process (`prefetch`, the default) against threads",
+            "",
+            "`threads`: the `prefetch` stream with `retrieval=\"threads\"` (downloads, "
+            "decoding and batching on background threads of the consumer's process, the "
+            "default before `pyg_atompack/stream/offproc.py`); `prefetch`: the default, "
+            "`retrieval=\"auto\"`, which in a main process on Linux runs them in a child "
+            "process and hands items over through shared memory.",
+            "",
+            "| D/C set | threads vs seq | threads vs FoldPipe | prefetch (child) vs threads "
+            "| wait share (threads) |",
+            "|---|---|---|---|---|",
+        ]
+        for ratio, _, _, _, _, _, summaries, _ in arm_rows:
+            share = details[f"D/C={ratio}"].get("threads_stats", {}).get("wait_share")
+            lines.append(
+                f"| {ratio} | " + " | ".join(fmt_ci(summaries.get(k)) for k in (
+                    "threads_vs_sequential", "threads_vs_foldpipe", "prefetch_vs_threads"))
+                + f" | {'-' if share is None else f'{share:.2f}'} |")
     if "eager" in arms:
         lines += lazy_section(loader_rows)
     if any(row[1] is not None or row[5] is not None for row in view_rows):

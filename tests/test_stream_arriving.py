@@ -369,7 +369,9 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
 
     monkeypatch.setattr(ObjectStoreSource, "read_into", recording)
     monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
-    dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2)
+    # in this process, where the reads are recorded
+    dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2,
+                                 retrieval="threads")
     samples = list(dataset)
     assert sorted(_ids(samples)) == [*range(150), *range(1000, 1150)]
     first = dataset.plan().shards[0]
@@ -429,11 +431,14 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
         hub.commit("org/arriving", files)
         source = HubSource("org/arriving", "data", endpoint=hub.endpoint)
         assert all(shard.sha256 for shard in source.list_shards())  # LFS hashes
-        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=True)
+        # in this process, where the reads are recorded
+        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=True,
+                                     retrieval="threads")
         assert _ids(dataset) == [*range(40), *range(1000, 1040)]
         assert calls == []  # listed hashes: checked whole before any sample
         for choice in ("records", False):
-            dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=choice)
+            dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=choice,
+                                         retrieval="threads")
             assert _ids(dataset) == [*range(40), *range(1000, 1040)]
             assert calls == ["shard-0000.pt"]  # the first shard streamed by range
             calls.clear()

@@ -28,7 +28,9 @@ def test_memory_is_trimmed_once_per_consumed_shard(tmp_path, monkeypatch, prefet
     monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", 1)  # every shard is large
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
-    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=prefetch))
+    # threads: the trims are counted in this process
+    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=prefetch,
+                                      retrieval="threads"))
     assert len(samples) == sum(SIZES)
     # after every shard but the last, the next sample pulled has released it
     assert len(calls) == len(SIZES) - 1
@@ -75,7 +77,8 @@ def test_small_shards_are_trimmed_after_enough_bytes_not_after_each(tmp_path, mo
     monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", int(2.5 * smallest))
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
-    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=1))
+    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=1,
+                                      retrieval="threads"))  # trims counted here
     assert len(samples) == sum(sizes)
     # due after shards 3 and 6 (and run when the next sample is pulled); not after 7
     assert len(calls) == 2

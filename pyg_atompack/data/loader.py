@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from pyg_atompack.data.dataset import AtompackDataset
 from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
+from pyg_atompack.pyg.arena import Arena, arenas_for_children
 from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install_in_worker
@@ -89,6 +90,12 @@ class _BatchFetcher(torch.utils.data.Dataset):
         # Positions -> record indices (view, pre_filter), computed once here
         # instead of once per batch.
         self.records = dataset.record_indices()
+        # one shared-memory arena per worker, set by the loader before it forks them
+        self.arenas: list[Arena] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a spawned worker cannot map the main process's arenas: it sends through pipes
+        return {**self.__dict__, "arenas": None}
 
     @staticmethod
     def _stored(names: AttributeNames | None, attributes: list[str]) -> list[str]:
@@ -111,7 +118,8 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return self.__getitems__(positions)
 
     def __getitems__(self, positions: Sequence[int]) -> Batch:
-        install_in_worker()  # in a DataLoader worker, the batch leaves packed (pyg.handoff)
+        # in a DataLoader worker, the batch leaves packed, through its arena (pyg.handoff)
+        install_in_worker(self.arenas)
         dataset = self.dataset
         if dataset.transform is not None:
             # A transform works on single Data objects, so build them (each
@@ -345,6 +353,12 @@ class AtompackLoader(StatefulDataLoader):
             self._in_process_batches, self._in_process_finished = positions, False
             return self._batches_in_process(positions)
         return super().__iter__()
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers > 0:  # fresh workers are forked: fresh arenas for them
+            self.dataset.arenas = arenas_for_children(self.num_workers,
+                                                      self.multiprocessing_context)
+        return super()._get_iterator()
 
     def _batches_in_process(self, positions: Iterator[list[int]]) -> Iterator[Batch]:
         fetch = self.dataset.__getitems__

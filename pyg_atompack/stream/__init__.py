@@ -4,7 +4,8 @@ Sources (:class:`LocalSource`, :class:`HTTPSource`, :class:`HubSource`,
 :class:`ObjectStoreSource` for ``s3://`` prefixes, or your own :class:`Source`;
 :func:`open_source` picks one from a URL) list shards once and fetch their bytes;
 :class:`ShardStreamDataset`
-prefetches and decodes them on background threads with a bounded working set, splits
+prefetches and decodes them with a bounded working set (in a child process that hands
+items over through shared memory, or on background threads: ``retrieval=``), splits
 them across DataLoader workers and DDP ranks, resumes from a ``state_dict`` and records
 per-shard traces.
 

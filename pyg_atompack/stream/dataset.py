@@ -35,6 +35,7 @@ from pyg_atompack.stream.blocks import (
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
+from pyg_atompack.stream.offproc import RETRIEVAL_CHOICES, iterate_in_child, use_child_process
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import (
@@ -88,8 +89,11 @@ class ShardStreamDataset(IterableDataset):
     r"""Stream ``.pt`` / ``.atp`` shards from a :class:`~pyg_atompack.stream.Source` as PyG data.
 
     Shards are downloaded and deserialised ahead of the consumer on background threads,
-    so the retrieval of shard ``i + 1`` overlaps training on shard ``i``. Memory stays
-    bounded by shard size: at most ``prefetch + 1`` decoded shards are alive, and a
+    so the retrieval of shard ``i + 1`` overlaps training on shard ``i``; by default
+    (``retrieval="auto"``) those threads and the batching run in a child process, off
+    the consumer's GIL (:mod:`pyg_atompack.stream.offproc`). Memory stays
+    bounded by shard size: at most ``prefetch + 1`` decoded shards are alive (one more
+    in a retrieval process, plus the items it has built ahead), and a
     shard's bytes are held once: either as the storage a lazily decoded shard reads its
     samples from (``.atp`` shards, ``.pt`` lists of ``Data``), or until it is unpickled.
     Downloads of known size go to anonymous memory maps that are unmapped the moment a
@@ -281,6 +285,16 @@ class ShardStreamDataset(IterableDataset):
             ``device=`` to :class:`~pyg_atompack.StatefulLoader`. (default: :obj:`None`)
         device_transform (Callable, optional): Applied to each item on the device, e.g.
             ``InteractionGraph.transform()``. (default: :obj:`None`)
+        retrieval (str, optional): Where an iteration retrieves, decodes and batches:
+            ``"threads"``, on background threads of the iterating process;
+            ``"process"``, in a child process forked when iteration starts, which
+            hands finished items over through shared memory
+            (:mod:`pyg_atompack.stream.offproc`), so that none of that work needs the
+            consumer's GIL (a training loop driving a GPU holds it nearly all the
+            time); ``"auto"``, ``"process"`` when iterating in a main process (not a
+            DataLoader worker) on Linux with ``prefetch >= 1``, else ``"threads"``.
+            With a child process, items must be picklable and ``transform`` runs in
+            the child, on the CPU. (default: :obj:`"auto"`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -300,7 +314,8 @@ class ShardStreamDataset(IterableDataset):
                  verify_before_use: bool | str = "records", max_atoms: int | None = None,
                  oversize: str = "error", memory_budget: int | None = None,
                  device: torch.device | str | None = None,
-                 device_transform: Callable[[BaseData], BaseData] | None = None):
+                 device_transform: Callable[[BaseData], BaseData] | None = None,
+                 retrieval: str = "auto"):
         super().__init__()
         if max_atoms is not None:
             check_budget(max_atoms, oversize)
@@ -320,6 +335,8 @@ class ShardStreamDataset(IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
         check_wait_clock(wait_clock)
+        if retrieval not in RETRIEVAL_CHOICES:
+            raise ValueError(f"retrieval must be one of {RETRIEVAL_CHOICES}, got {retrieval!r}")
         if wait_clock == "cuda" and not torch.cuda.is_available():
             raise ValueError("wait_clock='cuda' needs a CUDA device; torch sees none")
         if isinstance(source, (str, os.PathLike)):
@@ -362,6 +379,7 @@ class ShardStreamDataset(IterableDataset):
         self.device_feed = DeviceFeed.of(device, device_transform)
         check_memory_budget(memory_budget)
         self.memory_budget = memory_budget
+        self.retrieval = retrieval
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -526,6 +544,11 @@ class ShardStreamDataset(IterableDataset):
 
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BaseData]:
+        if use_child_process(self.retrieval, self.prefetch, get_worker_info() is not None):
+            return iterate_in_child(self)  # the loop below, in a child process
+        return self._iterate_here()
+
+    def _iterate_here(self) -> Iterator[BaseData]:
         slot = self.slot()
         if get_worker_info() is not None:
             if self.device_feed is not None:

@@ -30,5 +30,9 @@ class UnsafePayloadError(ShardDecodeError):
     """A ``.pt`` shard holds objects that ``torch.load(weights_only=True)`` refuses."""
 
 
+class RetrievalProcessError(StreamError):
+    """The child process that retrieved a stream's shards died or failed unreadably."""
+
+
 class StreamCancelled(StreamError):
     """Raised inside background work when iteration was closed; never reaches users."""

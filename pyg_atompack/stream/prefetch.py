@@ -43,11 +43,12 @@ class Prefetcher(Generic[JobT, ResultT]):
     """Run ``load(job, cancel, lease)`` ahead of the consumer, yielding results in job order.
 
     With ``depth = k > 0``, up to ``k`` jobs beyond the one being consumed are started or
-    finished ahead, on at most ``min(concurrency, k)`` threads. A slot is freed when the
-    consumer takes a result, so at most ``k + 1`` results exist at any time (the ``k``
-    ahead plus the one the consumer holds). With ``depth = 0`` nothing runs in the
-    background: each job is loaded on the consumer's thread when asked for (the
-    sequential baseline).
+    finished ahead, on at most ``min(concurrency + 1, k)`` threads (one more than
+    connections, so that one job can decode while ``concurrency`` others download). A
+    slot is freed when the consumer takes a result, so at most ``k + 1`` results exist
+    at any time (the ``k`` ahead plus the one the consumer holds). With ``depth = 0``
+    nothing runs in the background: each job is loaded on the consumer's thread when
+    asked for (the sequential baseline).
 
     ``concurrency`` also bounds the connections downloads hold at once. A job starts
     when a slot and at least one connection are free, and is leased (:class:`Lease`) as
@@ -112,7 +113,8 @@ class Prefetcher(Generic[JobT, ResultT]):
         #: told ``downloaded(connections, seconds)`` and ``taken(index, wait_s)``
         self.observer: Any = None
         if depth > 0:
-            for number in range(min(concurrency, depth, len(self.jobs))):
+            # one thread more than connections: a job decodes while the next downloads
+            for number in range(min(concurrency + 1, depth, len(self.jobs))):
                 thread = threading.Thread(target=self._work, daemon=True,
                                           name=f"{THREAD_NAME_PREFIX}-{number}")
                 self._threads.append(thread)
