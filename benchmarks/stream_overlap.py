@@ -54,10 +54,11 @@ RSS growth of each run is sampled from ``/proc/self/statm``. Writes
 Run: ``.venv/bin/python benchmarks/stream_overlap.py [--pairs 10] [--quick]
 [--arms sequential,prefetch,s3,s3-whole,s3-blocks] [--out benchmarks/_work/x.md]``
 
-The GIL-bound regime with the defaults a user gets (``prefetch=1, concurrency=1``)::
+The GIL-bound regime with the defaults a user gets (``prefetch=1``, ``concurrency=None``:
+connections chosen by measurement)::
 
     .venv/bin/python benchmarks/stream_overlap.py --consumer gil --samples 128 \
-        --batch-size 32 --compute 0.1 --ratios 1,3 --prefetch 1 --concurrency 1 \
+        --batch-size 32 --compute 0.1 --ratios 1,3 --prefetch 1 --concurrency tuned \
         --arms sequential,prefetch,workers2,foldpipe --pairs 8 \
         --out benchmarks/results/stream_gil.md
 
@@ -341,8 +342,10 @@ def main() -> None:
                         help="comma-separated D/C ratios (default: 0.5,1,3)")
     parser.add_argument("--prefetch", type=int, default=None,
                         help="prefetch of the streaming arms (default: 2, 2, 4 per ratio)")
-    parser.add_argument("--concurrency", type=int, default=None,
-                        help="concurrency of the streaming arms (default: 2, 2, 3 per ratio)")
+    parser.add_argument("--concurrency", default=None,
+                        help="concurrency of the streaming arms: a number, or 'tuned' "
+                             "(concurrency=None, the library's default: chosen by "
+                             "measurement) (default: 2, 2, 3 per ratio)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 3 pairs, 8 shards; with --consumer gil 2 pairs, 4 "
                              "shards, D/C = 1, arms sequential,prefetch,workers2,foldpipe")
@@ -357,7 +360,7 @@ def main() -> None:
                 "ratios": "1" if quick_gil else "0.5,1,3",
                 # the defaults a user gets, which the GIL-bound regime is about
                 "prefetch": 1 if quick_gil else None,
-                "concurrency": 1 if quick_gil else None,
+                "concurrency": "tuned" if quick_gil else None,
                 "arms": "sequential,prefetch,workers2,foldpipe" if quick_gil else
                         "sequential,prefetch,eager,foldpipe,s3,s3-whole,s3-blocks"}
     for name, value in defaults.items():
@@ -377,8 +380,10 @@ def main() -> None:
     regimes = []
     for ratio in (float(r) for r in args.ratios.split(",")):
         prefetch, concurrency = table.get(ratio, (2, 2))
+        if args.concurrency is not None:  # "tuned" -> None, ShardStreamDataset's default
+            concurrency = None if args.concurrency == "tuned" else int(args.concurrency)
         regimes.append((ratio, prefetch if args.prefetch is None else args.prefetch,
-                        concurrency if args.concurrency is None else args.concurrency))
+                        concurrency))
     root = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     names = write_pt_shards(root, [args.samples] * args.shards, atoms=args.atoms)
     shard_bytes = max((root / n).stat().st_size for n in names)
@@ -519,7 +524,8 @@ def main() -> None:
         }
         panels.append((f"D/C={ratio}: sequential (prefetch=0)", traces["sequential"][0]))
         if "prefetch" in traces:
-            panels.append((f"D/C={ratio}: prefetch={prefetch}, concurrency={concurrency}",
+            panels.append((f"D/C={ratio}: prefetch={prefetch}, "
+                           f"concurrency={concurrency or 'tuned'}",
                            traces["prefetch"][0]))
         print(f"D/C={ratio}: " + ", ".join(f"{k} {fmt_ci(v)}" for k, v in summaries.items()
                                             if v is not None), flush=True)
@@ -552,7 +558,8 @@ def main() -> None:
     ]
     for ratio, prefetch, concurrency, ours, theirs, versus, overlap, peak in rows:
         lines.append(
-            f"| {ratio} | {prefetch} | {concurrency} | {fmt_ci(ours)} | {fmt_ci(theirs)} | "
+            f"| {ratio} | {prefetch} | {concurrency or 'tuned'} | {fmt_ci(ours)} | "
+            f"{fmt_ci(theirs)} | "
             f"{fmt_ci(versus)} | {overlap['overlap']:.2f} | {overlap['wait']:.2f} | "
             + " / ".join(f"{peak.get(v, float('nan')):.1f}"
                          for v in ("sequential", "prefetch", "eager", "foldpipe")) + " |"
@@ -580,7 +587,7 @@ def main() -> None:
         medians.append(statistics.median(ceiling))
         share = (stats or {}).get("wait_share")
         lines.append(
-            f"| {ratio} | {measured:.2f} | {prefetch} | {concurrency} | "
+            f"| {ratio} | {measured:.2f} | {prefetch} | {concurrency or 'tuned'} | "
             + " / ".join(f"{m:.2f}" for m in medians) + " | "
             + " | ".join(fmt_ci(summaries.get(k)) for k in (
                 "prefetch_vs_sequential", "workers2_vs_sequential", "foldpipe_vs_sequential",

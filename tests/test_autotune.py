@@ -4,7 +4,9 @@ The tuner's rule on given measurements; the prefetcher resized while jobs run; a
 ``ShardStreamDataset(memory_budget=...)`` against the throttled loopback server (a real
 HTTP server limited per connection): downloads far slower than the consumer get more
 connections, a small budget keeps prefetch low, every sample arrives once in order, and
-``stats()`` reports the choice. Figures (tuned against fixed settings) are in
+``stats()`` reports the choice. Without a budget the default ``concurrency=None`` tunes
+the connections alone: more than one while downloads are the bottleneck, one while the
+consumer is, ``prefetch`` as given. Figures (tuned against fixed settings) are in
 ``benchmarks/autotune.py``, not here.
 """
 
@@ -17,7 +19,12 @@ import pytest
 from servers.http_server import serve_directory, write_pt_shards
 
 from pyg_atompack.stream import HTTPSource, ShardStreamDataset
-from pyg_atompack.stream.autotune import DECODED_FACTOR, StreamTuner, stream_tuner
+from pyg_atompack.stream.autotune import (
+    DECODED_FACTOR,
+    DEFAULT_MAX_CONCURRENCY,
+    StreamTuner,
+    stream_tuner,
+)
 from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.transport import RetryPolicy
 
@@ -64,6 +71,29 @@ def test_tuner_drops_connections_when_downloads_are_fast() -> None:
     tuner.downloaded(connections=1, seconds=0.03)  # jitter: 0.035 s, still far below C
     tuner.taken(3, wait_s=0.0, now=2.9)
     assert (tuner.prefetch, tuner.concurrency) == (1, 1)
+
+
+def test_default_tuner_keeps_prefetch_and_tunes_connections() -> None:
+    tuner = stream_tuner(None, [MB], num_workers=1, concurrency=None, prefetch=1)
+    assert tuner is not None and tuner.memory_budget is None
+    assert tuner.start() == (1, DEFAULT_MAX_CONCURRENCY)  # wide on the first shard only
+    tuner.downloaded(connections=8, seconds=0.1)  # D1 = 0.8 s
+    for index, now in enumerate((0.0, 1.0, 1.2, 1.4)):  # C = 0.2 s: D1 / C = 4
+        tuner.taken(index, wait_s=0.0, now=now)
+    assert (tuner.prefetch, tuner.concurrency) == (1, 5)  # ceil(1.25 x 4); prefetch kept
+    assert "memory_budget" not in tuner.decisions[-1]["reason"]
+    # the consumer becomes the bottleneck: one connection
+    for _ in range(4):
+        tuner.downloaded(connections=5, seconds=0.002)
+    assert (tuner.prefetch, tuner.concurrency) == (1, 1)
+    # an explicit concurrency, or the sequential prefetch=0, tunes nothing
+    assert stream_tuner(None, [MB], num_workers=1, concurrency=2, prefetch=1) is None
+    assert stream_tuner(None, [MB], num_workers=1, concurrency=None, prefetch=0) is None
+    # workers share the rank's connections
+    assert stream_tuner(None, [MB], num_workers=2, concurrency=None,
+                        prefetch=1).max_concurrency == DEFAULT_MAX_CONCURRENCY // 2
+    with pytest.raises(ValueError, match="memory_budget"):
+        StreamTuner(None, MB)
 
 
 def test_unsplit_downloads_need_prefetch_and_memory_caps_it() -> None:
@@ -171,3 +201,49 @@ def test_stream_with_a_small_budget_keeps_prefetch_low(slow_link) -> None:
     assert any("by memory_budget" in d["reason"] for d in tuned["decisions"]), tuned
     assert dataset.stats()["peak_live_shards"] <= 3
     assert ShardStreamDataset(source).stats()["autotune"] is None
+
+
+def test_default_stream_opens_more_connections_while_downloads_are_the_bottleneck(
+        slow_link) -> None:
+    server, _ = slow_link
+    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    dataset = ShardStreamDataset(source)  # the defaults: concurrency=None, prefetch=1
+    ids = shard_ids(dataset, consume_s=0.05 / 20)
+    assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]
+    stats = dataset.stats()
+    tuned = stats["autotune"]
+    assert stats["concurrency"] is None and tuned["memory_budget"] is None
+    # prefetch as given (one more in the retrieval process, stream/offproc.py), never
+    # changed: memory stays where a fixed concurrency keeps it
+    assert {d["prefetch"] for d in tuned["decisions"]} == {tuned["prefetch"]}
+    assert tuned["prefetch"] <= 2
+    assert tuned["concurrency"] > 1, tuned  # D1/C ~ 6
+    assert stats["peak_live_shards"] <= 3
+    assert len(server.requests_for("shard-0005.pt")) > 1  # ranges side by side
+
+
+@pytest.fixture
+def fast_link(tmp_path):
+    # 6 shards of ~330 KB over connections of 20 MB/s: ~0.02 s per shard on one
+    # connection, while the consumer spends ~0.15 s on it
+    names = write_pt_shards(tmp_path, [20] * 6, atoms=300)
+    for server in serve_directory(tmp_path, bandwidth=20_000_000):
+        yield server, names
+
+
+def test_default_stream_keeps_one_connection_while_the_consumer_is_the_bottleneck(
+        fast_link) -> None:
+    server, _ = fast_link
+    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    dataset = ShardStreamDataset(source)
+    ids = shard_ids(dataset, consume_s=0.15 / 20)
+    assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]
+    tuned = dataset.stats()["autotune"]
+    assert tuned["concurrency"] == 1, tuned
+    assert tuned["single_connection_s"] < tuned["consume_s"]
+    # once measured, shards come whole over one connection each
+    assert len(server.requests_for("shard-0005.pt")) == 1
+    # an explicit concurrency is kept as given: nothing tuned
+    fixed = ShardStreamDataset(source, concurrency=2)
+    shard_ids(fixed, consume_s=0.0)
+    assert fixed.stats()["autotune"] is None

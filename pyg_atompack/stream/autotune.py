@@ -23,6 +23,11 @@ settings, so it should arrive as soon as possible, and the second right after it
 first shard's consumption is not measured (it is handed out as its bytes arrive, so the
 consumer waits inside it). Each change is recorded with its reason; ``stats()`` reports
 them under ``autotune``.
+
+Without a budget, ``concurrency=None`` (the default) tunes the connections alone: the
+prefetch depth stays as given, so the stream holds the ``prefetch + 1`` live shards it would
+hold with any fixed ``concurrency``; connections are byte ranges of the shard being
+downloaded and add no shard to memory. Up to :data:`DEFAULT_MAX_CONCURRENCY` per rank.
 """
 
 from __future__ import annotations
@@ -32,14 +37,18 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["DECODED_FACTOR", "MAX_CONCURRENCY", "StreamTuner", "check_memory_budget",
-           "attach", "stream_tuner"]
+__all__ = ["DECODED_FACTOR", "DEFAULT_MAX_CONCURRENCY", "MAX_CONCURRENCY", "StreamTuner",
+           "check_memory_budget", "attach", "stream_tuner"]
 
 #: A live shard's memory as a multiple of its listed (downloaded) bytes: the download
 #: buffer plus the samples built from it.
 DECODED_FACTOR = 1.5
 #: The most connections a tuned stream opens (per rank).
 MAX_CONCURRENCY = 16
+#: The most connections the default stream (``concurrency=None``, no budget) opens per
+#: rank: enough for downloads 6x slower than consumption on a link limited per
+#: connection, few enough to stay polite to a shared server.
+DEFAULT_MAX_CONCURRENCY = 8
 #: Connections planned per connection the measurements ask for: downloads that only just
 #: keep up leave the consumer waiting at every fluctuation.
 MARGIN = 1.25
@@ -67,21 +76,27 @@ class StreamTuner:
     """Chooses one stream's prefetch depth and connections from what it measures.
 
     Args:
-        memory_budget (int): Bytes this stream's live shards may take.
+        memory_budget (int): Bytes this stream's live shards may take (:obj:`None`:
+            ``prefetch`` is fixed and only the connections are tuned).
         shard_bytes (int): The largest listed shard size (:obj:`None` if the
             source lists none; the tuner then uses the downloads' sizes as they come).
         max_concurrency (int, optional): The most connections it opens.
             (default: :obj:`MAX_CONCURRENCY`)
+        prefetch (int, optional): A fixed prefetch depth (without a budget).
+            (default: :obj:`None`)
     """
 
-    def __init__(self, memory_budget: int, shard_bytes: int | None,
-                 max_concurrency: int = MAX_CONCURRENCY) -> None:
+    def __init__(self, memory_budget: int | None, shard_bytes: int | None,
+                 max_concurrency: int = MAX_CONCURRENCY, prefetch: int | None = None) -> None:
         check_memory_budget(memory_budget)
+        if (memory_budget is None) == (prefetch is None):
+            raise ValueError("pass a memory_budget (prefetch tuned) or a fixed prefetch")
         self.memory_budget = memory_budget
+        self.fixed_prefetch = prefetch
         self.shard_bytes = shard_bytes
         self.max_concurrency = max(1, max_concurrency)
         # two shards: the second downloads as soon as the first's connections come back
-        self.prefetch = min(2, self._prefetch_cap())
+        self.prefetch = prefetch if prefetch is not None else min(2, self._prefetch_cap())
         self.concurrency = self.max_concurrency
         self.single_connection_s: float | None = None  # D1
         self.consume_s: float | None = None  # C
@@ -93,7 +108,8 @@ class StreamTuner:
         self._lock = threading.Lock()
         self._origin = time.monotonic()
         self._note("start", "nothing measured: every connection on the first shard, "
-                            "two shards ahead (if the budget holds them)")
+                            + ("two shards ahead (if the budget holds them)"
+                               if prefetch is None else f"prefetch fixed at {prefetch}"))
 
     # ------------------------------------------------------------------ settings
     def start(self) -> tuple[int, int]:
@@ -112,7 +128,9 @@ class StreamTuner:
     def _prefetch_cap(self) -> int:
         """The deepest prefetch the budget holds (at least 1: a stream that never overlaps
         is the sequential baseline, which ``prefetch=0`` asks for explicitly)."""
-        if not self.shard_bytes:
+        if self.fixed_prefetch is not None:
+            return self.fixed_prefetch
+        if not self.shard_bytes or self.memory_budget is None:
             return 1
         live = self.memory_budget // math.ceil(DECODED_FACTOR * self.shard_bytes)
         return max(1, int(live) - 1)
@@ -168,8 +186,10 @@ class StreamTuner:
             # download never has to fit exactly into one shard's consumption
             per_shard = max(1.0, min(self.connections_per_shard or 1.0, concurrency))
             in_flight = _ceil(MARGIN * ratio / per_shard) + (1 if ratio > 1 else 0)
-            cap = self._prefetch_cap()
+            cap = self._prefetch_cap()  # the fixed prefetch, without a budget
             prefetch = min(cap, max(1, in_flight))
+            if self.fixed_prefetch is not None:  # no budget: only connections are tuned
+                prefetch = cap
             # hysteresis: grow at once, shrink only on a clear change (estimates jitter)
             if self.prefetch * SHRINK < prefetch < self.prefetch <= cap:
                 prefetch = self.prefetch
@@ -180,7 +200,7 @@ class StreamTuner:
             self.prefetch, self.concurrency = prefetch, concurrency
             reason = (f"D1/C = {ratio:.2f} (D1 {self.single_connection_s:.3f} s, "
                       f"C {self.consume_s:.3f} s)")
-            if in_flight > cap:
+            if in_flight > cap and self.fixed_prefetch is None:
                 reason += f"; prefetch capped at {cap} by memory_budget"
             self._note(event, reason)
         if self._prefetcher is not None:
@@ -201,22 +221,33 @@ class StreamTuner:
 
 
 def stream_tuner(memory_budget: int | None, unit_bytes: list[int | None],
-                 num_workers: int) -> StreamTuner | None:
+                 num_workers: int, concurrency: int | None = 1,
+                 prefetch: int = 1) -> StreamTuner | None:
     """The tuner of one stream (one DataLoader worker's share of the rank's budget).
 
     Args:
-        memory_budget (int): The rank's budget; :obj:`None` turns tuning off.
+        memory_budget (int): The rank's budget; :obj:`None` tunes at most the connections.
         unit_bytes (list): Listed sizes of the shards (or record blocks) it reads.
         num_workers (int): DataLoader workers of the rank: each gets an equal share.
+        concurrency (int, optional): The stream's ``concurrency``; :obj:`None` (without a
+            budget) tunes the connections, up to :data:`DEFAULT_MAX_CONCURRENCY` per rank.
+            (default: :obj:`1`)
+        prefetch (int, optional): This stream's share of ``prefetch``, kept without a
+            budget. (default: :obj:`1`)
 
     Returns:
-        The tuner, or :obj:`None` without a budget.
+        The tuner, or :obj:`None` when nothing is tuned (a budget is not given and
+        ``concurrency`` is, or ``prefetch=0``, the sequential baseline).
     """
-    if memory_budget is None:
-        return None
     known = [size for size in unit_bytes if size]
     workers = max(1, num_workers)
-    return StreamTuner(max(1, memory_budget // workers), max(known) if known else None,
+    largest = max(known) if known else None
+    if memory_budget is None:
+        if concurrency is not None or prefetch < 1:
+            return None
+        return StreamTuner(None, largest, prefetch=prefetch,
+                           max_concurrency=-(-DEFAULT_MAX_CONCURRENCY // workers))
+    return StreamTuner(max(1, memory_budget // workers), largest,
                        max_concurrency=max(1, -(-MAX_CONCURRENCY // workers)))
 
 

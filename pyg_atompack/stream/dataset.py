@@ -127,9 +127,16 @@ class ShardStreamDataset(IterableDataset):
             ``0`` loads each shard on demand in the consumer's thread. A budget per rank:
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
-        concurrency (int, optional): Maximum downloads in flight (effective up to ``prefetch``), per
-            rank like ``prefetch`` (each worker gets at least one connection).
-            (default: :obj:`1`)
+        concurrency (int, optional): Connections open at once (a shard's byte ranges, see
+            ``split_shards``, or downloads of up to ``prefetch`` shards), per rank like
+            ``prefetch`` (each worker gets at least one connection). :obj:`None`: chosen
+            while the stream runs from measured download and consumption times, more
+            while downloads are the bottleneck, one when the consumer is (up to
+            :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
+            one of them on the first shard). ``prefetch`` stays as given, so memory stays
+            within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
+            ``autotune``. ``prefetch=0`` (the sequential baseline) uses one.
+            (default: :obj:`None`)
         shuffle (bool, optional): Permute shard order per epoch and samples within each shard.
             (default: :obj:`False`)
         seed (int, optional): Base seed of every permutation. (default: :obj:`0`)
@@ -276,7 +283,7 @@ class ShardStreamDataset(IterableDataset):
             runs, from measured download and consumption times, more connections while
             downloads are the bottleneck and less prefetch when memory is short
             (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
-            ``autotune``). :obj:`None` keeps ``prefetch`` and ``concurrency`` as given.
+            ``autotune``). :obj:`None` keeps ``prefetch`` as given.
             (default: :obj:`None`)
         device (torch.device or str, optional): Hand items out on this device, each
             copied one step ahead on a side CUDA stream
@@ -298,7 +305,7 @@ class ShardStreamDataset(IterableDataset):
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
-                 concurrency: int = 1,
+                 concurrency: int | None = None,
                  shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 0,
                  batch_size: int | None = None,
                  transform: Callable[[BaseData], BaseData] | None = None,
@@ -321,8 +328,8 @@ class ShardStreamDataset(IterableDataset):
             check_budget(max_atoms, oversize)
             if batch_size is not None:
                 raise ValueError("pass batch_size or max_atoms, not both")
-        if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
-                or read_ahead < 0):
+        if (prefetch < 0 or (concurrency is not None and concurrency < 1)
+                or shuffle_buffer < 0 or interleave < 1 or read_ahead < 0):
             raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "
                              "interleave >= 1 and read_ahead >= 0")
         if batch_size is not None and batch_size < 1:
@@ -590,10 +597,11 @@ class ShardStreamDataset(IterableDataset):
                                  verify_before_use=self.verify_before_use)
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
-        concurrency = worker_share(self.concurrency, slot)
+        concurrency = worker_share(self.concurrency or 1, slot)
         tuner = recorder.tuner = stream_tuner(
             self.memory_budget, [self.block_bytes] if isinstance(plan, BlockPlan)
-            else [self.shards[number].size for number in plan.shards], slot.num_workers)
+            else [self.shards[number].size for number in plan.shards], slot.num_workers,
+            concurrency=self.concurrency, prefetch=prefetch)
         if tuner is not None:  # settings chosen by measurement from here on
             prefetch, concurrency = tuner.start()
         # a download takes the free connections it can use (Prefetcher)
@@ -769,9 +777,10 @@ class ShardStreamDataset(IterableDataset):
             A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
             overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``,
             the consumer's ``steps, step_wait_s, step_s, wait_share, wait_clock``,
-            plus ``epoch``, ``prefetch`` and ``concurrency`` (as given), and ``autotune``
-            (with ``memory_budget``: the budget, the settings chosen and every decision
-            with its reason; one per DataLoader worker; :obj:`None` without a budget).
+            plus ``epoch``, ``prefetch`` and ``concurrency`` (as given: :obj:`None` when
+            tuned), and ``autotune`` (with ``memory_budget`` or ``concurrency=None``: the
+            budget, the settings chosen and every decision with its reason; one per
+            DataLoader worker; :obj:`None` when nothing is tuned).
         """
         snapshots = self._snapshots()
         summary = summarize(merge_traces(snapshots))
