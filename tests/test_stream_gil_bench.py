@@ -48,7 +48,9 @@ def test_quick_gil_run_measures_every_arm(tmp_path):
     assert details["setup"]["consumer"] == "gil"
     assert details["gil_probe"]["ratio"] < 0.5  # the consumer really held the GIL
     regime = details["D/C=1.0"]
-    assert (regime["prefetch"], regime["concurrency"]) == (1, 1)  # the defaults
+    # the defaults: prefetch=1, connections chosen by measurement (concurrency=None)
+    assert (regime["prefetch"], regime["concurrency"]) == (1, None)
+    assert regime["prefetch_stats"]["autotune"]["concurrency"] >= 1
     pairs = details["setup"]["pairs"]
     for arm in ARMS:
         assert len(regime["times"][arm]) == pairs

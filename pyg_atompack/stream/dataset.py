@@ -135,7 +135,8 @@ class ShardStreamDataset(IterableDataset):
             :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
             one of them on the first shard). ``prefetch`` stays as given, so memory stays
             within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
-            ``autotune``. ``prefetch=0`` (the sequential baseline) uses one.
+            ``autotune``. ``prefetch=0`` (the sequential baseline) and record blocks
+            (``blocks``) use one.
             (default: :obj:`None`)
         shuffle (bool, optional): Permute shard order per epoch and samples within each shard.
             (default: :obj:`False`)
@@ -598,10 +599,14 @@ class ShardStreamDataset(IterableDataset):
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency or 1, slot)
+        blocks = isinstance(plan, BlockPlan)
         tuner = recorder.tuner = stream_tuner(
-            self.memory_budget, [self.block_bytes] if isinstance(plan, BlockPlan)
+            self.memory_budget, [self.block_bytes] if blocks
             else [self.shards[number].size for number in plan.shards], slot.num_workers,
-            concurrency=self.concurrency, prefetch=prefetch)
+            # record blocks fix their ranges per block when iteration starts and each
+            # connection holds a block: the default keeps them at one (memory as given)
+            concurrency=1 if blocks and self.concurrency is None else self.concurrency,
+            prefetch=prefetch)
         if tuner is not None:  # settings chosen by measurement from here on
             prefetch, concurrency = tuner.start()
         # a download takes the free connections it can use (Prefetcher)
