@@ -16,8 +16,8 @@ wrap the transport's range reads:
   (a ranged ``GET`` pinned to the listed ETag, resumed after a dropped connection under
   the store's retry policy).
 
-A layer above adds its own adapter on :class:`RangeAdapter` (the Hub's is
-:class:`pyg_atompack.hub.atp_reader.HubRangeReader`).
+* :class:`BackendRangeReader`: any listed file through its backend's ``read_into``
+  (the Hub's files, schemes other packages register).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from pyg_atompack.transport.http import Cancel
 
-__all__ = ["FileRangeReader", "ObjectRangeReader", "RangeAdapter", "RangeReader",
-           "URLRangeReader", "read_range"]
+__all__ = ["BackendRangeReader", "FileRangeReader", "ObjectRangeReader", "RangeAdapter",
+           "RangeReader", "URLRangeReader", "read_range"]
 
 
 @runtime_checkable
@@ -256,8 +256,8 @@ class ObjectRangeReader(RangeAdapter):
     Args:
         store (ObjectStore): The :class:`~pyg_atompack.remote.objectstore.ObjectStore`
             that listed the object.
-        obj (ObjectInfo): Its :class:`~pyg_atompack.remote.objectstore.ObjectInfo`
-            (URL, size, ETag, sha256 from a manifest).
+        obj (RemoteFile): Its :class:`~pyg_atompack.remote.RemoteFile` (URL, size,
+            version, sha256 from a manifest).
     """
 
     def __init__(self, store: Any, obj: Any) -> None:
@@ -265,14 +265,41 @@ class ObjectRangeReader(RangeAdapter):
         self.obj = obj
         self.name = obj.url
         self.size = int(obj.size)
-        # the ETag changes whenever the object is written again: with it, cached
-        # metadata and pages follow the object even when a manifest's sha256 is stale
-        etag = f"|etag:{obj.etag}" if obj.etag else ""
+        # the version (ETag, generation) changes whenever the object is written again:
+        # with it, cached metadata and pages follow the object even when a manifest's
+        # sha256 is stale
+        version = f"|version:{obj.version}" if obj.version else ""
         if obj.sha256:
-            self.identity = f"sha256:{obj.sha256.lower()}{etag}"
+            self.identity = f"sha256:{obj.sha256.lower()}{version}"
         else:
-            self.identity = f"object:{obj.url}|{self.size}{etag}"
+            self.identity = f"object:{obj.url}|{self.size}{version}"
 
     def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
-        self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
-                             cancel=cancel)
+        self.store.read_into(self.obj, out, start, cancel)
+
+
+class BackendRangeReader(RangeAdapter):
+    """Range reads of a listed file through its backend's ``read_into``.
+
+    Picklable with its backend. The identity is the listed sha256, else the git blob id,
+    else the URL, size and listed version.
+
+    Args:
+        backend (Any): The :mod:`~pyg_atompack.remote.backends` backend that listed ``file``.
+        file (RemoteFile): The listed :class:`~pyg_atompack.remote.RemoteFile`.
+    """
+
+    def __init__(self, backend: Any, file: Any) -> None:
+        self.backend = backend
+        self.file = file
+        self.name = file.describe()
+        self.size = int(file.size)
+        if file.sha256:
+            self.identity = f"sha256:{file.sha256.lower()}"
+        elif file.blob_id:
+            self.identity = f"git:{file.blob_id}"
+        else:
+            self.identity = f"url:{file.url}|{self.size}|{file.version}"
+
+    def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
+        self.backend.read_into(self.file, out, start, cancel)
