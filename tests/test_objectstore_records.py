@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
 from pyg_atompack.remote import RemoteAtpReader, atp_meta
-from pyg_atompack.remote.ranges import ObjectRangeReader
+from pyg_atompack.remote.ranges import BackendRangeReader
 from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 from pyg_atompack.transport import (
     RemoteAuthError,
@@ -171,7 +171,7 @@ def test_prefetch_shards_downloads_verified_whole_objects(files, proxy, tmp_path
 def test_range_reader_pickles_without_secrets_and_reads_in_a_clone(files, proxy):
     source = RemoteSource(f"s3://{BUCKET}/big/", key=ACCESS_KEY, secret=SECRET_KEY)
     reader = source.range_reader(source.list_shards()[0])
-    assert isinstance(reader, ObjectRangeReader)
+    assert isinstance(reader, BackendRangeReader)
     assert reader.identity.startswith("sha256:")  # the manifest's digest
     out = bytearray(100)
     reader.read_into(5000, memoryview(out))

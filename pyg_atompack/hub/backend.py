@@ -86,7 +86,14 @@ class HubBackend(HTTPBackend):
                 "policy": self.retry}
 
     def relative(self, file: RemoteFile) -> str:
-        """``file``'s path relative to the listed directory."""
+        """The path of a listed file relative to the listed directory.
+
+        Args:
+            file (RemoteFile): A file of :meth:`list` (its name is its path in the repository).
+
+        Returns:
+            The path below :attr:`path_in_repo`, as streams name the shard.
+        """
         root = self.path_in_repo
         return file.name[len(root) + 1:] if root else file.name
 

@@ -49,7 +49,7 @@ def fetch_range(
     """Read ``length`` bytes of a remote file starting at byte ``start``.
 
     Object-store files are read by their store
-    (:class:`~pyg_atompack.remote.ranges.ObjectRangeReader`), not here.
+    (:class:`~pyg_atompack.remote.ranges.BackendRangeReader`), not here.
 
     Args:
         remote_file (RemoteFile): A file from :func:`list_remote_files` or a URL listing.

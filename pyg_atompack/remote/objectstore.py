@@ -36,9 +36,9 @@ exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else
 The clients make a single attempt each, so retries never multiply.
 
 :class:`ObjectStore` is the object stores' backend (:mod:`pyg_atompack.remote.backends`):
-:meth:`ObjectStore.range_reader` gives a listed object the
+its ``range_reader`` gives a listed object the
 :class:`~pyg_atompack.remote.ranges.RangeReader` interface
-(:class:`~pyg_atompack.remote.ranges.ObjectRangeReader`), for record-level reads (record
+(:class:`~pyg_atompack.remote.ranges.BackendRangeReader`), for record-level reads (record
 blocks, the page cache) exactly as for HTTP(S) files.
 
 This module is torch-free.
@@ -593,11 +593,6 @@ class ObjectStore(Backend):
         if received[0] != end - start:
             raise _Truncated(f"connection closed after {start + received[0]} of {end} bytes")
 
-    def range_reader(self, obj: RemoteFile) -> Any:
-        """A picklable, fork-safe :class:`~pyg_atompack.remote.ranges.ObjectRangeReader`."""
-        from pyg_atompack.remote.ranges import ObjectRangeReader
-
-        return ObjectRangeReader(self, obj)
 
 
 def _split_secrets(options: dict) -> tuple[dict, dict]:
