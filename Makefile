@@ -89,7 +89,7 @@ demo: $(STAMP)
 test:
 	@$(PREREQUISITES)
 	$(PY) -m ruff check pyg_atompack tests examples benchmarks notebooks docs
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25
 	@$(MAKE) --no-print-directory test-hf-releases
 
 # REMOTE_TESTS next to each release of HF_RELEASES, one release after another.
@@ -102,7 +102,8 @@ test-hf-releases: $(HF_STAMPS)
 
 # A long fuzzing run of the .atp reader and the .pt shard loader (~10 min).
 fuzz: $(STAMP)
-	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py
+	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py \
+	    tests/test_groups_fuzz.py
 
 # Streaming soak test against the fault-injecting loopback server (not in CI).
 soak: $(STAMP)
@@ -111,6 +112,9 @@ soak: $(STAMP)
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_atp.py --quick
+	$(PY) benchmarks/framed_crc.py
+	$(PY) benchmarks/atom_budget.py
+	$(PY) benchmarks/groups_loader.py
 	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py

@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first access)
 _LAZY_ATTRIBUTES = {
     "AtompackDataset": "pyg_atompack.data.dataset",
+    "AtompackGroupDataset": "pyg_atompack.data.groups",
     "AtompackLoader": "pyg_atompack.data.loader",
     "MemmapDataset": "pyg_atompack.data.memmap",
     "ResumableSampler": "pyg_atompack.pyg.resume",

@@ -288,6 +288,15 @@ def _atp_info_lines(path: Path, list_shards: bool) -> list[str]:
               f"atoms: {sum(d['total_atoms'] for d in described)}", "fields:"]
     fields = describe_atp_fields(files)
     lines += [f"  {name}: {kind}" for name, kind in fields.items()]
+    if any(f["kind"] == 3 for d in described for f in d.get("metadata_frames", [])):
+        with atp.open(path) as reader:  # groupings in the dataset's record numbering
+            groups = reader.groups
+            lines.append("groupings:")
+            for name in groups:
+                g = groups[name]
+                roles = f"roles {', '.join(g.roles)}" if g.roles else "ordered"
+                lines.append(f"  {name}: {len(g)} groups, {len(g.grouping.records)} members, "
+                             f"{roles}; columns: {', '.join(g.grouping.properties) or 'none'}")
     return lines
 
 

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# The suite runs in several processes on few cores (2 in CI): torch's intra-op pool of one
+# thread per core in each process, and in each subprocess a test starts, spins against the
+# others. One thread each made the paired SchNet benchmark's test 20x faster on a loaded
+# 2-core machine. Set before any test module imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTS_DIR = Path(__file__).resolve().parent
 GOLDEN_DIR = TESTS_DIR / "data" / "atp"

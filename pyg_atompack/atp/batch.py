@@ -211,6 +211,8 @@ def read_batch(st: FileState, indices: Any, infos: dict[str, FieldInfo]) -> dict
     name = st.name
     cache = st.cache
     idx = _normalize_indices(indices, st.count, name)
+    if st.frames is not None:  # a framed file: each record's CRC on its first read
+        st.frames.check_batch(st, idx)
     if st.u8 is not None and len(idx) and cache.memo is not UNCHECKED:
         # hot path: every record checked before, all of one layout, in memory
         lids = cache.memo_ids[idx]

@@ -318,6 +318,11 @@ def entry(st, i: int) -> tuple[int, int, int, int]:
         raise RecordDecodeError(
             f"{st.name}: record {i}: stored bytes [{off}, +{stored}) lie outside the "
             f"data region of the {st.size}-byte file")
+    frames = st.frames
+    if frames is not None and not frames.ok[i]:
+        # a framed file's record is CRC-checked on its first read (every single-record
+        # path comes through here before it decodes or remembers the record)
+        frames.check(st, i, off, stored, raw, n)
     return off, stored, raw, n
 
 
@@ -399,12 +404,15 @@ def first_touch_decoder(st: FileState) -> Callable[[FileState, int], Molecule | 
     # check). One tuple, read and replaced whole: threads sharing the reader never see
     # one size's decoder under another size.
     last = (None, None, 0, None)
+    crc_ok = st.frames.ok if st.frames is not None else None
 
     def touch(st: FileState, i: int) -> Molecule | None:
         nonlocal cold, untimed, last
         off, stored, raw, n = ENTRY_STRUCT.unpack_from(st.index_buf, 8 + 20 * i)
         if stored != raw or off < HEADER_SIZE or off + raw > size:
             return None
+        if crc_ok is not None and not crc_ok[i]:  # a framed file's record: CRC first
+            st.frames.check(st, i, off, stored, raw, n)
         known = last
         if known[0] == raw and known[1] == n:
             lid, checked = known[2], known[3]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from .codecs import CODEC_NAMES
-from .errors import AtpError
+from .errors import AtpError, RecoveredWriteWarning
 from .header import HEADER_SIZE, inspect_slots
 from .reader import Reader
 from .schema import decode_schema
@@ -48,14 +49,23 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
                          index_offset=h.index_offset, index_len=h.index_len,
                          schema_offset=h.schema_offset, schema_len=h.schema_len,
                          codec=CODEC_NAMES.get(h.codec, f"unknown({h.codec})"),
-                         level=h.level, record_format=h.record_format)
+                         level=h.level, record_format=h.record_format,
+                         framed=h.framed, writing=h.writing, ext_offset=h.ext_offset,
+                         ext_len=h.ext_len, data_end=h.data_end)
         slots.append(entry)
-    with Reader(path, access="pread") as reader:
+    with warnings.catch_warnings():
+        # describe reports the recovery itself ("recovered")
+        warnings.simplefilter("ignore", RecoveredWriteWarning)
+        reader = Reader(path, access="pread")
+    with reader:
         h = reader.header
         index = reader.index
         record_bytes = int(index["stored"].sum()) if len(index) else 0
         committed = h.committed_end
-        live = record_bytes + h.schema_len + h.index_len
+        live = record_bytes + h.schema_len + h.index_len + h.ext_len
+        if h.framed:  # frame headers, metadata frames and the schema frame's head
+            live += 20 * len(reader) + sum(20 + f.length for f in reader.metadata_frames)
+            live += 24 if h.schema_len else 0
         fields = None
         if reader.schema is not None:
             fields = [{"name": f.name, "kind": f.kind, "tag": f.tag,
@@ -83,6 +93,16 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
             "record_bytes": record_bytes,
             "stale_bytes": max(size - HEADER_SIZE - live, 0),
             "uncommitted_tail_bytes": max(size - committed, 0),
+            "framed": h.framed,
+            "writing": h.writing,
+            "recovered": None if not h.writing else {
+                "records": len(reader), "data_end": h.data_end,
+                "stopped_at": reader._state().recovered.stop},
+            "data_end": h.data_end,
+            "ext_offset": h.ext_offset,
+            "ext_len": h.ext_len,
+            "metadata_frames": [{"kind": f.kind, "offset": f.offset, "length": f.length}
+                                for f in reader.metadata_frames],
         }
 
 
@@ -95,7 +115,12 @@ def verify(path: str | os.PathLike) -> list[str]:
     Returns:
         Human-readable problems; an empty list when the file is sound. Problems
         that do not stop reading (an invalid older slot, an uncommitted tail,
-        trailing bytes in a record) are reported too.
+        trailing bytes in a record) are reported too. In a framed file every
+        record's and metadata frame's CRC-32 is checked and the groups are decoded;
+        a file in the writing state (nothing committed, its records recovered from
+        the frames) is a problem, named with the count recovered. The other slot
+        of a framed file left in the writing state by the write before the last
+        commit is not.
     """
     path = os.fspath(path)
     problems: list[str] = []
@@ -108,14 +133,35 @@ def verify(path: str | os.PathLike) -> list[str]:
                 (report.header.generation or report.header.num_molecules):
             problems.append(f"{path}: {report.problem}")
     try:
-        reader = Reader(path, access="pread")
+        with warnings.catch_warnings():  # a recovery is reported as a problem below
+            warnings.simplefilter("ignore", RecoveredWriteWarning)
+            reader = Reader(path, access="pread")
     except AtpError as exc:
         return problems + [str(exc)]
     with reader:
         h = reader.header
-        if size > h.committed_end:
+        recovered = reader._state().recovered
+        if recovered is not None:
+            stop = "" if recovered.stop is None else f"; the scan stopped at {recovered.stop}"
+            problems.append(
+                f"{path}: in the writing state (nothing committed: a write was interrupted "
+                f"or is under way): {len(reader)} records recovered from the frames up to "
+                f"byte {h.data_end}{stop}; Writer.append_to(...).flush() commits them")
+        elif size > h.committed_end:
             problems.append(f"{path}: {size - h.committed_end} uncommitted bytes after the "
                             f"index (ignored by readers)")
+        damaged = False
+        for frame in reader.metadata_frames:
+            try:
+                reader.read_metadata(frame)
+            except AtpError as exc:
+                problems.append(str(exc))
+                damaged = True
+        if not damaged:
+            try:  # groups frames decode and fit each other and the records
+                _ = reader.groups
+            except AtpError as exc:
+                problems.append(str(exc))
         if h.schema_len:
             try:
                 decode_schema(reader._state().read(h.schema_offset, h.schema_len), path)
@@ -147,4 +193,4 @@ def verify(path: str | os.PathLike) -> list[str]:
                                         f"from its schema entry")
             except AtpError as exc:
                 problems.append(str(exc))
-    return problems
+    return list(dict.fromkeys(problems))  # a damaged record fails its decode and the rebuild

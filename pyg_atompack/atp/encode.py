@@ -329,3 +329,47 @@ def batch_columns(batch: int, n: int, builtins: dict[str, Any],
     sections += [_column(k, v, batch, n, True) for k, v in atom_properties.items()]
     _check_keys(sections)
     return sections
+
+
+def assemble_batch(count: int, n: int, pos: np.ndarray, z: np.ndarray,
+                    sections: list[Section]) -> list[bytes]:
+    """Build B records from per-column byte matrices with numpy (no per-molecule loop
+    unless a column holds strings, whose lengths vary)."""
+    u8 = np.uint8
+    blocks: list[Any] = [
+        np.broadcast_to(np.frombuffer(struct.pack("<I", n), u8), (count, 4)),
+        pos.reshape(count, -1).view(u8),
+        z,
+        np.broadcast_to(np.frombuffer(struct.pack("<H", len(sections)), u8), (count, 2)),
+    ]
+    for s in sections:
+        key = s.key_bytes()
+        if isinstance(s.payload, list):  # strings: the header's length varies per record
+            blocks.append([bytes((s.kind, len(key))) + key + bytes((s.tag,))
+                           + struct.pack("<I", len(p)) + p for p in s.payload])
+            continue
+        head = bytes((s.kind, len(key))) + key + bytes((s.tag,)) + \
+            struct.pack("<I", s.payload.shape[1])
+        blocks.append(np.broadcast_to(np.frombuffer(head, u8), (count, len(head))))
+        blocks.append(s.payload)
+    # merge runs of fixed-width blocks into one matrix each
+    merged: list[Any] = []
+    run: list[np.ndarray] = []
+    for block in blocks:
+        if isinstance(block, list):
+            if run:
+                merged.append(np.concatenate(run, axis=1))
+                run = []
+            merged.append(block)
+        else:
+            run.append(block)
+    if run:
+        merged.append(np.concatenate(run, axis=1))
+    if len(merged) == 1:
+        matrix = merged[0]
+        data = matrix.tobytes()
+        width = matrix.shape[1]
+        return [data[j * width:(j + 1) * width] for j in range(count)]
+    pieces = [[m[j].tobytes() for j in range(count)] if isinstance(m, np.ndarray) else m
+              for m in merged]
+    return [b"".join(parts) for parts in zip(*pieces)]

@@ -32,6 +32,16 @@ class TruncatedCommitWarning(UserWarning):
     """
 
 
+class RecoveredWriteWarning(UserWarning):
+    """A framed file in the writing state was opened: its records were recovered by a scan.
+
+    A framed file whose write was interrupted (or is still under way) has no
+    committed index; like the reference, the reader rebuilds the index by scanning
+    the frames up to the first incomplete or damaged one. Records after that point
+    are not read, so the reader says how many it recovered and where it stopped.
+    """
+
+
 class HeaderError(AtpError):
     """No header slot is valid, or the chosen slot holds an unsupported value."""
 
@@ -50,6 +60,10 @@ class IndexBlockError(AtpError):
 
 class RecordDecodeError(AtpError):
     """A record cannot be decompressed or decoded."""
+
+
+class FrameError(RecordDecodeError):
+    """A frame of a framed file fails its CRC-32, or its header disagrees with the index."""
 
 
 class AtpIndexError(AtpError, IndexError):
@@ -86,11 +100,13 @@ __all__ = [
     "AtpIndexError",
     "AtpValueError",
     "FileLockedError",
+    "FrameError",
     "HeaderError",
     "IndexBlockError",
     "NotAtpFileError",
     "ReadOnlyError",
     "RecordDecodeError",
+    "RecoveredWriteWarning",
     "SchemaConflictError",
     "SchemaError",
     "TruncatedFileError",

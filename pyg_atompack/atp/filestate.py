@@ -19,6 +19,8 @@ import numpy as np
 from .cache import DecodeCache
 from .codecs import CODEC_NONE
 from .errors import AtpValueError, HeaderError, TruncatedFileError
+from .extensions import read_directory
+from .frames import FrameCheck, recover
 from .header import HEADER_SIZE, select_header
 from .index import INDEX_DTYPE, decode_index
 from .preads import mapping_address, resident
@@ -47,7 +49,7 @@ class FileState:
 
     __slots__ = ("name", "buf", "mv", "fd", "mm", "size", "header", "schema", "pos_dtype",
                  "index", "index_buf", "count", "codec", "fields", "n_atoms", "u8", "access",
-                 "resident", "pread", "cache", "extent")
+                 "resident", "pread", "cache", "extent", "frames", "directory", "recovered")
 
     def __init__(self, name: str, path: str | None, image: bytes | None, access: str) -> None:
         self.name = name
@@ -61,6 +63,11 @@ class FileState:
         self.mm = self.mv = self.u8 = self.buf = None
         self.index = self.index_buf = self.cache = None
         self.extent = None  # bytes the committed data needs (check_size), found on first use
+        # framed files: the per-record CRC check (None: not framed), the metadata frames
+        # of the extensions directory, and what a recovery scan found (None: committed)
+        self.frames = None
+        self.directory = []
+        self.recovered = None
         try:
             self._map(path, image, access)
             self._parse()
@@ -120,10 +127,22 @@ class FileState:
         return data
 
     def _parse(self) -> None:
-        header = select_header(self.read(0, min(HEADER_SIZE, self.size)), self.size, self.name)
+        header = select_header(self.read(0, min(HEADER_SIZE, self.size)), self.size, self.name,
+                               allow_writing=True)
+        if self.mm is not None:
+            self.mv = memoryview(self.mm)
+        index_block = None
+        if header.writing:  # no committed index: rebuilt from the frames (warns)
+            self.recovered = recover(self.read, header, self.size, self.name)
+            header, index_block = self.recovered.header, self.recovered.index_block
         self.header = header
         self.codec = header.codec
         self.schema = None
+        if header.ext_len:
+            self.directory = read_directory(self.read(header.ext_offset, header.ext_len),
+                                            header, self.name)
+        elif self.recovered is not None:
+            self.directory = self.recovered.metadata
         if header.schema_len:
             self.schema = decode_schema(self.read(header.schema_offset, header.schema_len),
                                         self.name)
@@ -136,9 +155,11 @@ class FileState:
                                   f"type (tag {tag})")
             self.pos_dtype = POSITIONS_DTYPE_BY_TAG[tag]
         self.count = header.num_molecules
-        if header.index_len:
+        if index_block is not None:
+            self.index_buf = index_block
+            self.index = decode_index(index_block, self.count, self.name)
+        elif header.index_len:
             if self.mm is not None:
-                self.mv = memoryview(self.mm)
                 end = header.index_offset + header.index_len
                 if self.access == "auto":
                     self.load_range(header.index_offset, header.index_len)
@@ -156,6 +177,8 @@ class FileState:
             if address is not None:
                 self.resident = functools.partial(resident, address)
         self.cache = DecodeCache(self.count, self.u8)
+        if header.framed:
+            self.frames = FrameCheck(self.count)
         self.fields = None
         self.n_atoms = None
 
@@ -253,7 +276,7 @@ class FileState:
 
     def release(self) -> None:
         """Drop the caches, the mapping and the descriptor (idempotent)."""
-        self.index = self.index_buf = self.u8 = self.cache = None
+        self.index = self.index_buf = self.u8 = self.cache = self.frames = None
         if self.mv is not None:
             self.mv.release()
             self.mv = None

@@ -16,6 +16,12 @@ schema copy and 20 bytes a record, next to the records themselves.
 
 Records must be stored in index order (offsets increasing, as every writer produces
 them); :func:`plan_blocks` refuses other files with a clear error.
+
+Framed files (``docs/atp-format.md`` §15): a record's bytes are fetched with the
+20-byte frame header before them (:func:`record_ranges`, :func:`block_span`) and the
+image is framed too, so the reader of the image checks each record's CRC-32 as a
+reader of the whole file does. A file in the writing state has no index to fetch:
+:func:`parse_meta` refuses it (its records are found by scanning the whole file).
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import numpy as np
 
 from .codecs import CODEC_NONE
 from .errors import IndexBlockError
-from .header import HEADER_SIZE, SLOT_SIZE, Header, encode_slot, select_header
+from .frames import FRAME_HEADER_SIZE
+from .header import FLAG_FRAMED, HEADER_SIZE, SLOT_SIZE, Header, encode_slot, select_header
 from .index import INDEX_DTYPE, decode_index, encode_index
 from .reader import Reader
 from .schema import decode_schema
 
 __all__ = ["FileMeta", "block_span", "complete_block", "gathered_image", "image_layout",
-           "parse_meta", "plan_blocks"]
+           "parse_meta", "plan_blocks", "record_ranges"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,11 @@ class FileMeta:
     def n_atoms(self) -> np.ndarray:
         """Atom count of every record (int64)."""
         return self.index["n_atoms"].astype(np.int64)
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of frame header before each record's stored bytes (20 framed, else 0)."""
+        return FRAME_HEADER_SIZE if self.header.framed else 0
 
     @property
     def record_ends(self) -> np.ndarray:
@@ -102,7 +114,7 @@ def parse_meta(name: str, size: int, head: bytes, schema: bytes, index: bytes) -
         entries = np.zeros(0, INDEX_DTYPE)
     offsets = entries["offset"]
     ends = offsets + entries["stored"].astype(np.uint64)
-    bad = (offsets < HEADER_SIZE) | (ends > size)
+    bad = (offsets < HEADER_SIZE + (FRAME_HEADER_SIZE if header.framed else 0)) | (ends > size)
     if header.codec == CODEC_NONE:
         bad |= entries["stored"] != entries["raw"]
     if bad.any():
@@ -147,6 +159,25 @@ def plan_blocks(meta: FileMeta, block_bytes: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
+def record_ranges(meta: FileMeta, records: np.ndarray) -> list[tuple[int, int]]:
+    """The file byte ranges ``(start, end)`` to fetch for records ``records``.
+
+    A record's stored bytes, and in a framed file the frame header before them
+    (:func:`gathered_image` takes the ranges' bytes as they are).
+
+    Args:
+        meta (FileMeta): The file's metadata.
+        records (np.ndarray): Record indices.
+
+    Returns:
+        One ``(start, end)`` per record, in the same order.
+    """
+    entries = meta.index[records]
+    starts = entries["offset"].astype(np.int64)
+    ends = (starts + entries["stored"]).tolist()
+    return list(zip((starts - meta.frame_bytes).tolist(), ends))
+
+
 def image_layout(meta: FileMeta, stored_bytes: int, count: int) -> tuple[int, int, int]:
     """Where the parts of an image of ``count`` records (``stored_bytes`` in all) go.
 
@@ -170,11 +201,13 @@ def _finish(buffer, meta: FileMeta, entries: np.ndarray, stored_bytes: int) -> N
     if len(buffer) != total:
         raise ValueError(f"image buffer holds {len(buffer)} bytes, the layout needs {total}")
     has_schema = bool(meta.schema)
+    framed = meta.header.framed
     header = Header(generation=1, index_offset=index_offset, index_len=8 + 20 * len(entries),
                     num_molecules=len(entries), codec=meta.header.codec,
                     level=meta.header.level, record_format=meta.header.record_format,
                     schema_offset=schema_offset if has_schema else 0,
-                    schema_len=len(meta.schema))
+                    schema_len=len(meta.schema), flags=FLAG_FRAMED if framed else 0,
+                    data_end=schema_offset if framed else 0)
     slot = encode_slot(header)
     buffer[0:SLOT_SIZE] = slot
     buffer[SLOT_SIZE:HEADER_SIZE] = slot
@@ -197,7 +230,7 @@ def block_span(meta: FileMeta, first: int, stop: int) -> tuple[int, int, int]:
     Returns:
         ``(span_start, span_len, image_size)``.
     """
-    span_start = int(meta.index["offset"][first])
+    span_start = int(meta.index["offset"][first]) - meta.frame_bytes
     span_len = int(meta.record_ends[stop - 1]) - span_start
     return span_start, span_len, image_layout(meta, span_len, stop - first)[2]
 
@@ -228,13 +261,15 @@ def gathered_image(meta: FileMeta, records: np.ndarray,
     Args:
         meta (FileMeta): The file's metadata.
         records (np.ndarray): Record indices (any order, no repeats needed).
-        payloads (Sequence[bytes | memoryview]): The stored bytes of each record, in the same order.
+        payloads (Sequence[bytes | memoryview]): The bytes of each record's range
+            (:func:`record_ranges`: stored bytes, after the frame header in a framed
+            file), in the same order.
 
     Returns:
         A reader whose record ``j`` is record ``records[j]`` of the file.
     """
     entries = meta.index[records].copy()
-    stored = entries["stored"].astype(np.int64)
+    stored = entries["stored"].astype(np.int64) + meta.frame_bytes
     starts = np.concatenate([[0], np.cumsum(stored)])
     total_stored = int(starts[-1])
     total = image_layout(meta, total_stored, len(entries))[2]
@@ -244,6 +279,6 @@ def gathered_image(meta: FileMeta, records: np.ndarray,
             raise IndexBlockError(f"{meta.name}: got {len(payload)} bytes for a record of "
                                   f"{size} stored bytes")
         image[HEADER_SIZE + start:HEADER_SIZE + start + size] = payload
-    entries["offset"] = starts[:-1] + HEADER_SIZE
+    entries["offset"] = starts[:-1] + HEADER_SIZE + meta.frame_bytes
     _finish(image, meta, entries, total_stored)
     return Reader.from_bytes(image, name=meta.name, copy=False)

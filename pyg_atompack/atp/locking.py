@@ -1,4 +1,5 @@
-"""One writer per `.atp` file: an advisory ``flock`` held by every :class:`~.writer.Writer`.
+"""One writer per `.atp` file: an advisory ``flock`` held by every :class:`~.writer.Writer`,
+and new files made locked under a temporary name, then linked or renamed into place.
 
 Two writers appending to one file each commit an index that knows only its own
 records, so a record the first one committed silently reads back as the second
@@ -23,10 +24,14 @@ file replaced in between would leave them holding the lock of an orphan.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import secrets
+import stat
 import threading
+from typing import BinaryIO
 
 from .errors import FileLockedError
 
@@ -147,3 +152,140 @@ def forget_all() -> None:
     global _HELD_LOCK
     _HELD_LOCK = threading.Lock()
     _HELD.clear()
+
+
+# ---------------------------------------------------------------- new files
+def create_locked(path: str, head: bytes, overwrite: bool) -> BinaryIO:
+    """A new file at ``path`` that starts with ``head``, write-locked.
+
+    The file is made under a hidden temporary name next to ``path`` and locked
+    before it appears under ``path``: by a hard link when ``path`` is free (so a
+    concurrent creator gets :class:`FileExistsError`, and nobody sees the file
+    before its header is written), by a rename over the old file when overwriting,
+    done while holding the old file's lock. Never truncating in place is what lets
+    readers of the old file keep reading it: its inode lives on, unchanged, until
+    they close it (a truncation would pull the pages from under their mappings).
+
+    Args:
+        path (str): The file to create (a symbolic link: the file it names).
+        head (bytes): The two empty header slots.
+        overwrite (bool): Replace an existing file (unless a writer holds it).
+
+    Returns:
+        The new file, open ``r+b`` and locked.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        FileLockedError: Another writer holds the file being overwritten.
+    """
+    target = os.path.realpath(path)
+    while True:
+        old = lock_path(target, os.O_RDONLY) if overwrite else None
+        if old is None:
+            fh = None if os.path.lexists(target) else _link_new(target, path, head)
+            if fh is not None:
+                return fh
+            if not overwrite:
+                raise FileExistsError(f"{path}: already exists (pass overwrite=True)")
+            continue  # created meanwhile: overwrite that one, under its lock
+        try:
+            fh, temp = _sibling(target, os.fstat(old).st_mode)
+            try:
+                _start(fh, path, head)
+                os.replace(temp, target)
+            except BaseException:
+                release(fh)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+            return fh
+        finally:
+            unlock(old)
+            os.close(old)
+
+
+def _link_new(target: str, path: str, head: bytes) -> BinaryIO | None:
+    """A new locked file at ``target``, or :obj:`None` if one appeared there first."""
+    fh, temp = _sibling(target, None)
+    try:
+        _start(fh, path, head)
+        try:
+            os.link(temp, target)
+        except FileExistsError:
+            release(fh)
+            return None
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            release(fh)
+            return _create_in_place(target, path, head)
+    except BaseException:
+        release(fh)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+    return fh
+
+
+def _start(fh: BinaryIO, path: str, head: bytes) -> None:
+    """Lock a new file and write its empty header slots."""
+    lock(fh.fileno(), path)
+    fh.write(head)
+    fh.flush()
+
+
+# what link() says on a file system without hard links (vfat, many FUSE mounts)
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK)
+
+
+def _create_in_place(target: str, path: str, head: bytes) -> BinaryIO | None:
+    """:func:`_link_new` without hard links: an exclusive create, then the lock.
+
+    Another writer could lock the empty file between the two steps; it then finds
+    no header and fails, and if it still holds the lock this one says so.
+    """
+    try:
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except FileExistsError:
+        return None
+    fh = open(fd, "r+b")  # noqa: SIM115 - held until close()
+    try:
+        _start(fh, path, head)
+    except BaseException:
+        release(fh)
+        raise
+    return fh
+
+
+def _sibling(path: str, mode: int | None) -> tuple[BinaryIO, str]:
+    """A new hidden file next to ``path`` (``.NAME.writing-PID-RANDOM``), open ``w+b``.
+
+    Args:
+        path (str): The file it will become.
+        mode (int | None): Permission bits to copy (those of a file it replaces);
+            :obj:`None` leaves the process's umask to decide, like ``open()``.
+    """
+    directory, name = os.path.split(path)
+    while True:
+        temp = os.path.join(directory, f".{name}.writing-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        if mode is not None:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, stat.S_IMODE(mode))
+        return open(fd, "w+b"), temp  # noqa: SIM115 - held until close()
+
+
+def release(fh: BinaryIO) -> None:
+    """Forget the file's lock in this process's table, then close it (releasing the lock)."""
+    try:
+        unlock(fh.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        fh.close()

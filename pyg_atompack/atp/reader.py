@@ -17,8 +17,11 @@ from . import batch as _batch
 from . import cache as _cache
 from .codecs import CODEC_NAMES, decompress
 from .errors import CORRUPT_DATA_ERRORS, AtpError, AtpValueError, RecordDecodeError
+from .extensions import read_payload
 from .fields import FieldInfo, fields_from_schema, merge_layout
 from .filestate import F32, FileState
+from .frames import MetaFrame
+from .groups import Groups, read_groups
 from .header import Header
 from .index import molecule_index
 from .molecule import Molecule
@@ -186,6 +189,51 @@ class Reader(ReadOnlyReader):
 
     def __len__(self) -> int:
         return self._state().count
+
+    @property
+    def metadata_frames(self) -> list[MetaFrame]:
+        """The metadata frames the extensions directory lists (every kind, in order).
+
+        A file in the writing state lists the metadata frames its recovery scan found.
+        See :mod:`pyg_atompack.atp.extensions`.
+        """
+        return list(self._state().directory)
+
+    def read_metadata(self, frame: MetaFrame) -> bytes:
+        """The payload of one of :attr:`metadata_frames`, its CRC-32 checked.
+
+        Args:
+            frame (MetaFrame): An entry of :attr:`metadata_frames`.
+
+        Returns:
+            The payload bytes.
+
+        Raises:
+            FrameError: The frame is damaged (names the file, kind and offset).
+            AtpValueError: ``frame`` is not listed by this file.
+        """
+        st = self._state()
+        if frame not in st.directory:
+            raise AtpValueError(f"{self._name}: {frame} is not in the extensions directory")
+        st.check_size()
+        return read_payload(st.read, frame, self._name)
+
+    @property
+    def groups(self) -> Groups:
+        """The file's groupings: ``groups[name][i]`` is one group (see :mod:`.groups`).
+
+        Decoded from the groups frames the extensions directory lists on first access
+        (each frame's CRC-32 checked); files without groups give an empty mapping.
+
+        Raises:
+            GroupsError: A groups frame is damaged or breaks a rule (names the file,
+                frame, grouping and field).
+        """
+        st = self._state()
+        cached = getattr(self, "_groups", None)
+        if cached is None or cached[0] is not st:
+            cached = self._groups = (st, read_groups(self))
+        return cached[1]
 
     @property
     def n_atoms(self) -> np.ndarray:

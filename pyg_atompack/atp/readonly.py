@@ -47,4 +47,5 @@ class ReadOnlyReader:
         raise ReadOnlyError(self._read_only_message())
 
     add_batch = add
+    add_groups = add
     flush = add

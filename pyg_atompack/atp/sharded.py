@@ -13,6 +13,7 @@ import numpy as np
 from . import batch as _batch
 from .errors import AtpValueError
 from .fields import FieldInfo
+from .groups import Groups, read_groups
 from .index import molecule_index
 from .molecule import Molecule
 from .reader import ACCESS_MODES, Reader
@@ -259,6 +260,27 @@ class ShardedReader(ReadOnlyReader):
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return reorder_flat(flat, inverse)
+
+    @property
+    def groups(self) -> Groups:
+        """The groupings of the dataset: each shard's groups with their records moved to
+        the global numbering, groupings of one name concatenated shard after shard.
+
+        Read on first access (the groups frames of every shard; nothing else).
+
+        Raises:
+            GroupsError: A shard's groups frame is damaged, or a shard's groups do not
+                fit those of the shards before it (names the shard and frame).
+        """
+        groups = getattr(self, "_groups", None)
+        if groups is None:
+            groups = self._groups = read_groups(self, [
+                (self._groups_of(k), self._starts_list[k]) for k in range(len(self._shards))])
+        return groups
+
+    def _groups_of(self, shard: int) -> Any:
+        """The reader whose metadata frames hold shard ``shard``'s groups."""
+        return self._shards[shard]
 
     def close(self) -> None:
         """Close every shard (they reopen lazily on the next access)."""

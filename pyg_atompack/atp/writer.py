@@ -5,18 +5,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
-import stat
 import struct
 import weakref
-from typing import Any, BinaryIO
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import locking
+from .add_groups import GroupsState
 from .codecs import CODEC_NONE, CODEC_ZSTD, codec_id, make_compressor
-from .encode import Section, batch_columns, check_positions, encode_section, molecule_sections
+from .encode import (
+    Section,
+    assemble_batch,
+    batch_columns,
+    check_positions,
+    encode_section,
+    molecule_sections,
+)
 from .errors import AtpValueError, SchemaConflictError, TruncatedFileError
+from .extensions import encode_directory, read_directory, read_payload
+from .framedwrite import FramedLog, empty_framed_header
+from .frames import FRAME_RECORD, FRAME_SCHEMA, MetaFrame, encode_frame, recover
+from .groups import FRAME_GROUPS, merge_chunks
 from .header import (
     DATA_START,
     HEADER_SIZE,
@@ -45,6 +56,11 @@ class Writer:
         level (int, optional): Zstd level (ignored otherwise). (default: :obj:`3`)
         overwrite (bool, optional): Replace an existing file instead of raising
             ``FileExistsError``. (default: :obj:`False`)
+        framed (bool, optional): Write the framed layout of the revision after 0.4.1
+            (``docs/atp-format.md`` §15: every record and metadata frame with a CRC-32,
+            recoverable after a crash, readable by atompack-db 0.4.1 once committed).
+            The default writes the 0.4.1 layout, byte-identical to atompack-db 0.4.1.
+            (default: :obj:`False`)
 
     Example:
         >>> with Writer("out.atp", compression="zstd") as w:      # doctest: +SKIP
@@ -52,21 +68,29 @@ class Writer:
     """
 
     def __init__(self, path: str | os.PathLike, compression: str = "none", level: int = 3,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, framed: bool = False) -> None:
         codec = codec_id(compression)
         self._path = os.fspath(path)
         self._closed = True  # until the file is ours (close() and __del__ then do nothing)
-        header = Header(codec=codec, level=level if codec == CODEC_ZSTD else 0)
-        self._fh = _create(self._path, encode_slot(header) + encode_slot(header), overwrite)
+        level = level if codec == CODEC_ZSTD else 0
+        header = empty_framed_header(codec, level) if framed else \
+            Header(codec=codec, level=level)
+        self._fh = locking.create_locked(self._path, encode_slot(header) * 2, overwrite)
         self._init_state(header, schema=None, index=np.zeros(0, INDEX_DTYPE), tail=False)
+        if framed:
+            self._log = FramedLog(self._fh, header, DATA_START, None, 0)
 
     @classmethod
     def append_to(cls, path: str | os.PathLike) -> Writer:
         """Reopen an existing file for appending.
 
-        The codec, level, record format, schema and generation are kept; an
-        uncommitted tail (records written but never flushed) is truncated at the
-        first append or flush.
+        The codec, level, record format, schema, generation, layout (0.4.1 or
+        framed) and every metadata frame of the extensions directory (kinds this
+        version does not know included) are kept. In a 0.4.1 file an uncommitted
+        tail (records written but never flushed) is truncated at the first append
+        or flush; a framed file in the writing state is recovered (its valid frames
+        kept, with a :class:`~pyg_atompack.atp.RecoveredWriteWarning`) and writing
+        continues after its last valid frame.
 
         Args:
             path (str or os.PathLike): An existing `.atp` file with a valid header.
@@ -87,18 +111,35 @@ class Writer:
         self._fh = open(fd, "r+b")  # noqa: SIM115 - held until close()
         try:
             size = os.fstat(self._fh.fileno()).st_size
-            header = select_header(self._read(0, min(size, HEADER_SIZE)), size, self._path)
+            opened = select_header(self._read(0, min(size, HEADER_SIZE)), size, self._path,
+                                   allow_writing=True)
+            header, index_block, directory = opened, None, []
+            if opened.writing:
+                found = recover(self._read, opened, size, self._path)
+                header, index_block, directory = found.header, found.index_block, \
+                    found.metadata
+            elif header.ext_len:
+                directory = read_directory(self._read(header.ext_offset, header.ext_len),
+                                           header, self._path)
             schema = None
             if header.schema_len:
                 schema = decode_schema(self._read(header.schema_offset, header.schema_len),
                                        self._path)
             index = np.zeros(0, INDEX_DTYPE)
-            if header.index_len:
+            if index_block is not None:
+                index = decode_index(index_block, header.num_molecules, self._path).copy()
+            elif header.index_len:
                 block = self._read(header.index_offset, header.index_len)
                 index = decode_index(block, header.num_molecules, self._path).copy()
             self._init_state(header, schema, index, tail=size > header.committed_end)
+            self._directory = list(directory)
+            if header.framed:
+                payload = self._read(header.schema_offset - 4, header.schema_len + 4) \
+                    if header.schema_len else None
+                self._log = FramedLog(self._fh, opened, header.data_end, payload,
+                                      header.schema_offset - 4 if payload else 0)
         except BaseException:
-            _release(self._fh)
+            locking.release(self._fh)
             raise
         return self
 
@@ -121,6 +162,8 @@ class Writer:
         self._pending_count = 0
         self._end = header.committed_end
         self._tail = tail
+        self._log: FramedLog | None = None  # the framed layout's frames and commits
+        self._directory: list[MetaFrame] = []  # metadata frames the next commit lists
         self._closed = False
         _OPEN_WRITERS.add(self)
 
@@ -138,6 +181,96 @@ class Writer:
     def record_format(self) -> int:
         """2 or 3 (fixed by the first write into an empty file)."""
         return self._record_format
+
+    @property
+    def framed(self) -> bool:
+        """Whether the file has the framed layout (``docs/atp-format.md`` §15)."""
+        return self._log is not None
+
+    @property
+    def metadata_frames(self) -> list[MetaFrame]:
+        """The metadata frames the next commit's extensions directory lists, in order.
+
+        Every entry of the file's directory when it was opened (kinds this version
+        does not know included), then those added by :meth:`add_metadata`.
+        """
+        return list(self._directory)
+
+    def add_metadata(self, kind: int, payload: bytes, replace: bool = False) -> MetaFrame:
+        """Append a metadata frame (e.g. groups) and list it in the extensions directory.
+
+        Visible to readers after the next :meth:`flush`. In a 0.4.1 file the frame is
+        written after the records (0.4.1 readers ignore it and the directory); the file
+        stays a 0.4.1 file.
+
+        Args:
+            kind (int): The frame kind (``frames.FRAME_GROUPS`` = 3, or any kind other
+                than 1 (record) and 2 (schema)).
+            payload (bytes): The payload.
+            replace (bool, optional): Drop the directory's earlier entries of ``kind``
+                (their bytes stay in the file, unreferenced). (default: :obj:`False`)
+
+        Returns:
+            MetaFrame: The new directory entry.
+
+        Raises:
+            AtpValueError: ``kind`` is a record or schema kind, or does not fit 32 bits.
+        """
+        self._check_open()
+        if kind in (FRAME_RECORD, FRAME_SCHEMA) or not 0 <= kind < 1 << 32:
+            raise AtpValueError(f"{self._path}: metadata frame kind {kind} is not allowed "
+                                f"(1 and 2 are records and schemas; a u32 otherwise)")
+        payload = bytes(payload)
+        if self._log is not None:
+            entry = self._log.metadata(kind, payload)
+        else:
+            self._truncate_tail()
+            self._fh.seek(self._end)
+            self._fh.write(encode_frame(kind, payload))
+            entry = MetaFrame(kind, self._end + 20, len(payload))
+            self._end += 20 + len(payload)
+        if replace:
+            self._directory = [f for f in self._directory if f.kind != kind]
+        self._directory.append(entry)
+        return entry
+
+    def add_groups(self, name: str, members: Any, properties: Mapping[str, Any] | None = None,
+                   roles: Sequence[str] | None = None) -> None:
+        """Append groups to the grouping ``name`` (created if new), as upstream's
+        ``Database.add_groups``: one groups frame, visible after the next :meth:`flush`.
+
+        Args:
+            name (str): The grouping.
+            members (Any): Dicts ``{role: record}`` (named roles), sequences of records
+                (ordered groups), or with ``roles`` a ``(n_groups, len(roles))`` integer
+                array whose ``-1`` entries mark absent members. Records must exist
+                (pending ones count).
+            properties (Mapping[str, Any], optional): One value per group for each key:
+                ints, floats or str (int64, float64, str columns). (default: :obj:`None`)
+            roles (Sequence[str], optional): The role of each column of ``members``.
+                (default: :obj:`None`)
+
+        Raises:
+            GroupsError: Groups that break a rule (a missing record, an empty group, a
+                repeated role, a column of the wrong length, columns that differ from
+                the grouping's); the message names the file, grouping and field.
+            TypeError: Named and ordered groups mixed, or values of an unsupported type.
+        """
+        self._check_open()
+        state = getattr(self, "_groups", None)
+        if state is None:
+            state = self._groups = GroupsState(self._stored_groups)
+        grouping, payload = state.prepare(name, members, properties, roles, len(self),
+                                          self._path)
+        self.add_metadata(FRAME_GROUPS, payload)
+        state.push(name, grouping)
+
+    def _stored_groups(self) -> dict:
+        """The groupings of the groups frames this writer's directory lists."""
+        payloads = [(f"{self._path}: groups frame at byte {f.offset}",
+                     read_payload(self._read, f, self._path))
+                    for f in self._directory if f.kind == FRAME_GROUPS]
+        return merge_chunks(payloads, len(self))
 
     # ------------------------------------------------------------------ appending
     def add(self, positions: Any, atomic_numbers: Any, *, energy: Any = None, forces: Any = None,
@@ -212,7 +345,7 @@ class Writer:
         count, n = z.shape
         if count == 0:
             return
-        self._write_records(_assemble_batch(count, n, pos, z, sections), [n] * count)
+        self._write_records(assemble_batch(count, n, pos, z, sections), [n] * count)
 
     def _encode(self, positions: Any, atomic_numbers: Any, builtins: dict[str, Any],
                 properties: dict[str, Any] | None, atom_properties: dict[str, Any] | None,
@@ -297,22 +430,37 @@ class Writer:
         stored = records if self._codec == CODEC_NONE else [self._compress(r) for r in records]
         entries = np.zeros(len(records), INDEX_DTYPE)
         sizes = np.fromiter((len(s) for s in stored), np.int64, len(stored))
-        entries["offset"] = self._end + np.concatenate([[0], np.cumsum(sizes)[:-1]])
         entries["stored"] = sizes
         entries["raw"] = [len(r) for r in records] if self._codec != CODEC_NONE else sizes
         entries["n_atoms"] = n_atoms
-        self._fh.seek(self._end)
-        self._fh.write(b"".join(stored))
-        self._end += int(sizes.sum())
+        if self._log is not None:
+            # the schema frame first: a recovery then knows every key of these records
+            self._log.schema(self._record_format, encode_schema(self._schema))
+            entries["offset"] = self._log.records(stored, entries["raw"].tolist(), n_atoms)
+        else:
+            entries["offset"] = self._end + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            self._fh.seek(self._end)
+            self._fh.write(b"".join(stored))
+            self._end += int(sizes.sum())
         self._pending.append(entries)
         self._pending_count += len(records)
 
     # ------------------------------------------------------------------ commit
     def flush(self) -> None:
-        """Commit: write schema and index, sync, then the alternate header slot, sync."""
+        """Commit: write schema and index, sync, then the alternate header slot, sync.
+
+        A framed file writes its extensions directory and index after the last frame
+        (the schema lives in its schema frame), and nothing at all when nothing was
+        written since the last commit.
+        """
         self._check_open()
         self._truncate_tail()
         index = np.concatenate([self._committed, *self._pending])
+        if self._log is not None:
+            header = self._log.commit(index, self._directory, self._record_format)
+            if header is not None:
+                self._committed_as(header, index)
+            return
         self._fh.seek(self._end)
         schema_offset = schema_len = 0
         if self._schema is not None:
@@ -322,16 +470,25 @@ class Writer:
         index_block = encode_index(index)
         index_offset = self._end + schema_len
         self._fh.write(index_block)
+        # metadata frames of a 0.4.1 file: their directory after the index (0.4.1
+        # readers ignore it), so the header keeps pointing at every one of them
+        directory = encode_directory(self._directory)
+        self._fh.write(directory)
         self._fh.flush()
         os.fsync(self._fh.fileno())
         generation = self._header.generation + 1
+        ext_offset = index_offset + len(index_block) if directory else 0
         header = Header(generation, DATA_START, index_offset, len(index_block), len(index),
                         self._codec, self._header.level, self._record_format, schema_offset,
-                        schema_len, "A" if generation % 2 == 0 else "B")
+                        schema_len, "A" if generation % 2 == 0 else "B", ext_offset,
+                        len(directory))
         self._fh.seek(slot_offset_for_generation(generation))
         self._fh.write(encode_slot(header))
         self._fh.flush()
         os.fsync(self._fh.fileno())
+        self._committed_as(header, index)
+
+    def _committed_as(self, header: Header, index: np.ndarray) -> None:
         self._header = header
         self._committed = index
         self._pending = []
@@ -346,7 +503,7 @@ class Writer:
         if not self._closed:
             self._closed = True
             _OPEN_WRITERS.discard(self)
-            _release(self._fh)
+            locking.release(self._fh)
 
     def __del__(self) -> None:
         # a writer dropped without close(): the descriptor would close with its file
@@ -373,142 +530,6 @@ class Writer:
                 f"pending={self._pending_count}, record_format={self._record_format})")
 
 
-def _create(path: str, head: bytes, overwrite: bool) -> BinaryIO:
-    """A new file at ``path`` that starts with ``head``, write-locked.
-
-    The file is made under a hidden temporary name next to ``path`` and locked
-    before it appears under ``path``: by a hard link when ``path`` is free (so a
-    concurrent creator gets :class:`FileExistsError`, and nobody sees the file
-    before its header is written), by a rename over the old file when overwriting,
-    done while holding the old file's lock. Never truncating in place is what lets
-    readers of the old file keep reading it: its inode lives on, unchanged, until
-    they close it (a truncation would pull the pages from under their mappings).
-
-    Args:
-        path (str): The file to create (a symbolic link: the file it names).
-        head (bytes): The two empty header slots.
-        overwrite (bool): Replace an existing file (unless a writer holds it).
-
-    Returns:
-        The new file, open ``r+b`` and locked.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``overwrite`` is False.
-        FileLockedError: Another writer holds the file being overwritten.
-    """
-    target = os.path.realpath(path)
-    while True:
-        old = locking.lock_path(target, os.O_RDONLY) if overwrite else None
-        if old is None:
-            fh = None if os.path.lexists(target) else _link_new(target, path, head)
-            if fh is not None:
-                return fh
-            if not overwrite:
-                raise FileExistsError(f"{path}: already exists (pass overwrite=True)")
-            continue  # created meanwhile: overwrite that one, under its lock
-        try:
-            fh, temp = _sibling(target, os.fstat(old).st_mode)
-            try:
-                _start(fh, path, head)
-                os.replace(temp, target)
-            except BaseException:
-                _release(fh)
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
-                raise
-            return fh
-        finally:
-            locking.unlock(old)
-            os.close(old)
-
-
-def _link_new(target: str, path: str, head: bytes) -> BinaryIO | None:
-    """A new locked file at ``target``, or :obj:`None` if one appeared there first."""
-    fh, temp = _sibling(target, None)
-    try:
-        _start(fh, path, head)
-        try:
-            os.link(temp, target)
-        except FileExistsError:
-            _release(fh)
-            return None
-        except OSError as exc:
-            if exc.errno not in _NO_HARD_LINKS:
-                raise
-            _release(fh)
-            return _create_in_place(target, path, head)
-    except BaseException:
-        _release(fh)
-        raise
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-    return fh
-
-
-def _start(fh: BinaryIO, path: str, head: bytes) -> None:
-    """Lock a new file and write its empty header slots."""
-    locking.lock(fh.fileno(), path)
-    fh.write(head)
-    fh.flush()
-
-
-# what link() says on a file system without hard links (vfat, many FUSE mounts)
-_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK)
-
-
-def _create_in_place(target: str, path: str, head: bytes) -> BinaryIO | None:
-    """:func:`_link_new` without hard links: an exclusive create, then the lock.
-
-    Another writer could lock the empty file between the two steps; it then finds
-    no header and fails, and if it still holds the lock this one says so.
-    """
-    try:
-        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL
-                     | getattr(os, "O_CLOEXEC", 0), 0o666)
-    except FileExistsError:
-        return None
-    fh = open(fd, "r+b")  # noqa: SIM115 - held until close()
-    try:
-        _start(fh, path, head)
-    except BaseException:
-        _release(fh)
-        raise
-    return fh
-
-
-def _sibling(path: str, mode: int | None) -> tuple[BinaryIO, str]:
-    """A new hidden file next to ``path`` (``.NAME.writing-PID-RANDOM``), open ``w+b``.
-
-    Args:
-        path (str): The file it will become.
-        mode (int | None): Permission bits to copy (those of a file it replaces);
-            :obj:`None` leaves the process's umask to decide, like ``open()``.
-    """
-    directory, name = os.path.split(path)
-    while True:
-        temp = os.path.join(directory, f".{name}.writing-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL
-                         | getattr(os, "O_CLOEXEC", 0), 0o666)
-        except FileExistsError:
-            continue
-        if mode is not None:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, stat.S_IMODE(mode))
-        return open(fd, "w+b"), temp  # noqa: SIM115 - held until close()
-
-
-def _release(fh: BinaryIO) -> None:
-    """Forget the file's lock in this process's table, then close it (releasing the lock)."""
-    try:
-        locking.unlock(fh.fileno())
-    except (OSError, ValueError):
-        pass
-    finally:
-        fh.close()
-
-
 _OPEN_WRITERS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -527,47 +548,3 @@ def _forget_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _assemble_batch(count: int, n: int, pos: np.ndarray, z: np.ndarray,
-                    sections: list[Section]) -> list[bytes]:
-    """Build B records from per-column byte matrices with numpy (no per-molecule loop
-    unless a column holds strings, whose lengths vary)."""
-    u8 = np.uint8
-    blocks: list[Any] = [
-        np.broadcast_to(np.frombuffer(struct.pack("<I", n), u8), (count, 4)),
-        pos.reshape(count, -1).view(u8),
-        z,
-        np.broadcast_to(np.frombuffer(struct.pack("<H", len(sections)), u8), (count, 2)),
-    ]
-    for s in sections:
-        key = s.key_bytes()
-        if isinstance(s.payload, list):  # strings: the header's length varies per record
-            blocks.append([bytes((s.kind, len(key))) + key + bytes((s.tag,))
-                           + struct.pack("<I", len(p)) + p for p in s.payload])
-            continue
-        head = bytes((s.kind, len(key))) + key + bytes((s.tag,)) + \
-            struct.pack("<I", s.payload.shape[1])
-        blocks.append(np.broadcast_to(np.frombuffer(head, u8), (count, len(head))))
-        blocks.append(s.payload)
-    # merge runs of fixed-width blocks into one matrix each
-    merged: list[Any] = []
-    run: list[np.ndarray] = []
-    for block in blocks:
-        if isinstance(block, list):
-            if run:
-                merged.append(np.concatenate(run, axis=1))
-                run = []
-            merged.append(block)
-        else:
-            run.append(block)
-    if run:
-        merged.append(np.concatenate(run, axis=1))
-    if len(merged) == 1:
-        matrix = merged[0]
-        data = matrix.tobytes()
-        width = matrix.shape[1]
-        return [data[j * width:(j + 1) * width] for j in range(count)]
-    pieces = [[m[j].tobytes() for j in range(count)] if isinstance(m, np.ndarray) else m
-              for m in merged]
-    return [b"".join(parts) for parts in zip(*pieces)]

@@ -4,6 +4,8 @@
   `.atp` records (files, shard directories, lists of files, Hub locations).
 * :class:`AtompackLoader`: a batch-level loader that builds each ``Batch`` from
   one ``read_batch`` call.
+* :class:`AtompackGroupDataset`: the groups of one grouping (adsorbate+slab with its
+  references, ...), each item one ``Batch`` of its member records.
 * :class:`MemmapDataset`: a dataset over metatrain-style memmap directories.
 """
 
@@ -12,10 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["AtompackDataset", "AtompackLoader", "MemmapDataset"]
+__all__ = ["AtompackDataset", "AtompackGroupDataset", "AtompackLoader", "MemmapDataset"]
 
 _MODULES = {
     "AtompackDataset": "pyg_atompack.data.dataset",
+    "AtompackGroupDataset": "pyg_atompack.data.groups",
     "AtompackLoader": "pyg_atompack.data.loader",
     "MemmapDataset": "pyg_atompack.data.memmap",
 }

@@ -13,17 +13,50 @@ from torch_geometric.data import Batch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pyg_atompack.data.dataset import AtompackDataset
+from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
+from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
 from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
     ResumableSampler,
     StatefulBatchSampler,
     check_loader_state,
+    finished_pass_state,
+    finished_workers_state,
     quiet_torchdata,
     wrap_loader_state,
 )
 
 __all__ = ["AtompackLoader"]
+
+
+def atom_counts(dataset: AtompackDataset | AtompackGroupDataset) -> np.ndarray:
+    """Atom count of every position of ``dataset``, from the ``.atp`` index alone (of a
+    group: all its members' atoms)."""
+    if isinstance(dataset, AtompackGroupDataset):
+        return dataset.atom_counts()
+    return np.asarray(dataset.reader.n_atoms, dtype=np.int64)[dataset.record_indices()]
+
+
+class _RecordName:
+    """Names a dataset position as its file and record (for atom-budget errors)."""
+
+    def __init__(self, dataset: AtompackDataset) -> None:
+        self.dataset = dataset
+
+    def __call__(self, position: int) -> str:
+        if isinstance(self.dataset, AtompackGroupDataset):
+            return (f"group {position} of grouping {self.dataset.name!r} in "
+                    f"{self.dataset.records._source_repr}")
+        record = int(self.dataset.record_indices([position])[0])
+        reader = self.dataset.reader
+        paths = getattr(reader, "shard_paths", None)
+        if paths is not None:
+            shard, local = reader.locate(record)
+            if paths[shard] is not None:
+                return f"record {local} of {paths[shard]} (dataset position {position})"
+        where = getattr(reader, "path", None) or self.dataset._source_repr
+        return f"record {record} of {where} (dataset position {position})"
 
 
 def _pass_through(batch: Batch) -> Batch:
@@ -97,6 +130,26 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return batch if self.all_names is None else self.all_names.apply(batch)
 
 
+class _GroupFetcher(torch.utils.data.Dataset):
+    """Turns one list of group positions into one ``Batch`` of their members."""
+
+    def __init__(self, dataset: AtompackGroupDataset, follow_batch: Sequence[str],
+                 exclude_keys: Sequence[str], names: AttributeNames | None) -> None:
+        self.dataset = dataset
+        self.follow_batch = list(follow_batch)
+        self.exclude_keys = list(exclude_keys)
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, positions: Sequence[int]) -> Batch:
+        return self.__getitems__(positions)
+
+    def __getitems__(self, positions: Sequence[int]) -> Batch:
+        return self.dataset.fetch(positions, self.names, self.exclude_keys, self.follow_batch)
+
+
 class AtompackLoader(StatefulDataLoader):
     r"""A fast mini-batch loader for :class:`AtompackDataset`.
 
@@ -123,6 +176,16 @@ class AtompackLoader(StatefulDataLoader):
     process too, with the same ``num_workers``), continues the epoch with exactly
     the batches that were left.
 
+    ``max_atoms=N`` replaces ``batch_size``: batches hold at most ``N`` atoms, planned
+    from the ``.atp`` index's atom counts without reading a record
+    (:class:`~pyg_atompack.pyg.budget.AtomBudgetBatchSampler`): shuffled consecutive
+    runs of the epoch's permutation (``seed``, epoch), the same number of steps on
+    every DDP rank (the batches with most structures are split in two until the count
+    divides between ranks; nothing dropped or repeated), resumable like
+    ``shuffle=True``. A structure of more than ``N`` atoms is an
+    :class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming its file and record at
+    construction, or a batch of its own with ``oversize="own_batch"``.
+
     When the dataset has a ``transform``, the loader falls back to the
     per-sample path (``dataset[i]`` for each index, then
     ``Batch.from_data_list``), because transforms act on single graphs; it is
@@ -135,7 +198,9 @@ class AtompackLoader(StatefulDataLoader):
     fields out with ``fields=`` on the dataset or ``exclude_keys``.
 
     Args:
-        dataset (AtompackDataset): The dataset to load from.
+        dataset (AtompackDataset or AtompackGroupDataset): The dataset to load from; for
+            an :class:`~pyg_atompack.data.AtompackGroupDataset`, ``batch_size`` counts
+            groups and each batch holds all their members.
         batch_size (int, optional): Molecules per mini-batch. (default: :obj:`1`)
         shuffle (bool, optional): Reshuffle the data every epoch (see above); not
             allowed together with ``sampler``. (default: :obj:`False`)
@@ -160,6 +225,11 @@ class AtompackLoader(StatefulDataLoader):
             on every rank. :obj:`None` draws one from ``generator`` (or torch's
             global generator), so ``torch.manual_seed`` makes runs repeatable.
             (default: :obj:`None`)
+        max_atoms (int, optional): Atoms per batch, at most, instead of a number of
+            molecules (see above); ``batch_size`` must stay :obj:`1` and ``sampler``
+            unset. (default: :obj:`None`)
+        oversize (str, optional): With ``max_atoms``, a molecule larger than the
+            budget: ``"error"`` or ``"own_batch"``. (default: :obj:`"error"`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
@@ -179,12 +249,14 @@ class AtompackLoader(StatefulDataLoader):
         rename: Mapping[str, str] | None = None,
         names: str | None = None,
         seed: int | None = None,
+        max_atoms: int | None = None,
+        oversize: str = "error",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(dataset, AtompackDataset):
+        if not isinstance(dataset, (AtompackDataset, AtompackGroupDataset)):
             raise TypeError(
-                f"AtompackLoader needs an AtompackDataset, got {type(dataset).__name__}; "
-                "use torch_geometric.loader.DataLoader for other datasets"
+                "AtompackLoader needs an AtompackDataset or an AtompackGroupDataset, got "
+                f"{type(dataset).__name__}; use torch_geometric.loader.DataLoader for others"
             )
         for key in ("batch_sampler", "collate_fn"):
             if key in kwargs:
@@ -192,17 +264,32 @@ class AtompackLoader(StatefulDataLoader):
         if sampler is not None and shuffle:
             raise ValueError("AtompackLoader: sampler and shuffle=True are mutually exclusive")
         generator = kwargs.get("generator")
-        if sampler is None and shuffle:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), generator=generator))
-            sampler = ResumableSampler(dataset, seed=seed, drop_last=drop_last)
-        elif sampler is None:
-            sampler = SequentialSampler(dataset)
+        if shuffle and seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=generator))
+        batch_sampler: Sampler[list[int]]
+        if max_atoms is not None:
+            if sampler is not None or batch_size != 1 or drop_last:
+                raise ValueError("AtompackLoader: max_atoms plans the batches itself; pass "
+                                 "no sampler, batch_size or drop_last with it")
+            batch_sampler = AtomBudgetBatchSampler(
+                atom_counts(dataset), max_atoms, shuffle=shuffle, seed=seed or 0,
+                oversize=oversize, describe=_RecordName(dataset))
+        else:
+            if sampler is None and shuffle:
+                sampler = ResumableSampler(dataset, seed=seed, drop_last=drop_last)
+            elif sampler is None:
+                sampler = SequentialSampler(dataset)
+            batch_sampler = StatefulBatchSampler(sampler, batch_size, drop_last)
         self.follow_batch = list(follow_batch or [])
         self.exclude_keys = list(exclude_keys or [])
         self.atompack_dataset = dataset
-        fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
-                                resolve_names(rename, names))
+        fetcher: torch.utils.data.Dataset
+        if isinstance(dataset, AtompackGroupDataset):  # each batch: whole groups
+            fetcher = _GroupFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                    resolve_names(rename, names))
+        else:
+            fetcher = _BatchFetcher(dataset, self.follow_batch, self.exclude_keys,
+                                    resolve_names(rename, names))
         # in-process iteration (the fast path below): its batch iterator, and the
         # state load_state_dict left for the next iteration
         self._in_process_batches: Any = None
@@ -211,7 +298,7 @@ class AtompackLoader(StatefulDataLoader):
         with quiet_torchdata():
             super().__init__(
                 fetcher,
-                batch_sampler=StatefulBatchSampler(sampler, batch_size, drop_last),
+                batch_sampler=batch_sampler,
                 num_workers=num_workers,
                 collate_fn=_pass_through,
                 **kwargs,
@@ -233,9 +320,7 @@ class AtompackLoader(StatefulDataLoader):
                 saved = resume["batch_sampler"]
                 if not resume["finished"]:
                     positions.load_state_dict(saved)
-                elif "sampler_state" in saved:
-                    # a finished pass: the sampler starts the epoch after it
-                    self.batch_sampler.sampler.load_state_dict(saved["sampler_state"])
+                elif self._load_finished_pass(finished_pass_state(saved)):
                     positions = iter(self.batch_sampler)
             # DataLoader draws a base seed per epoch from the loader's generator
             # (or the global one); draw it too so that shuffles stay identical.
@@ -250,13 +335,25 @@ class AtompackLoader(StatefulDataLoader):
             yield fetch(batch_positions)
         self._in_process_finished = True
 
+    def _load_finished_pass(self, state: dict[str, Any] | None) -> bool:
+        # a state taken after a pass ended: the sampler starts the epoch after it
+        if state is None:
+            return False
+        target = self.batch_sampler
+        if not isinstance(target, AtomBudgetBatchSampler):
+            target = target.sampler
+        target.load_state_dict(state)
+        return True
+
     def set_epoch(self, epoch: int) -> None:
         """Forward ``epoch`` to the sampler (``ResumableSampler``, ``DistributedSampler``).
 
         Args:
             epoch (int): The epoch of the next pass.
         """
-        sampler = self.batch_sampler.sampler
+        sampler = self.batch_sampler
+        if not isinstance(sampler, AtomBudgetBatchSampler):
+            sampler = sampler.sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
@@ -289,12 +386,16 @@ class AtompackLoader(StatefulDataLoader):
         state = check_loader_state(state_dict, self.num_workers)
         if self._in_process():
             self._in_process_resume = state
+        elif self._load_finished_pass(finished_workers_state(state)):
+            super().load_state_dict({})  # nothing of the finished pass is left
         else:
             super().load_state_dict(state)
 
     def __repr__(self) -> str:
+        size = (f"max_atoms={self.batch_sampler.max_atoms}"
+                if isinstance(self.batch_sampler, AtomBudgetBatchSampler)
+                else f"batch_size={self.batch_sampler.batch_size}")
         return (
-            f"{self.__class__.__name__}({self.atompack_dataset!r}, "
-            f"batch_size={self.batch_sampler.batch_size}, "
+            f"{self.__class__.__name__}({self.atompack_dataset!r}, {size}, "
             f"num_workers={self.num_workers})"
         )

@@ -272,6 +272,11 @@ class HubAtpReader(ShardedReader):
                 self._readers[shard] = reader
         return reader
 
+    def _groups_of(self, shard: int) -> Any:
+        # the shard's groups frames: through its page cache after by_record(), else
+        # from the downloaded (verified) shard
+        return self.shard_reader(shard)
+
     def download_all(self, max_workers: int = 4) -> list[Path]:
         """Download (and verify) every shard now instead of on first read.
 

@@ -46,10 +46,20 @@ Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.names`
 (read-side renames and presets), :mod:`.data`
 (one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.pt`,
 :mod:`.pt_index` and :mod:`.pt_archive` (``.pt`` files), :mod:`.samples` (samples
-built when taken), :mod:`.errors`.
+built when taken), :mod:`.budget` (batches by atom budget), :mod:`.errors`.
 """
 
 from .batch import flat_to_batch
+from .budget import (
+    AtomBudgetBatchSampler,
+    AtomBudgetError,
+    EqualSteps,
+    balance_batches,
+    consumed_positions,
+    group_by_atoms,
+    plan_atom_batches,
+    rank_batches,
+)
 from .data import flat_to_data_list, record_to_data
 from .errors import (
     BatchAssemblyError,
@@ -63,7 +73,10 @@ from .names import NAME_PRESETS, AttributeNames, names_transform, resolve_names
 from .pt import PYG_SAFE_GLOBALS, decode_pt
 
 __all__ = [
+    "AtomBudgetBatchSampler",
+    "AtomBudgetError",
     "AttributeNames",
+    "EqualSteps",
     "BUILTIN_FIELDS",
     "NAME_PRESETS",
     "FieldSelectionError",
@@ -80,4 +93,9 @@ __all__ = [
     "names_transform",
     "resolve_fields",
     "resolve_names",
+    "balance_batches",
+    "consumed_positions",
+    "group_by_atoms",
+    "plan_atom_batches",
+    "rank_batches",
 ]

@@ -29,7 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
 __all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "check_loader_state",
-           "quiet_torchdata", "wrap_loader_state"]
+           "finished_pass_state", "quiet_torchdata", "wrap_loader_state"]
 
 SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/1"
 LOADER_STATE_FORMAT = "pyg_atompack-loader/1"
@@ -237,6 +237,38 @@ def check_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any
     return state["loader"]
 
 
+def finished_pass_state(saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A sampler state of a pass that ran to its end, set to start the next epoch.
+
+    torchdata restores the state of a finished multi-process pass by starting a pass
+    (whose sampler, at its end, begins the next epoch), marking it finished and then
+    starting another: an epoch is skipped. Loading this state into the sampler and
+    nothing into the loader starts the next epoch at its first batch instead.
+
+    Args:
+        saved (dict | None): A sampler state (``ResumableSampler``,
+            ``AtomBudgetBatchSampler``) or torchdata's batch-sampler iterator state
+            holding one (``sampler_state``).
+
+    Returns:
+        dict | None: The state, or :obj:`None` when ``saved`` holds no such state.
+    """
+    if not isinstance(saved, dict):
+        return None
+    saved = saved.get("sampler_state", saved)
+    if not isinstance(saved, dict) or "epoch" not in saved or "started" not in saved:
+        return None
+    return {**saved, "epoch": int(saved["epoch"]) + 1, "started": False}
+
+
+def finished_workers_state(state: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`finished_pass_state` of a multi-process loader state, if its pass ended."""
+    if not state.get("_iterator_finished"):
+        return None
+    main = state.get("_snapshot", {}).get("_main_snapshot", {})
+    return finished_pass_state(main.get("_sampler_iter_state"))
+
+
 class StatefulLoader(StatefulDataLoader):
     r"""A resumable PyG data loader: torchdata's ``StatefulDataLoader`` with PyG collation.
 
@@ -316,7 +348,12 @@ class StatefulLoader(StatefulDataLoader):
         Raises:
             ValueError: If the state was taken with a different ``num_workers``.
         """
-        super().load_state_dict(check_loader_state(state_dict, self.num_workers))
+        state = check_loader_state(state_dict, self.num_workers)
+        finished = finished_workers_state(state) if self.num_workers > 0 else None
+        if finished is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(finished)  # the next epoch, not the one after
+            state = {}
+        super().load_state_dict(state)
 
 
 def _first_item(item: Any) -> Any:

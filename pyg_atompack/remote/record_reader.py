@@ -27,7 +27,9 @@ import numpy as np
 
 from pyg_atompack.atp import batch as _batch
 from pyg_atompack.atp.errors import AtpError
-from pyg_atompack.atp.images import FileMeta, gathered_image
+from pyg_atompack.atp.extensions import read_directory, read_payload
+from pyg_atompack.atp.groups import read_groups
+from pyg_atompack.atp.images import FileMeta, gathered_image, record_ranges
 from pyg_atompack.atp.index import molecule_index
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.atp_meta import load_meta
@@ -70,6 +72,8 @@ class RemoteAtpReader:
         self._head: bytes | None = None
         self._meta: FileMeta | None = None
         self._fields: dict | None = None
+        self._directory: list | None = None
+        self._groups: Any = None
         self.cache = BlockCache(remote_cache.kind_folder(remote_cache.PAGES, self.cache_dir),
                                 self.cache_bytes, page_bytes=self.page_bytes,
                                 root=self.cache_dir)
@@ -127,15 +131,35 @@ class RemoteAtpReader:
             self._fields = self._image(np.zeros(0, np.int64)).fields
         return self._fields
 
-    # ----------------------------------------------------------------- records
-    def _ranges(self, records: np.ndarray) -> list[tuple[int, int]]:
-        entries = self.meta.index[records]
-        starts = entries["offset"].astype(np.int64)
-        return list(zip(starts.tolist(), (starts + entries["stored"]).tolist()))
+    @property
+    def metadata_frames(self) -> list:
+        """The metadata frames the extensions directory lists (fetched once), as
+        :attr:`pyg_atompack.atp.Reader.metadata_frames`."""
+        if self._directory is None:
+            h = self.header
+            block = b"" if not h.ext_len else self._bytes(h.ext_offset, h.ext_len)
+            self._directory = read_directory(block, h, self.name) if block else []
+        return list(self._directory)
 
+    def read_metadata(self, frame: Any) -> bytes:
+        """The payload of one of :attr:`metadata_frames`, its CRC-32 checked."""
+        return read_payload(self._bytes, frame, self.name)
+
+    @property
+    def groups(self) -> Any:
+        """The file's groupings (:class:`pyg_atompack.atp.groups.Groups`); only the
+        groups frames are fetched, and a group's members when it is read."""
+        if self._groups is None:
+            self._groups = read_groups(self)
+        return self._groups
+
+    def _bytes(self, offset: int, length: int) -> bytes:
+        return bytes(self.cache.read(self.range_reader, [(offset, offset + length)])[0])
+
+    # ----------------------------------------------------------------- records
     def _image(self, records: np.ndarray) -> Any:
-        return gathered_image(self.meta, records,
-                              self.cache.read(self.range_reader, self._ranges(records)))
+        return gathered_image(self.meta, records, self.cache.read(
+            self.range_reader, record_ranges(self.meta, records)))
 
     def __getitem__(self, i: int) -> Any:
         i = molecule_index(i, len(self), self.name)

@@ -19,6 +19,7 @@ from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
+from pyg_atompack.pyg.budget import check_budget, group_by_atoms
 from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
 from pyg_atompack.stream.blocks import (
@@ -247,6 +248,17 @@ class ShardStreamDataset(IterableDataset):
             the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
             is initialised in the consuming process when iteration starts, else the
             wall clock. (default: :obj:`"auto"`)
+        max_atoms (int, optional): Yield batches of at most this many atoms instead of
+            ``batch_size`` samples (:func:`~pyg_atompack.pyg.budget.group_by_atoms`):
+            each filled first fit from a look-ahead of ``shuffle_buffer`` samples (next
+            fit without one), every sample in exactly one batch, the same batches for
+            a given seed and epoch. Ranks may form different numbers of batches (atom
+            counts are known only once samples are decoded): under DDP iterate through
+            :class:`~pyg_atompack.pyg.budget.EqualSteps`, which stops every rank at the
+            shortest one. (default: :obj:`None`)
+        oversize (str, optional): With ``max_atoms``, a sample larger than the budget:
+            ``"error"`` (:class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming the
+            shard and sample) or ``"own_batch"``. (default: :obj:`"error"`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -263,8 +275,13 @@ class ShardStreamDataset(IterableDataset):
                  block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records"):
+                 verify_before_use: bool | str = "records", max_atoms: int | None = None,
+                 oversize: str = "error"):
         super().__init__()
+        if max_atoms is not None:
+            check_budget(max_atoms, oversize)
+            if batch_size is not None:
+                raise ValueError("pass batch_size or max_atoms, not both")
         if (prefetch < 0 or concurrency < 1 or shuffle_buffer < 0 or interleave < 1
                 or read_ahead < 0):
             raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "
@@ -306,6 +323,7 @@ class ShardStreamDataset(IterableDataset):
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
         self.batch_size = batch_size
+        self.max_atoms, self.oversize = max_atoms, oversize
         self.transform = transform
         self.names = resolve_names(rename, names)
         self.trusted = trusted
@@ -515,7 +533,8 @@ class ShardStreamDataset(IterableDataset):
             items = mix_across_shards(items, self.shuffle_buffer, mixing)
             trim_due = False
             untrimmed_bytes = 0  # shard bytes consumed since the last trim
-            for unit in group_items(items, self.batch_size):
+            for unit in (group_items(items, self.batch_size) if self.max_atoms is None
+                         else self._atom_batches(items, plan, quota)):
                 if trim_due:
                     # the shard finished last time has been dropped by now (pulling this
                     # unit advanced past it): give its memory back to the OS
@@ -541,7 +560,8 @@ class ShardStreamDataset(IterableDataset):
                 samples = [sample for _, _, sample in unit]
                 last_shard = unit[-1][0]  # a step waits, if at all, on its last sample
                 del unit
-                item = samples[0] if self.batch_size is None else Batch.from_data_list(samples)
+                item = (samples[0] if self.batch_size is None and self.max_atoms is None
+                        else Batch.from_data_list(samples))
                 del samples
                 if meter is not None:
                     meter.received(last_shard)
@@ -572,6 +592,20 @@ class ShardStreamDataset(IterableDataset):
             if get_worker_info() is not None:
                 name = f"epoch{self.epoch:06d}-rank{slot.rank}-worker{slot.worker}.json"
                 recorder.write(self.trace_dir / name)
+
+    def _atom_batches(self, items: Iterator, plan: StreamPlan | BlockPlan,
+                      quota: int | None) -> Iterator[list]:
+        # max_atoms: the batching lives in pyg.budget; a batch never crosses the quota
+        def describe(item: tuple) -> str:
+            position, index = item[0], item[1]
+            if isinstance(plan, BlockPlan):
+                block = plan.blocks[position]
+                return f"record {block.first + index} of shard {self.shards[block.shard].name}"
+            return f"sample {index} of shard {self.shards[plan.shards[position]].name}"
+
+        return group_by_atoms(items, self.max_atoms, lambda item: item[2].num_nodes,
+                              window=self.shuffle_buffer, limit=quota,
+                              oversize=self.oversize, describe=describe)
 
     # ----------------------------------------------------------------- traces
     def _snapshots(self) -> list[dict]:
