@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from pyg_atompack.remote import manifest
-from pyg_atompack.remote.files import RemoteFile
+from pyg_atompack.remote.files import SHARD_SUFFIXES, RemoteFile
 from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError, StreamCancelled
 from pyg_atompack.transport.buffers import WritableBuffer, allocate
 from pyg_atompack.transport.errors import (
@@ -74,7 +74,6 @@ from pyg_atompack.transport.errors import (
 )
 from pyg_atompack.transport.http import Cancel
 
-SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = manifest.MANIFEST_NAME
 
 
