@@ -8,6 +8,7 @@ which sends ``ETag`` and ``Last-Modified`` as nginx derives them.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import threading
@@ -172,9 +173,10 @@ def test_a_file_of_another_size_than_listed_is_refused_at_once(served):
     retrying the short ranges (and the HTTP 416 beyond the end) as dropped connections."""
     root, server = served
     size = (root / NAME).stat().st_size
-    (root / NAME).write_bytes((root / NAME).read_bytes()[: size // 2])
+    (root / "listing.json").write_text(json.dumps({"shards": [{"name": NAME, "bytes": size}]}))
     policy = RetryPolicy(retries=3, backoff=0.01, timeout=10.0)
+    source = RemoteSource(server.url("listing.json"), suffixes=None, retry=policy)
+    (root / NAME).write_bytes((root / NAME).read_bytes()[: size // 2])
     with pytest.raises(RemoteIntegrityError, match=rf"size {size // 2} bytes, expected {size}"):
-        transport_http.fetch_in_parts(server.url(NAME), size=size, parts=2, policy=policy,
-                                      cancel=CancelToken(), make_token=CancelToken)
+        source.fetch_in_parts(source.list_shards()[0], CancelToken(), 2)
     assert len(server.requests_for(NAME)) <= 2  # no retries
