@@ -115,6 +115,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/framed_crc.py
 	$(PY) benchmarks/atom_budget.py
 	$(PY) benchmarks/groups_loader.py
+	$(PY) benchmarks/carry_groups.py
+	$(PY) benchmarks/bench_elastic.py
+	$(PY) benchmarks/neighbours.py
+	$(PY) benchmarks/autotune.py
 	$(PY) benchmarks/offcpu.py
 	$(PY) benchmarks/bench_dataset.py
 	$(PY) benchmarks/bench_convert.py

@@ -18,6 +18,7 @@ _LAZY_ATTRIBUTES = {
     "AtompackGroupDataset": "pyg_atompack.data.groups",
     "AtompackLoader": "pyg_atompack.data.loader",
     "MemmapDataset": "pyg_atompack.data.memmap",
+    "MixedDataset": "pyg_atompack.pyg.mixing",
     "ResumableSampler": "pyg_atompack.pyg.resume",
     "StatefulLoader": "pyg_atompack.pyg.resume",
     "ShardStreamDataset": "pyg_atompack.stream.dataset",

@@ -53,6 +53,7 @@ NEVER_LOADS: dict[str, tuple[str, ...]] = {
     "pyg_atompack.data": ("pyg_atompack.stream",),
     "pyg_atompack.stream": ("pyg_atompack.data",),
     "pyg_atompack.convert": ("pyg_atompack.stream",),
+    "pyg_atompack.pyg": ("pyg_atompack.data", "pyg_atompack.stream", "pyg_atompack.convert"),
 }
 
 

@@ -10,7 +10,10 @@ part's (an integer key that a later part stores as a float: the type a single
 conversion would have promoted every structure to), and publishes a directory
 with every shard (hard links where the file system allows, copies otherwise;
 the parts stay as they are) and one manifest in global order: the directory a
-single conversion would have written.
+single conversion would have written. Metadata frames (groups, kinds of newer
+versions) live inside the shards, already in their shard's numbering
+(:class:`~.atp_io.CarriedMetadata`), so linked shards keep them as they are and
+re-encoded ones carry them through :func:`~.pipeline.reencode`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from pyg_atompack.atp.frames import FRAME_GROUPS
+
+from .atp_io import CarriedMetadata
 from .coercion import Coercer, Kind, Widened, kinds_to_json
 from .errors import note
 from .options import ReadOptions, WriteOptions
@@ -90,8 +93,12 @@ def _convert_once(src, dst, src_format, dst_format, read_options, write_options,
         if part is not None:
             write_options = part_write_options(reader, dst, dst_format, write_options)
         bar = progress(reader.length) if progress is not None else None
+        metadata = _source_metadata(src, src_format)
         try:
             with open_writer(dst, dst_format, write_options) as writer:
+                if metadata is not None:
+                    _carry(metadata, writer, dst, getattr(reader, "first_index", 0),
+                           reader.length)
                 # indices in the source: a part starts at its first structure
                 for index, structure in enumerate(reader, getattr(reader, 'first_index', 0)):
                     writer.add(coercer(structure, index))
@@ -105,6 +112,31 @@ def _convert_once(src, dst, src_format, dst_format, read_options, write_options,
         finally:
             if bar is not None:
                 bar.close()
+
+
+def _source_metadata(src: str | os.PathLike, src_format: str | None
+                     ) -> CarriedMetadata | None:
+    """The metadata frames of an `.atp` source (groups, kinds of newer versions), or
+    :obj:`None` for other formats and `.atp` sources without any."""
+    from .registry import detect_source_format
+
+    if (src_format or detect_source_format(src)) not in ("atp", "atp-shards"):
+        return None
+    metadata = CarriedMetadata.of_source(src)
+    return metadata if metadata else None
+
+
+def _carry(metadata: CarriedMetadata, writer: Any, dst: str | os.PathLike, first: int,
+           count: int) -> None:
+    """Hand the source's metadata frames to an `.atp` writer; say so for other formats."""
+    carry = getattr(writer, "carry", None)
+    if carry is not None:
+        carry(metadata, first, count)
+        return
+    kinds = ", ".join("groups" if k == FRAME_GROUPS else f"kind {k}" for k in metadata.kinds())
+    note(f"{metadata.name}: its metadata frames ({kinds}) are not written to {dst}: "
+         f"{writer.format_name} has no place for them; convert to an .atp file or .atp "
+         f"shard directory to keep them")
 
 
 def reencode(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,14 +16,15 @@ from pyg_atompack.data.dataset import AtompackDataset
 from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
 from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
+from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
     ResumableSampler,
     StatefulBatchSampler,
-    check_loader_state,
     finished_pass_state,
     finished_workers_state,
     quiet_torchdata,
+    restore_loader_state,
     wrap_loader_state,
 )
 
@@ -173,8 +174,9 @@ class AtompackLoader(StatefulDataLoader):
     :mod:`torch.distributed` is initialised (``DistributedSampler``'s order). The
     loader is a torchdata ``StatefulDataLoader``: :meth:`state_dict` between two
     steps, then :meth:`load_state_dict` on a loader built the same way (in a new
-    process too, with the same ``num_workers``), continues the epoch with exactly
-    the batches that were left.
+    process too), continues the epoch with exactly the batches that were left; with
+    ``shuffle=True`` also on another number of workers or ranks (the indices no rank
+    had handed out, dealt over the new ranks).
 
     ``max_atoms=N`` replaces ``batch_size``: batches hold at most ``N`` atoms, planned
     from the ``.atp`` index's atom counts without reading a record
@@ -230,6 +232,13 @@ class AtompackLoader(StatefulDataLoader):
             unset. (default: :obj:`None`)
         oversize (str, optional): With ``max_atoms``, a molecule larger than the
             budget: ``"error"`` or ``"own_batch"``. (default: :obj:`"error"`)
+        device (torch.device or str, optional): Hand batches out on this device, each
+            copied from pinned memory on a side CUDA stream while the previous step
+            runs (:class:`~pyg_atompack.pyg.device.DeviceFeeder`); resuming stays exact.
+            (default: :obj:`None`, batches stay on the CPU)
+        device_transform (Callable, optional): Applied to each batch on the device, on
+            the side stream, e.g. ``InteractionGraph.transform()`` to build its
+            neighbour graph there. (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
@@ -251,8 +260,11 @@ class AtompackLoader(StatefulDataLoader):
         seed: int | None = None,
         max_atoms: int | None = None,
         oversize: str = "error",
+        device: torch.device | str | None = None,
+        device_transform: Callable[[Batch], Batch] | None = None,
         **kwargs: Any,
     ) -> None:
+        self.device_feed = DeviceFeed.of(device, device_transform)
         if not isinstance(dataset, (AtompackDataset, AtompackGroupDataset)):
             raise TypeError(
                 "AtompackLoader needs an AtompackDataset or an AtompackGroupDataset, got "
@@ -308,6 +320,11 @@ class AtompackLoader(StatefulDataLoader):
         return self.num_workers == 0 and not self.pin_memory
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.device_feed is not None:
+            return self.device_feed.wrap(self._cpu_batches(), snapshot=self._loader_state)
+        return self._cpu_batches()
+
+    def _cpu_batches(self) -> Iterator[Batch]:
         if self._in_process():
             # In-process loading needs none of the iterator machinery of
             # DataLoader (profiler scopes, worker bookkeeping: ~15 us a batch,
@@ -365,6 +382,11 @@ class AtompackLoader(StatefulDataLoader):
         Returns:
             dict: The state, for :meth:`load_state_dict`.
         """
+        if self.device_feed is not None:  # not the state of the batch drawn ahead
+            return self.device_feed.state(self._loader_state)
+        return self._loader_state()
+
+    def _loader_state(self) -> dict[str, Any]:
         if self._in_process():
             batches = self._in_process_batches
             state = {"batch_sampler": None if batches is None else batches.state_dict(),
@@ -376,15 +398,31 @@ class AtompackLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next iteration continue the saved pass.
 
+        A state taken with another ``num_workers`` or on another number of ranks
+        resumes too when the loader shuffles (``ResumableSampler``) or batches by
+        ``max_atoms``: the rest of the epoch is then the indices (batches) no rank had
+        handed out, dealt over the new ranks.
+
         Args:
             state_dict (dict): Output of :meth:`state_dict` of a loader built the same
-                way (dataset, batch size, sampler or ``seed``, ``num_workers``).
+                way (dataset, batch size, sampler or ``seed``); any rank's.
 
         Raises:
-            ValueError: If the state was taken with a different ``num_workers``.
+            ValueError: If the state was taken with a different ``num_workers`` and a
+                sampler whose position cannot be carried over.
         """
-        state = check_loader_state(state_dict, self.num_workers)
-        if self._in_process():
+        if self.device_feed is not None:
+            self.device_feed.reset()
+        holder = self.batch_sampler  # what keeps the position: the budget's batch sampler
+        if not isinstance(holder, AtomBudgetBatchSampler):
+            holder = holder.sampler
+        state = restore_loader_state(state_dict, self.num_workers, holder,
+                                     getattr(self.batch_sampler, "batch_size", None))
+        if state is None:  # carried over through the sampler alone
+            self._in_process_resume = None
+            if not self._in_process():
+                super().load_state_dict({})
+        elif self._in_process():
             self._in_process_resume = state
         elif self._load_finished_pass(finished_workers_state(state)):
             super().load_state_dict({})  # nothing of the finished pass is left

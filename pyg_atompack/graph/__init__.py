@@ -13,12 +13,15 @@ neighbour), ``edge_index[1]`` the target ``i`` (the centre), as PyG's
 
 from .interaction import InteractionGraph, SchNetWithGraph
 from .radius import DEFAULT_MAX_PAIRS, NeighbourGraph, radius_graph, torch_cluster_available
+from .transform import NeighbourTransform, edge_vectors
 
 __all__ = [
     "DEFAULT_MAX_PAIRS",
     "InteractionGraph",
     "NeighbourGraph",
+    "NeighbourTransform",
     "SchNetWithGraph",
+    "edge_vectors",
     "radius_graph",
     "torch_cluster_available",
 ]

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch_geometric.data import Data
 
 from .radius import DEFAULT_MAX_PAIRS, radius_graph
+from .transform import NeighbourTransform, edge_vectors
 
 
 class InteractionGraph(torch.nn.Module):
@@ -68,6 +69,7 @@ class InteractionGraph(torch.nn.Module):
         self.register_buffer("pbc", None if pbc is None else torch.as_tensor(pbc, dtype=torch.bool),
                              persistent=False)
         self._override: tuple[Tensor, Tensor | None] | None = None
+        self._edges: tuple[Tensor, Tensor] | None = None
 
     @contextmanager
     def periodic(self, cell: Tensor | None, pbc: Tensor | None = None) -> Iterator[None]:
@@ -87,6 +89,28 @@ class InteractionGraph(torch.nn.Module):
         finally:
             self._override = previous
 
+    @contextmanager
+    def edges(self, edge_index: Tensor, edge_shift: Tensor) -> Iterator[None]:
+        """Uses edges found before the forward pass (:class:`NeighbourTransform`) in the block.
+
+        The search is skipped; edge lengths are still computed from ``pos`` (and the cell
+        of :meth:`periodic`) with torch ops, so forces and stress are unchanged.
+
+        Args:
+            edge_index (Tensor): ``[2, E]`` edges of this graph's cutoff and neighbour limit.
+            edge_shift (Tensor): ``[E, 3]`` cell shifts of the sources.
+        """
+        previous = self._edges
+        self._edges = (edge_index, edge_shift)
+        try:
+            yield
+        finally:
+            self._edges = previous
+
+    def transform(self) -> NeighbourTransform:
+        """The :class:`NeighbourTransform` that finds this graph's edges ahead of time."""
+        return NeighbourTransform(self.cutoff, self.max_num_neighbors, max_pairs=self.max_pairs)
+
     def forward(self, pos: Tensor, batch: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Builds the graph.
 
@@ -101,6 +125,8 @@ class InteractionGraph(torch.nn.Module):
             ``pos`` (and the cell).
         """
         cell, pbc = self._override if self._override is not None else (self.cell, self.pbc)
+        if self._edges is not None:
+            return self._edges[0], edge_vectors(pos, batch, *self._edges, cell, pbc).norm(dim=-1)
         graph = radius_graph(pos, self.cutoff, batch, max_num_neighbors=self.max_num_neighbors,
                              cell=cell, pbc=pbc, return_vectors=True, max_pairs=self.max_pairs)
         return graph.edge_index, graph.distance
@@ -120,7 +146,10 @@ class SchNetWithGraph(torch.nn.Module):
         energy = model(batch)  # [B, 1]; periodic where batch.pbc says so
 
     A batch without ``cell`` is treated as molecules. When ``cell`` is present
-    and ``pbc`` is not, all axes are periodic.
+    and ``pbc`` is not, all axes are periodic. A batch carrying ``edge_index`` and
+    ``edge_shift`` (from :meth:`InteractionGraph.transform`, e.g. built on the GPU
+    while the previous step ran: :class:`~pyg_atompack.pyg.device.DeviceFeeder`) is
+    not searched again.
 
     Args:
         model (torch.nn.Module): A SchNet (or any model called as
@@ -149,5 +178,10 @@ class SchNetWithGraph(torch.nn.Module):
         batch = getattr(data, "batch", None)
         cell = getattr(data, "cell", None)
         pbc = getattr(data, "pbc", None)
-        with self.model.interaction_graph.periodic(cell, pbc):
+        graph = self.model.interaction_graph
+        edge_shift = getattr(data, "edge_shift", None)
+        if getattr(data, "edge_index", None) is None or edge_shift is None:
+            with graph.periodic(cell, pbc):
+                return self.model(data.z, data.pos, batch)
+        with graph.periodic(cell, pbc), graph.edges(data.edge_index, edge_shift):
             return self.model(data.z, data.pos, batch)

@@ -17,14 +17,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._periodic import lattice_search_setup, normalise_cell
+from ._periodic import lattice_search_setup, normalise_cell, search_cells
 from ._search import search_pairs
+from ._vesin import prefer_vesin, vesin_module, vesin_pairs
 
 #: Default bound on candidate pairs evaluated at once (about 20 MB of float64
 #: temporaries); large enough that a batch of 32 small molecules is one block.
 DEFAULT_MAX_PAIRS = 1 << 20
 
-_BACKENDS = ("auto", "torch", "torch_cluster")
+_BACKENDS = ("auto", "torch", "torch_cluster", "vesin")
 
 
 class NeighbourGraph(NamedTuple):
@@ -111,9 +112,13 @@ def radius_graph(
         return_vectors (bool, optional): Return a :class:`NeighbourGraph` with
             shifts and differentiable edge vectors instead of ``edge_index``.
             (default: :obj:`False`)
-        backend (str, optional): ``"auto"`` uses ``torch_cluster`` when it is
-            importable and no periodic graph is present, else pure torch;
-            ``"torch"`` or ``"torch_cluster"`` force one. (default: :obj:`"auto"`)
+        backend (str, optional): ``"auto"`` searches with ``vesin-torch`` (cell
+            lists) one graph alone, batches of periodic cells of 128 atoms or more
+            and of molecules of 600 or more on average; other batches with
+            ``torch_cluster`` (molecules, when importable) or the padded pure-torch
+            search, each where it measured fastest (``benchmarks/neighbours.py``);
+            ``"torch"``, ``"torch_cluster"`` or ``"vesin"`` force one. Every
+            backend finds the same edges. (default: :obj:`"auto"`)
         max_pairs (int, optional): Largest number of candidate pairs evaluated
             at once. (default: :obj:`2**20`)
 
@@ -136,9 +141,16 @@ def radius_graph(
         raise ValueError("backend='torch_cluster' cannot search periodic images; "
                          "use backend='torch' or 'auto'")
 
+    use_vesin = backend == "vesin" or (
+        backend == "auto" and prefer_vesin(counts, periodic_cell is not None))
     with torch.no_grad():
         detached = pos.detach()
-        if periodic_cell is None:
+        if use_vesin:
+            # invertible cells (checked; free axes completed): vesin needs a full basis
+            search = None if periodic_cell is None else search_cells(periodic_cell.detach(), pbc)
+            target, source, shift, dist2 = vesin_pairs(detached, counts, r, loop, cell=search,
+                                                       pbc=None if search is None else pbc)
+        elif periodic_cell is None:
             shift = None
             cluster = _torch_cluster() if backend != "torch" else None
             if cluster is not None and len(pos):
@@ -186,6 +198,9 @@ def _check_inputs(pos: Tensor, r: float, batch: Tensor | None, max_num_neighbors
     if backend == "torch_cluster" and _torch_cluster() is None:
         raise ImportError("backend='torch_cluster' requested but torch_cluster is not "
                           "installed; use backend='torch' (pure torch, same results)")
+    if backend == "vesin" and vesin_module() is None:
+        raise ImportError("backend='vesin' requested but vesin-torch is not installed; "
+                          "use backend='torch' (pure torch, same results)")
     if batch is None:
         batch = torch.zeros(len(pos), dtype=torch.int64, device=pos.device)
     else:

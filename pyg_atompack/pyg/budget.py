@@ -20,7 +20,9 @@ the samples in its look-ahead window.
   with fewer structures than ranks has to repeat batches (from its start), as
   :class:`~torch.utils.data.DistributedSampler` pads.
 * :class:`AtomBudgetBatchSampler`: the above as a resumable ``batch_sampler``; its
-  state is ``(epoch, steps)``, the steps this rank has taken in the epoch.
+  state is ``(epoch, steps)``, the steps this rank has taken in the epoch, plus the
+  ``[world_size, batches]`` handed out by earlier parts of the epoch on other grids
+  (elastic resume: the rest is re-balanced for the new world size).
 * :func:`group_by_atoms`: the streaming counterpart, packing a stream of samples into
   batches within the budget from a bounded look-ahead window (first fit).
 * :class:`EqualSteps`: equal steps for streamed batches, whose count per rank is known
@@ -53,7 +55,7 @@ __all__ = ["AtomBudgetBatchSampler", "AtomBudgetError", "OVERSIZE_CHOICES",
            "balance_batches", "consumed_positions", "EqualSteps", "group_by_atoms",
            "plan_atom_batches", "rank_batches"]
 
-BUDGET_STATE_FORMAT = "pyg_atompack-atom-budget/1"
+BUDGET_STATE_FORMAT = "pyg_atompack-atom-budget/2"
 
 #: What to do with a structure larger than the budget: ``"error"`` raises
 #: :class:`AtomBudgetError` naming it, ``"own_batch"`` gives it a batch of its own.
@@ -253,8 +255,9 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
     :class:`~pyg_atompack.pyg.resume.ResumableSampler`, the epoch advances by itself
     after every pass (:meth:`set_epoch` pins one), and :meth:`state_dict` records
     ``(epoch, steps)``: :meth:`load_state_dict` makes the next pass continue after the
-    ``steps`` batches this rank had taken; a state taken at the end of a pass starts
-    the following epoch.
+    ``steps`` batches this rank had taken (on another number of ranks: after the
+    batches all saved ranks had taken, the rest balanced anew); a state taken at the
+    end of a pass starts the following epoch.
 
     Args:
         n_atoms (Sequence[int] | np.ndarray): Atom count of every dataset position.
@@ -296,6 +299,10 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
                               describe=describe)  # raises, naming the structure
         self.epoch = 0
         self.steps = 0  # batches of the current pass handed out
+        # elastic resume: [world_size, batches handed out by all ranks together] of each
+        # earlier part of this epoch, on the grid it ran on (the epoch's plan, balanced
+        # for that world size, minus what earlier parts took)
+        self.history: list[list[int]] = []
         self._started = False
         self._resume = False
         self._epoch_pinned = False
@@ -311,11 +318,15 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
             list[np.ndarray]: int64 positions of each batch.
         """
         epoch = self.epoch if epoch is None else int(epoch)
-        if self._cached is None or self._cached[0] != epoch:
+        history = self.history if epoch == self.epoch else []
+        key = (epoch, repr(history))
+        if self._cached is None or self._cached[0] != key:
             planned = plan_atom_batches(self.n_atoms, self.max_atoms, seed=self.seed,
                                         epoch=epoch, shuffle=self.shuffle,
                                         oversize=self.oversize, describe=self.describe)
-            self._cached = (epoch, rank_batches(planned, self.rank, self.world_size))
+            for world, taken in history:  # what earlier parts of the epoch handed out
+                planned = balance_batches(planned, world)[taken:]
+            self._cached = (key, rank_batches(planned, self.rank, self.world_size))
         return self._cached[1]
 
     def __len__(self) -> int:
@@ -331,6 +342,8 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
         """
         if self._resume and int(epoch) == self.epoch:
             return
+        if int(epoch) != self.epoch:
+            self.history = []
         self.epoch = int(epoch)
         self._epoch_pinned = True
         self._resume = False
@@ -346,6 +359,7 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
             if self._started and not self._epoch_pinned:
                 self.epoch += 1
             start = 0
+            self.history = []
         self._resume = self._epoch_pinned = False
         self._started = True
         self.steps = start
@@ -357,18 +371,27 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
         Returns:
             dict: The state, for :meth:`load_state_dict`.
         """
+        # ranks step together: after ``steps`` each they handed out the first
+        # ``steps * world_size`` balanced batches, the same on every rank
+        consumed = [*self.history, [self.world_size, self.steps * self.world_size]]
         return {"format": BUDGET_STATE_FORMAT, "epoch": self.epoch, "steps": self.steps,
                 "started": self._started, "seed": self.seed, "shuffle": self.shuffle,
                 "max_atoms": self.max_atoms, "rank": self.rank,
-                "world_size": self.world_size, "length": len(self.n_atoms)}
+                "world_size": self.world_size, "length": len(self.n_atoms),
+                "history": [list(h) for h in self.history], "consumed": consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved pass with the next iteration.
+        """Continue the saved pass with the next iteration, on any number of ranks.
+
+        With the saved ``world_size`` the pass goes on after this rank's ``steps``
+        batches. With another (elastic resume) the saved ranks had handed out the first
+        ``steps * world_size`` of the epoch's balanced batches (ranks step together); the
+        batches after them are balanced for this ``world_size`` and dealt anew, so the
+        epoch ends with every structure once. Any rank's state will do.
 
         Args:
             state (dict): Output of :meth:`state_dict` from a sampler over the same data
-                with the same ``max_atoms``, ``seed``, ``shuffle``, ``rank`` and
-                ``world_size``.
+                with the same ``max_atoms``, ``seed`` and ``shuffle``.
 
         Raises:
             ValueError: If the state is not such a state (the message names the first
@@ -376,7 +399,7 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
         """
         if not isinstance(state, dict) or state.get("format") != BUDGET_STATE_FORMAT:
             raise ValueError("not an AtomBudgetBatchSampler state_dict")
-        for key in ("seed", "shuffle", "max_atoms", "rank", "world_size"):
+        for key in ("seed", "shuffle", "max_atoms"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"AtomBudgetBatchSampler state_dict has {key}="
                                  f"{state[key]!r}, this sampler {getattr(self, key)!r}")
@@ -384,8 +407,13 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
             raise ValueError(f"AtomBudgetBatchSampler state_dict is of {state['length']} "
                              f"structures, this sampler has {len(self.n_atoms)}")
         self.epoch = int(state["epoch"])
-        self.steps = int(state["steps"])
         self._started = bool(state["started"])
+        if state["world_size"] == self.world_size:
+            self.history = [list(h) for h in state["history"]]
+            self.steps = int(state["steps"])
+        else:  # elastic: what all saved ranks handed out, then this grid's share of the rest
+            self.history = [list(h) for h in state["consumed"]] if self._started else []
+            self.steps = 0
         self._resume = self._started
         self._epoch_pinned = not self._started
 

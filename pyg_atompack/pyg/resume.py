@@ -11,16 +11,24 @@ far, even while workers have prefetched further. What it needs from us is
 * datasets with ``state_dict`` / ``load_state_dict`` (``ShardStreamDataset`` has one;
   a map-style ``AtompackDataset`` needs none, its position is the sampler's).
 
-:class:`StatefulLoader` is ``StatefulDataLoader`` with PyG's collation, and checks that a
-state is loaded into a loader with the same number of workers (the per-worker states of
-an iterable dataset cannot be redistributed over a different count).
+:class:`StatefulLoader` is ``StatefulDataLoader`` with PyG's collation.
+
+Elastic resume (another number of workers or ranks): what was handed out is kept in a
+form that does not depend on the (rank, worker) grid. For a map-style dataset that is
+one number: ranks step together, so after ``p`` indices on each of ``R`` ranks they have
+handed out exactly the first ``start + p * R`` positions of the epoch's order
+(:attr:`ResumableSampler.consumed`); any rank's state carries it, and a sampler on
+``R'`` ranks deals the rest round-robin. torchdata's per-worker states are then not
+needed (:func:`restore_loader_state`). An iterable dataset's workers each hold part of
+the position: their states are merged (the dataset's ``merge_states``) and every new
+worker takes its share of what is left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -28,14 +36,30 @@ from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
-__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "check_loader_state",
-           "finished_pass_state", "quiet_torchdata", "wrap_loader_state"]
+__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "finished_pass_state",
+           "gather_loader_states", "pass_length", "quiet_torchdata", "restore_loader_state",
+           "saved_sampler_state", "wrap_loader_state"]
 
-SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/1"
+SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/2"
 LOADER_STATE_FORMAT = "pyg_atompack-loader/1"
 
 #: torchdata's batch sampler, whose iterator saves the wrapped sampler's state.
 StatefulBatchSampler = BatchSampler
+
+
+def pass_length(remaining: int, world_size: int, drop_last: bool) -> int:
+    """Indices each of ``world_size`` ranks takes from ``remaining`` positions.
+
+    Args:
+        remaining (int): Positions of the epoch's order not handed out yet.
+        world_size (int): Number of ranks.
+        drop_last (bool): Leave out the tail that does not divide (else pad it).
+
+    Returns:
+        int: The same count for every rank.
+    """
+    remaining = max(remaining, 0)
+    return remaining // world_size if drop_last else -(-remaining // world_size)
 
 
 def _distributed_rank_world() -> tuple[int, int]:
@@ -84,17 +108,32 @@ class ResumableSampler(Sampler[int]):
         self.seed = int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
         self.drop_last = drop_last
-        if drop_last:
-            self.num_samples = self.length // self.world_size
-        else:
-            self.num_samples = -(-self.length // self.world_size)
         self.epoch = 0
-        # indices of the current pass handed out so far, and whether the next pass
-        # continues this one (after load_state_dict) or starts a new one
+        # where in the epoch's order the current pass began (0, or what every rank had
+        # handed out together when a state was loaded), indices of this pass handed out
+        # so far, and whether the next pass continues this one (after load_state_dict)
+        # or starts a new one
+        self.start = 0
         self.position = 0
         self._started = False
         self._resume = False
         self._epoch_pinned = False
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank hands out in the current pass."""
+        return pass_length(self.length - self.start, self.world_size, self.drop_last)
+
+    @property
+    def consumed(self) -> int:
+        """Positions of the epoch's order that all ranks together have handed out.
+
+        Ranks step together (every one takes ``len(self)`` indices a pass), so after
+        ``position`` indices on each rank the ranks have handed out exactly the first
+        ``start + position * world_size`` positions of the epoch's order, whatever
+        ``world_size`` is: the state a resume with another number of ranks needs.
+        """
+        return min(self.length, self.start + self.position * self.world_size)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -110,6 +149,8 @@ class ResumableSampler(Sampler[int]):
         """
         if self._resume and int(epoch) == self.epoch:
             return
+        if int(epoch) != self.epoch:  # what was handed out belongs to another epoch
+            self.start = self.position = 0
         self.epoch = int(epoch)
         self._epoch_pinned = True
         self._resume = False
@@ -130,11 +171,14 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.length, generator=generator)
         else:
             order = torch.arange(self.length)
-        total = self.num_samples * self.world_size
-        if total > len(order):
-            repeats = -(-(total - len(order)) // max(len(order), 1))
+        # the pass deals positions start, start + 1, ... of the order round-robin over
+        # the ranks, padded (drop_last=False) by repeating the order from its beginning:
+        # from start 0 exactly DistributedSampler's indices
+        end = self.start + self.num_samples * self.world_size
+        if end > len(order):
+            repeats = -(-(end - len(order)) // max(len(order), 1))
             order = torch.cat([order, order.repeat(repeats)])
-        return order[:total][self.rank::self.world_size]
+        return order[self.start + self.rank:end:self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         return self._iterate()
@@ -143,41 +187,53 @@ class ResumableSampler(Sampler[int]):
         # a generator: nothing below runs until the first index is requested, so an
         # iterator created and thrown away (as loaders do while restoring) changes nothing
         if self._resume and self.position < self.num_samples:
-            start = self.position
+            skip = self.position
         else:
             if self._started and not self._epoch_pinned:
                 self.epoch += 1
-            start = 0
+            self.start = skip = 0
         self._resume = self._epoch_pinned = False
         self._started = True
-        self.position = start
+        self.position = skip
         # Python ints a block at a time: a list of all of them would cost ~36 bytes
         # an index (3.6 GB for 10^8 structures)
-        for block in self.indices()[start:].split(1 << 16):
+        for block in self.indices()[skip:].split(1 << 16):
             for index in block.tolist():
                 self.position += 1
                 yield index
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the number of indices of it handed out (JSON-serialisable).
+        """The epoch and how much of it was handed out (JSON-serialisable).
+
+        ``consumed`` (see :attr:`consumed`) is the same on every rank and says what all
+        of them handed out together, so any rank's state resumes the epoch on any
+        number of ranks.
 
         Returns:
             dict: The state, for :meth:`load_state_dict`.
         """
         return {"format": SAMPLER_STATE_FORMAT, "epoch": self.epoch,
-                "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
+                "start": self.start, "position": self.position,
+                "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
+                "length": self.length, "drop_last": self.drop_last,
                 "rank": self.rank, "world_size": self.world_size,
-                "num_samples": self.num_samples, "started": self._started}
+                "started": self._started}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved pass with the next iteration.
+        """Continue the saved pass with the next iteration, on any number of ranks.
 
-        A state taken at the end of a pass makes the next iteration start the following
-        epoch, as it would have without the interruption.
+        The next iteration deals the positions of the epoch's order that the saved
+        ranks had not handed out (:attr:`consumed` onwards) over this sampler's ranks,
+        so the epoch ends with every index handed out once (plus the usual padding of
+        the last round, or minus the ``drop_last`` tail). With the saved number of
+        ranks that is exactly the rest of each rank's saved pass. A state taken at the
+        end of a pass makes the next iteration start the following epoch, as it would
+        have without the interruption.
 
         Args:
             state (dict): Output of :meth:`state_dict` from a sampler over the same data
-                with the same ``seed``, ``shuffle``, ``rank`` and ``world_size``.
+                with the same ``seed``, ``shuffle`` and ``drop_last``; any rank's (they
+                agree), any ``world_size``.
 
         Raises:
             ValueError: If the state is not a sampler state or belongs to a different
@@ -185,13 +241,14 @@ class ResumableSampler(Sampler[int]):
         """
         if not isinstance(state, dict) or state.get("format") != SAMPLER_STATE_FORMAT:
             raise ValueError("not a ResumableSampler state_dict")
-        for key in ("seed", "shuffle", "rank", "world_size", "num_samples"):
+        for key in ("seed", "shuffle", "length", "drop_last"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"ResumableSampler state_dict has {key}={state[key]!r}, "
                                  f"this sampler {getattr(self, key)!r}")
         self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
         self._started = bool(state["started"])
+        # what is left of the epoch, re-dealt over this sampler's ranks
+        self.start, self.position = int(state["consumed"]), 0
         self._resume = self._started
         self._epoch_pinned = not self._started
 
@@ -213,28 +270,156 @@ def quiet_torchdata() -> Iterator[None]:
         yield
 
 
+def gather_loader_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's loader state, on every rank (one ``all_gather_object``).
+
+    What a stream or a mix needs to resume on another grid: call it on every rank at
+    the same step, and save the list (from rank 0, say) with the checkpoint. Without
+    an initialised process group it is ``[state]``.
+
+    Args:
+        state (dict): This rank's ``loader.state_dict()``.
+
+    Returns:
+        list[dict]: The states of ranks ``0 .. world_size - 1``, for
+        ``load_state_dict`` on any grid.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(states, state)
+    return states
+
+
 def wrap_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any]:
     """Tag a loader state with the worker count it was taken with."""
     return {"format": LOADER_STATE_FORMAT, "num_workers": num_workers, "loader": state}
 
 
-def check_loader_state(state: dict[str, Any], num_workers: int) -> dict[str, Any]:
-    """Unwrap a state of :func:`wrap_loader_state`, checking the worker count.
-
-    Raises:
-        ValueError: If ``state`` is not such a state, or was taken with another
-            number of workers.
-    """
+def _unwrap_loader_state(state: Any) -> tuple[dict[str, Any], int]:
     if not isinstance(state, dict) or state.get("format") != LOADER_STATE_FORMAT:
         raise ValueError("not a pyg_atompack loader state_dict (from StatefulLoader or "
                          "AtompackLoader.state_dict())")
-    if state["num_workers"] != num_workers:
-        raise ValueError(
-            f"the loader state was taken with num_workers={state['num_workers']}, this "
-            f"loader has num_workers={num_workers}: resume with the same number of "
-            "workers (each worker's position is saved separately and cannot be "
-            "redistributed)")
-    return state["loader"]
+    return state["loader"], int(state["num_workers"])
+
+
+def saved_sampler_state(state: dict[str, Any], batch_size: int | None,
+                        state_format: str = SAMPLER_STATE_FORMAT) -> dict[str, Any] | None:
+    """The sampler state inside an unwrapped loader state (a :class:`ResumableSampler`'s).
+
+    Finds it in each layout a loader state has (``AtompackLoader``'s in-process one,
+    torchdata's single- and multi-process ones) and counts in the steps torchdata
+    took since its last snapshot (``snapshot_every_n_steps > 1``).
+
+    Args:
+        state (dict): The ``"loader"`` part of a :func:`wrap_loader_state` state.
+        batch_size (int | None): Indices per step.
+        state_format (str, optional): The ``"format"`` of the state looked for: a
+            ``batch_sampler`` that keeps its own state (atom budgets) is found too.
+            (default: :obj:`SAMPLER_STATE_FORMAT`)
+
+    Returns:
+        dict, optional: The sampler state, or :obj:`None` when the loader's sampler
+        keeps none (another sampler, or an iterable dataset).
+    """
+    steps = 0
+    if "batch_sampler" in state:  # AtompackLoader's in-process iteration
+        iterator = state["batch_sampler"]
+        if iterator is None:
+            return None
+    elif "_snapshot" in state:  # torchdata, with workers
+        iterator = state["_snapshot"]["_main_snapshot"].get("_sampler_iter_state")
+        steps = int(state.get("_steps_since_snapshot", 0))
+    else:  # torchdata, in the main process
+        iterator = state.get("_sampler_iter_state")
+    saved = iterator.get("sampler_state", iterator) if isinstance(iterator, dict) else None
+    if not isinstance(saved, dict) or saved.get("format") != state_format:
+        return None
+    if steps and state_format != SAMPLER_STATE_FORMAT:
+        raise ValueError("a loader state taken between two snapshots "
+                         "(snapshot_every_n_steps > 1) cannot resume on another grid")
+    if steps and batch_size:
+        saved = dict(saved)
+        saved["consumed"] = min(int(saved["length"]), int(saved["consumed"])
+                                + steps * batch_size * int(saved["world_size"]))
+        saved["started"] = True
+    return saved
+
+
+def _dataset_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every worker's dataset state inside an unwrapped torchdata loader state."""
+    if "_snapshot" not in state:
+        return [state["dataset_state"]]
+    if state.get("_steps_since_snapshot"):
+        raise ValueError("a loader state taken between two snapshots "
+                         "(snapshot_every_n_steps > 1) cannot resume on another grid")
+    workers = state["_snapshot"]["_worker_snapshots"]
+    return [workers[key]["dataset_state"] for key in sorted(workers)]
+
+
+def restore_loader_state(state: Any, num_workers: int, sampler: Any,
+                         batch_size: int | None, dataset: Any = None) -> dict[str, Any] | None:
+    """Unwrap loader states of :func:`wrap_loader_state` for a loader with ``num_workers``.
+
+    One state of the same worker count (and, for an iterable dataset, the same number
+    of ranks) is returned unwrapped, for the loader to load as it is. Otherwise the
+    position is carried over to the new grid here, and :obj:`None` is returned:
+
+    * a map-style loader's is its :class:`ResumableSampler`'s, the same on every rank:
+      any rank's state is loaded into ``sampler`` (the pass goes on with the indices
+      not handed out yet, see :meth:`ResumableSampler.load_state_dict`);
+    * an iterable dataset with ``merge_states`` (``ShardStreamDataset``,
+      ``MixedDataset``) gets the merge of every worker's state of every rank
+      (``state`` is then the list of every rank's loader state), and each new worker
+      takes its share of what is left.
+
+    Args:
+        state (dict | list[dict]): Output of :func:`wrap_loader_state`, or a list of
+            them, one per rank of the saved run.
+        num_workers (int): The loader's workers.
+        sampler (Sampler): The loader's sampler.
+        batch_size (int | None): Indices per step.
+        dataset (Dataset, optional): The loader's dataset. (default: :obj:`None`)
+
+    Returns:
+        dict, optional: The loader's own state to load, or :obj:`None`.
+
+    Raises:
+        ValueError: If a state is not such a state, or cannot be carried over to this
+            loader (the message says why).
+    """
+    states = [_unwrap_loader_state(s) for s in (state if isinstance(state, list) else [state])]
+    if not states:
+        raise ValueError("no loader state given")
+    inner, saved_workers = states[0]
+    if isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset,
+                                                                          "merge_states"):
+        rank_world = _distributed_rank_world() if getattr(dataset, "rank", None) is None \
+            else (dataset.rank, dataset.world_size)
+        datasets = [d for s, _ in states for d in _dataset_states(s)]
+        same = (len(states) == 1 and saved_workers == num_workers
+                and all(d.get("world_size") == rank_world[1] for d in datasets))
+        if same:
+            return inner
+        dataset.load_state_dict(dataset.merge_states(datasets))
+        return None
+    if len(states) == 1 and saved_workers == num_workers:
+        return inner
+    # a sampler whose state is the same on every rank and whose load_state_dict takes
+    # it on any grid: ResumableSampler; AtomBudgetBatchSampler for another worker count
+    state_format = sampler.state_dict().get("format") if hasattr(sampler, "state_dict") \
+        and hasattr(sampler, "load_state_dict") else None
+    if isinstance(state_format, str):
+        saved = [saved_sampler_state(s, batch_size, state_format) for s, _ in states]
+        if saved[0] is not None and all(x is not None and x.get("consumed")
+                                        == saved[0].get("consumed") for x in saved):
+            sampler.load_state_dict(saved[0])
+            return None
+    raise ValueError(
+        f"the loader state was taken with num_workers={saved_workers}, this "
+        f"loader has num_workers={num_workers}: only a ResumableSampler's position "
+        "(shuffle=True) or a dataset with merge_states can be carried over to another "
+        "number of workers; resume with the same number of workers")
 
 
 def finished_pass_state(saved: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -292,6 +477,11 @@ class StatefulLoader(StatefulDataLoader):
             vectors. (default: :obj:`None`)
         exclude_keys (list[str], optional): Attributes to leave out of batches.
             (default: :obj:`None`)
+        device (torch.device or str, optional): Hand batches out on this device, copied
+            one step ahead on a side CUDA stream (:class:`~pyg_atompack.pyg.device.DeviceFeeder`);
+            resuming stays exact. (default: :obj:`None`)
+        device_transform (Callable, optional): Applied to each batch on the device, e.g.
+            ``InteractionGraph.transform()``. (default: :obj:`None`)
         **kwargs (optional): Further arguments of ``StatefulDataLoader``
             (``num_workers``, ``sampler``, ``drop_last``, ``snapshot_every_n_steps``,
             ...).
@@ -299,9 +489,14 @@ class StatefulLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False,
                  seed: int = 0, follow_batch: Sequence[str] | None = None,
-                 exclude_keys: Sequence[str] | None = None, **kwargs: Any) -> None:
+                 exclude_keys: Sequence[str] | None = None,
+                 device: torch.device | str | None = None,
+                 device_transform: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         from torch_geometric.loader.dataloader import Collater
 
+        from pyg_atompack.pyg.device import DeviceFeed
+
+        self.device_feed = DeviceFeed.of(device, device_transform)
         if "collate_fn" in kwargs:
             raise TypeError("StatefulLoader does not accept 'collate_fn': it collates the "
                             "PyG way")
@@ -331,29 +526,49 @@ class StatefulLoader(StatefulDataLoader):
         if hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
 
+    def __iter__(self) -> Iterator[Any]:
+        if self.device_feed is None:
+            return super().__iter__()
+        return self.device_feed.wrap(super().__iter__(), snapshot=self._loader_state)
+
+    def _loader_state(self) -> dict[str, Any]:
+        return wrap_loader_state(super().state_dict(), self.num_workers)
+
     def state_dict(self) -> dict[str, Any]:
         """The position of the current iteration, including every worker's.
 
         Returns:
             dict: The state, tagged with the number of workers.
         """
-        return wrap_loader_state(super().state_dict(), self.num_workers)
+        if self.device_feed is not None:  # not the state of the batch drawn ahead
+            return self.device_feed.state(self._loader_state)
+        return self._loader_state()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Make the next iteration continue where the saved one stopped.
 
+        On another number of workers or ranks too (elastic resume, see
+        :func:`restore_loader_state`): an iterable dataset then needs every rank's
+        state, as a list.
+
         Args:
-            state_dict (dict): Output of :meth:`state_dict`.
+            state_dict (dict | list[dict]): Output of :meth:`state_dict`, or that of
+                every rank of the saved run.
 
         Raises:
-            ValueError: If the state was taken with a different ``num_workers``.
+            ValueError: If the state cannot be carried over to this loader (see
+                :func:`restore_loader_state`).
         """
-        state = check_loader_state(state_dict, self.num_workers)
-        finished = finished_workers_state(state) if self.num_workers > 0 else None
+        if self.device_feed is not None:
+            self.device_feed.reset()
+        state = restore_loader_state(state_dict, self.num_workers, self.sampler,
+                                     self.batch_size, self.dataset)
+        finished = (finished_workers_state(state) if state is not None and self.num_workers > 0
+                    else None)
         if finished is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(finished)  # the next epoch, not the one after
             state = {}
-        super().load_state_dict(state)
+        super().load_state_dict({} if state is None else state)
 
 
 def _first_item(item: Any) -> Any:

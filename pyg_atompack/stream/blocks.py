@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from pyg_atompack.stream.errors import (
 )
 from pyg_atompack.stream.loading import LoadedShard, check_on_error, traced_load
 from pyg_atompack.stream.payloads import _decode_atp
+from pyg_atompack.stream.progress import EpochConsumed
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamSlot
 from pyg_atompack.stream.trace import TraceRecorder
@@ -87,12 +88,15 @@ class BlockPlan:
         shards: For traces, the number of every piece's whole block in the epoch's table.
         sample_quota: Always :obj:`None`: the pieces hold exactly the stream's records.
         dropped_records: Records nobody reads this epoch (``N % world_size``).
+        handed: Per position, the records of the piece (numbered from its first) that
+            other streams handed out before an elastic resume (they are skipped).
     """
 
     blocks: tuple[Block, ...]
     shards: tuple[int, ...]
     sample_quota: None = None
     dropped_records: int = 0
+    handed: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
@@ -179,8 +183,12 @@ def _meta(reader: RangeReader, cache_dir: str | Path | None, info: ShardInfo) ->
 
 
 def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: bool, seed: int,
-                      epoch: int) -> BlockPlan:
+                      epoch: int, consumed: EpochConsumed | None = None) -> BlockPlan:
     """The pieces of ``slot`` this epoch (see the module docstring for the split).
+
+    After an elastic resume (``consumed``) the records left are cut the same way: a
+    piece then spans the records it is given, and skips those handed out before
+    (:attr:`BlockPlan.handed`).
 
     Args:
         blocks (Sequence[Block]): Every block of the source.
@@ -188,6 +196,8 @@ def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: boo
         shuffle (bool): Permute the block order per epoch.
         seed (int): Shared seed.
         epoch (int): Epoch number.
+        consumed (EpochConsumed, optional): What all streams had handed out of this epoch
+            before an elastic resume. (default: :obj:`None`)
 
     Returns:
         The :class:`BlockPlan`.
@@ -196,7 +206,12 @@ def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: boo
         order = np.random.default_rng([seed, epoch, 0xB10C]).permutation(len(blocks))
     else:
         order = np.arange(len(blocks))
-    counts = np.asarray([blocks[i].records for i in order], dtype=np.int64)
+
+    def left(block: Block) -> int:
+        taken = 0 if consumed is None else consumed.count(block.shard, block.first, block.stop)
+        return block.records - taken
+
+    counts = np.asarray([left(blocks[i]) for i in order], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)])
     total = int(starts[-1])
     per_rank = total // slot.world_size
@@ -205,6 +220,7 @@ def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: boo
     hi = rank_start + per_rank * (slot.worker + 1) // slot.num_workers
     pieces: list[Block] = []
     numbers: list[int] = []
+    handed: dict[int, frozenset[int]] = {}
     first = int(np.searchsorted(starts, lo, side="right")) - 1
     for position in range(max(first, 0), len(order)):
         a, b = int(starts[position]), int(starts[position + 1])
@@ -214,10 +230,20 @@ def plan_block_stream(blocks: Sequence[Block], slot: StreamSlot, *, shuffle: boo
         if cut_b <= cut_a:
             continue
         block = blocks[int(order[position])]
-        pieces.append(Block(block.shard, block.first + cut_a, block.first + cut_b,
-                            block.global_first + cut_a))
+        taken = set() if consumed is None else consumed.taken(block.shard, block.first,
+                                                              block.stop)
+        if taken:  # the records left, numbered in the shard; the piece spans its share
+            rest = [r for r in range(block.first, block.stop) if r not in taken]
+            start, stop = rest[cut_a], rest[cut_b - 1] + 1
+            skipped = frozenset(r - start for r in taken if start <= r < stop)
+            if skipped:
+                handed[len(pieces)] = skipped
+        else:
+            start, stop = block.first + cut_a, block.first + cut_b
+        pieces.append(Block(block.shard, start, stop, block.global_first + start - block.first))
         numbers.append(int(order[position]))
-    return BlockPlan(tuple(pieces), tuple(numbers), None, total - per_rank * slot.world_size)
+    return BlockPlan(tuple(pieces), tuple(numbers), None, total - per_rank * slot.world_size,
+                     handed)
 
 
 class BlockLoader:

@@ -20,8 +20,10 @@ from torch_geometric.data.data import BaseData
 
 from pyg_atompack.pyg import names_transform, resolve_names
 from pyg_atompack.pyg.budget import check_budget, group_by_atoms
+from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
 from pyg_atompack.stream.arriving import check_verify_before_use
+from pyg_atompack.stream.autotune import attach, check_memory_budget, stream_tuner
 from pyg_atompack.stream.blocks import (
     DEFAULT_BLOCK_BYTES,
     BlockLoader,
@@ -35,7 +37,12 @@ from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
 from pyg_atompack.stream.memory import release_free_memory
 from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
 from pyg_atompack.stream.prefetch import Prefetcher
-from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.progress import (
+    EpochConsumed,
+    StreamProgress,
+    merge_stream_states,
+    plan_units,
+)
 from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
 from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
@@ -259,6 +266,20 @@ class ShardStreamDataset(IterableDataset):
         oversize (str, optional): With ``max_atoms``, a sample larger than the budget:
             ``"error"`` (:class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming the
             shard and sample) or ``"own_batch"``. (default: :obj:`"error"`)
+        memory_budget (int, optional): Bytes this rank's live shards may take; turns on
+            tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
+            runs, from measured download and consumption times, more connections while
+            downloads are the bottleneck and less prefetch when memory is short
+            (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
+            ``autotune``). :obj:`None` keeps ``prefetch`` and ``concurrency`` as given.
+            (default: :obj:`None`)
+        device (torch.device or str, optional): Hand items out on this device, each
+            copied one step ahead on a side CUDA stream
+            (:class:`~pyg_atompack.pyg.device.DeviceFeeder`; ``state_dict`` stays exact).
+            Iterating in the main process only: behind DataLoader workers pass
+            ``device=`` to :class:`~pyg_atompack.StatefulLoader`. (default: :obj:`None`)
+        device_transform (Callable, optional): Applied to each item on the device, e.g.
+            ``InteractionGraph.transform()``. (default: :obj:`None`)
     """
 
     def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
@@ -276,7 +297,9 @@ class ShardStreamDataset(IterableDataset):
                  cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
                  read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
                  verify_before_use: bool | str = "records", max_atoms: int | None = None,
-                 oversize: str = "error"):
+                 oversize: str = "error", memory_budget: int | None = None,
+                 device: torch.device | str | None = None,
+                 device_transform: Callable[[BaseData], BaseData] | None = None):
         super().__init__()
         if max_atoms is not None:
             check_budget(max_atoms, oversize)
@@ -335,6 +358,9 @@ class ShardStreamDataset(IterableDataset):
         self.stream_shards = stream_shards
         self.verify_before_use = verify_before_use
         self.wait_clock = wait_clock
+        self.device_feed = DeviceFeed.of(device, device_transform)
+        check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -346,6 +372,8 @@ class ShardStreamDataset(IterableDataset):
         self._recorder: TraceRecorder | None = None
         self._progress: StreamProgress | None = None
         self._resume: StreamProgress | None = None
+        # what every stream had handed out of an epoch before an elastic resume
+        self._base: EpochConsumed | None = None
 
     # ----------------------------------------------------------------- configuration
     def set_epoch(self, epoch: int) -> None:
@@ -387,12 +415,17 @@ class ShardStreamDataset(IterableDataset):
             The shards, in reading order, assigned to the slot for the current
             :attr:`epoch`, and the number of samples it may hand out.
         """
+        base = self._base if self._base is not None and self._base.epoch == self.epoch else None
+        return self._plan(slot or self.slot(), self.epoch, base)
+
+    def _plan(self, slot: StreamSlot, epoch: int,
+              base: EpochConsumed | None) -> StreamPlan | BlockPlan:
         if self.blocks is not None:
-            return plan_block_stream(self.blocks, slot or self.slot(), shuffle=self.shuffle,
-                                     seed=self.seed, epoch=self.epoch)
-        return plan_stream([s.records for s in self.shards], slot or self.slot(),
-                           shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
-                           batch_size=self.batch_size)
+            return plan_block_stream(self.blocks, slot, shuffle=self.shuffle, seed=self.seed,
+                                     epoch=epoch, consumed=base)
+        return plan_stream([s.records for s in self.shards], slot, shuffle=self.shuffle,
+                           seed=self.seed, epoch=epoch, batch_size=self.batch_size,
+                           consumed=base)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict:
@@ -402,14 +435,56 @@ class ShardStreamDataset(IterableDataset):
         With DataLoader workers, let torchdata's ``StatefulDataLoader`` (or
         :class:`~pyg_atompack.StatefulLoader`) call it inside every worker: its own
         ``state_dict()`` then holds every worker's position, and a loader with the same
-        ``num_workers`` resumes exactly (a state of another stream is refused).
+        ``num_workers`` resumes exactly. For another grid of ranks and workers, merge
+        the states of every stream first (:meth:`merge_states`).
 
         Returns:
             The state, to pass to :meth:`load_state_dict`.
         """
+        if self.device_feed is not None and get_worker_info() is None:
+            return self.device_feed.state(self._state)  # not the item drawn ahead
+        return self._state()
+
+    def _state(self) -> dict:
         progress = self._progress or StreamProgress(self.epoch, self.slot())
+        base = self._base if self._base is not None and self._base.epoch == progress.epoch \
+            else None
         return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
-                "block_bytes": self.block_bytes if self.blocks is not None else None}
+                "block_bytes": self.block_bytes if self.blocks is not None else None,
+                "base": None if base is None else base.to_state()}
+
+    def merge_states(self, states: list[dict]) -> dict:
+        """One state from those of every (rank, worker) stream of a run, for any grid.
+
+        The merged state names what all streams handed out by shard and sample; loaded
+        into the datasets of a run with any number of ranks and DataLoader workers,
+        every stream takes its share of what is left of the epoch (rank equalisation
+        as for a whole epoch, over the samples left), so the interrupted and the
+        resumed parts together are the epoch: none lost, none repeated.
+        :class:`~pyg_atompack.StatefulLoader` merges by itself when given every rank's
+        loader state.
+
+        Args:
+            states (list[dict]): :meth:`state_dict` of every stream of the saved run.
+
+        Returns:
+            dict: A state for :meth:`load_state_dict`.
+        """
+        for state in states:
+            self._check_state(state)
+        epoch = int(states[0]["epoch"]) if states else self.epoch
+        merged = merge_stream_states(states, lambda slot, before: plan_units(
+            self._plan(slot, epoch, before), self.shards))
+        return {**merged, "seed": self.seed, "shuffle": self.shuffle,
+                "block_bytes": states[0].get("block_bytes")}
+
+    def _check_state(self, state: dict) -> None:
+        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
+            raise ValueError("state_dict was saved with a different seed or shuffle setting")
+        blocks = self.block_bytes if self.blocks is not None else None
+        if state.get("block_bytes", blocks) != blocks:
+            raise ValueError("state_dict was saved with different record blocks "
+                             f"(block_bytes {state.get('block_bytes')}, now {blocks})")
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the next iteration at the first unread shard and sample of ``state``.
@@ -417,24 +492,34 @@ class ShardStreamDataset(IterableDataset):
         Also sets the epoch to the saved one.
 
         Args:
-            state (dict): Output of :meth:`state_dict`, from a dataset with the same source,
-                seed and shuffle settings.
+            state (dict): Output of :meth:`state_dict` (this stream's) or of
+                :meth:`merge_states` (every stream's), from a dataset with the same
+                source, seed and shuffle settings.
         """
-        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
-            raise ValueError("state_dict was saved with a different seed or shuffle setting")
-        blocks = self.block_bytes if self.blocks is not None else None
-        if state.get("block_bytes", blocks) != blocks:
-            raise ValueError("state_dict was saved with different record blocks "
-                             f"(block_bytes {state.get('block_bytes')}, now {blocks})")
+        self._check_state(state)
+        if self.device_feed is not None:
+            self.device_feed.reset()
+        if state.get("merged"):
+            self._resume = None
+            self._base = EpochConsumed.from_state(state["consumed"])
+            self.epoch = int(state["epoch"])
+            return
         self._resume = StreamProgress.from_state(state)
         self.epoch = self._resume.epoch
+        base = state.get("base")
+        self._base = None if base is None else EpochConsumed.from_state(base)
 
-    def _start_progress(self, slot: StreamSlot) -> StreamProgress:
+    def _start_progress(self, slot: StreamSlot, plan: StreamPlan | BlockPlan) -> StreamProgress:
         resume, self._resume = self._resume, None
         if resume is None or resume.epoch != self.epoch:
-            return StreamProgress(self.epoch, slot)
+            # after an elastic resume, what other streams handed out of this stream's
+            # shards counts as handed out
+            return StreamProgress(self.epoch, slot,
+                                  partial={p: set(s) for p, s in plan.handed.items()})
         if resume.slot != slot:
-            raise ValueError(f"state_dict belongs to stream {resume.slot}, not {slot}")
+            raise ValueError(f"state_dict belongs to stream {resume.slot}, not {slot}: "
+                             "to resume on another grid of ranks or workers, load the "
+                             "merge_states() of every stream's state")
         resume.finished = False
         return resume
 
@@ -442,9 +527,13 @@ class ShardStreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[BaseData]:
         slot = self.slot()
         if get_worker_info() is not None:
+            if self.device_feed is not None:
+                raise ValueError("ShardStreamDataset(device=...) hands items out on a device "
+                                 "in the main process; behind DataLoader workers pass "
+                                 "device= to the loader (pyg_atompack.StatefulLoader)")
             install_handoff()  # batches leave this worker as one buffer each
         plan = self.plan(slot)
-        progress = self._start_progress(slot)
+        progress = self._start_progress(slot, plan)
         recorder = TraceRecorder(slot.rank, slot.worker)
         if get_worker_info() is None:  # a worker cannot see the main process's steps
             recorder.meter = StepWaitMeter(self.wait_clock)
@@ -461,6 +550,8 @@ class ShardStreamDataset(IterableDataset):
         samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
+        if self.device_feed is not None:
+            return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
 
     def _start_prefetcher(self, plan: StreamPlan | BlockPlan, slot: StreamSlot,
@@ -476,16 +567,21 @@ class ShardStreamDataset(IterableDataset):
         # prefetch and concurrency are per rank: this worker gets its share of both
         prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
         concurrency = worker_share(self.concurrency, slot)
+        tuner = recorder.tuner = stream_tuner(
+            self.memory_budget, [self.block_bytes] if isinstance(plan, BlockPlan)
+            else [self.shards[number].size for number in plan.shards], slot.num_workers)
+        if tuner is not None:  # settings chosen by measurement from here on
+            prefetch, concurrency = tuner.start()
         # a download takes the free connections it can use (Prefetcher)
         budget = concurrency if self.split_shards else 1
         first = jobs[0] if jobs else None
         if isinstance(plan, BlockPlan):
             block_parts = loader.connections(budget)
-            return Prefetcher(
+            return attach(tuner, Prefetcher(
                 jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
                                                              parts=lease.connections,
                                                              downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts)
+                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts))
         # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
         # one, or all; a download keeps its connections until it ends. "First" is the
         # epoch's first shard of this slot, not the first left after a resume: whether a
@@ -503,13 +599,13 @@ class ShardStreamDataset(IterableDataset):
                 return concurrency
             return loader.connections(job[1], budget)
 
-        return Prefetcher(
+        return attach(tuner, Prefetcher(
             jobs, lambda job, cancel, lease: loader.load(
                 *job, cancel, recorder, parts=min(lease.connections, budget),
                 arriving=every or (arriving and job is opening), downloaded=lease.release),
             depth=prefetch, concurrency=concurrency, connections=connections,
             settled=_download_ended if arriving or every else None,
-        )
+        ))
 
     def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
                   recorder: TraceRecorder, prefetcher: Prefetcher,
@@ -649,11 +745,16 @@ class ShardStreamDataset(IterableDataset):
             A JSON-serialisable dict with ``total_s, io_s, deserialize_s, consume_s,
             overlap_s, wait_s, peak_live_shards, bytes, structures, shards, skipped``,
             the consumer's ``steps, step_wait_s, step_s, wait_share, wait_clock``,
-            plus ``epoch``, ``prefetch`` and ``concurrency``.
+            plus ``epoch``, ``prefetch`` and ``concurrency`` (as given), and ``autotune``
+            (with ``memory_budget``: the budget, the settings chosen and every decision
+            with its reason; one per DataLoader worker; :obj:`None` without a budget).
         """
-        summary = summarize(merge_traces(self._snapshots()))
+        snapshots = self._snapshots()
+        summary = summarize(merge_traces(snapshots))
+        tuned = [s["autotune"] for s in snapshots if s.get("autotune")]
         return {**summary, "epoch": self.epoch, "prefetch": self.prefetch,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency,
+                "autotune": (tuned[0] if len(tuned) == 1 else tuned) or None}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.source!r}, shards={len(self.shards)}, "

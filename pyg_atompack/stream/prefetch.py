@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.stream.sources import CancelToken
@@ -25,17 +25,18 @@ class Lease:
             concurrent requests.
     """
 
-    __slots__ = ("connections", "_give_back")
+    __slots__ = ("connections", "_give_back", "granted_at")
 
     def __init__(self, connections: int, give_back: Callable[[int], None]) -> None:
         self.connections = connections
         self._give_back = give_back
+        self.granted_at = time.monotonic()
 
     def release(self) -> None:
         """Give the connections back (the job's download has ended); idempotent."""
         give_back, self._give_back = self._give_back, None
         if give_back is not None:
-            give_back(self.connections)
+            give_back(self.connections, time.monotonic() - self.granted_at)
 
 
 class Prefetcher(Generic[JobT, ResultT]):
@@ -58,6 +59,11 @@ class Prefetcher(Generic[JobT, ResultT]):
     times sooner: a download-bound stream ends with one shard to consume after its
     last byte instead of ``c``, and the consumer waits once per shard, not ``c``
     shards at a time (``benchmarks/stream_overlap.py``).
+
+    :meth:`resize` changes the depth and the connections while jobs run, and an
+    ``observer`` (:class:`pyg_atompack.stream.autotune.StreamTuner`) hears of every
+    download's connections and duration and of every result taken, with the consumer's
+    wait for it.
 
     An exception raised by a job is re-raised to the consumer when it reaches that job.
     :meth:`close` cancels in-flight jobs through the shared :class:`CancelToken` (which
@@ -103,6 +109,8 @@ class Prefetcher(Generic[JobT, ResultT]):
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._settled = settled
+        #: told ``downloaded(connections, seconds)`` and ``taken(index, wait_s)``
+        self.observer: Any = None
         if depth > 0:
             for number in range(min(concurrency, depth, len(self.jobs))):
                 thread = threading.Thread(target=self._work, daemon=True,
@@ -113,7 +121,7 @@ class Prefetcher(Generic[JobT, ResultT]):
     def _claim(self) -> tuple[int, Lease] | None:
         with self._condition:
             while not self._closed and self._next_job < len(self.jobs) and (
-                    self._free_slots == 0 or self._free_connections == 0):
+                    self._free_slots <= 0 or self._free_connections <= 0):
                 self._condition.wait()
             if self._closed or self._next_job >= len(self.jobs):
                 return None
@@ -125,9 +133,34 @@ class Prefetcher(Generic[JobT, ResultT]):
             self._next_job += 1
             return claimed, Lease(granted, self._give_back)
 
-    def _give_back(self, connections: int) -> None:
+    def _give_back(self, connections: int, seconds: float) -> None:
         with self._condition:
             self._free_connections += connections
+            self._condition.notify_all()
+        if self.observer is not None:
+            self.observer.downloaded(connections, seconds)
+
+    def resize(self, depth: int, concurrency: int) -> None:
+        """Change the depth and the connections from now on (jobs in flight keep theirs).
+
+        Args:
+            depth (int): The new prefetch depth (at least 1: a prefetcher that started
+                with depth 0 runs no threads and is not resized).
+            concurrency (int): The new maximum of connections held at once.
+        """
+        if self.depth == 0 or depth < 1 or concurrency < 1:
+            raise ValueError(f"cannot resize depth {self.depth} to {depth}, {concurrency}")
+        with self._condition:
+            self._free_slots += depth - self.depth
+            self._free_connections += concurrency - self._concurrency
+            self.depth, self._concurrency = depth, concurrency
+            wanted = min(concurrency, depth, len(self.jobs) - self._next_job)
+            for number in range(len(self._threads), len(self._threads) + wanted
+                                - sum(thread.is_alive() for thread in self._threads)):
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"{THREAD_NAME_PREFIX}-{number}")
+                self._threads.append(thread)
+                thread.start()
             self._condition.notify_all()
 
     def _work(self) -> None:
@@ -161,7 +194,8 @@ class Prefetcher(Generic[JobT, ResultT]):
         if self.depth == 0:
             started = time.monotonic()
             job = self.jobs[index]
-            lease = Lease(min(max(self._connections(job), 1), self._concurrency), lambda n: None)
+            lease = Lease(min(max(self._connections(job), 1), self._concurrency),
+                          lambda n, s: None)
             try:
                 return self.load(job, self.cancel, lease)
             finally:
@@ -175,7 +209,10 @@ class Prefetcher(Generic[JobT, ResultT]):
             succeeded, value = self._results.pop(index)
             self._free_slots += 1
             self._condition.notify_all()
-        self.wait_s += time.monotonic() - started
+        waited = time.monotonic() - started
+        self.wait_s += waited
+        if self.observer is not None:
+            self.observer.taken(index, waited)
         if not succeeded:
             raise value
         return value

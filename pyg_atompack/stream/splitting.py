@@ -12,6 +12,14 @@ stream are **dropped** for that epoch (a different few each epoch when shuffling
 counts are unknown, ranks get equal numbers of *shards* (surplus shards of the epoch's
 order are dropped), which equalises samples only for equally sized shards.
 
+After an elastic resume (a state merged from every stream of a run with another grid
+of ranks and workers, :class:`~pyg_atompack.stream.progress.EpochConsumed`), the rest of
+the epoch is cut at sample granularity when every count is known: the samples left, in
+the epoch's shard order, are split into equal stretches per rank, so nothing is dropped
+but the ``left % world_size`` at the end (a shard cut between two streams is read by
+both, each skipping the other's samples). With unknown counts the shards with samples
+left are dealt whole, as above.
+
 ``prefetch`` and ``concurrency`` are budgets *per rank*: a rank's DataLoader workers
 share them in equal parts, rounded up (:func:`worker_share`), so adding workers neither
 multiplies the decoded shards held in memory nor the connections opened to the server.
@@ -22,10 +30,14 @@ connection.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pyg_atompack.stream.progress import EpochConsumed
 
 logger = logging.getLogger(__name__)
 
@@ -137,16 +149,24 @@ class StreamPlan:
         shards: Shard indices (into the source listing), in reading order.
         sample_quota: Maximum samples this stream yields (``None``: all of them).
         dropped_shards: Shards nobody reads this epoch (rank equalisation without counts).
+        handed: Per position, the samples other streams handed out before an elastic
+            resume (they are skipped).
     """
 
     shards: tuple[int, ...]
     sample_quota: int | None
     dropped_shards: tuple[int, ...] = ()
+    handed: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: bool, seed: int,
-                epoch: int, batch_size: int | None = None) -> StreamPlan:
+                epoch: int, batch_size: int | None = None,
+                consumed: EpochConsumed | None = None) -> StreamPlan:
     """Compute the shards and sample quota of ``slot`` for ``epoch``.
+
+    After an elastic resume (``consumed``), the shards with samples left are dealt in
+    the epoch's order, as a whole epoch's are, and rank equalisation counts only the
+    samples left.
 
     Args:
         records (Sequence[int | None]): Record count of every shard in source order (``None`` when
@@ -157,11 +177,18 @@ def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: boo
         epoch (int): Epoch number.
         batch_size (int, optional): When set, quotas are whole batches so every rank yields the same
             number of full batches. (default: :obj:`None`)
+        consumed (EpochConsumed, optional): What all streams had handed out of this epoch
+            before an elastic resume. (default: :obj:`None`)
 
     Returns:
         The :class:`StreamPlan`.
     """
     order = epoch_shard_order(len(records), shuffle=shuffle, seed=seed, epoch=epoch)
+    if consumed is not None:
+        order = [s for s in order if s not in consumed.done]
+        if all(r is not None for r in records):
+            return _plan_rest(records, slot, order, consumed)
+        records = [None if r is None else r - consumed.count(s) for s, r in enumerate(records)]
     dropped: tuple[int, ...] = ()
     known = all(r is not None for r in records)
     if slot.world_size > 1 and not known:
@@ -175,8 +202,11 @@ def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: boo
         worker = (position // slot.world_size) % slot.num_workers
         streams[rank * slot.num_workers + worker].append(shard)
     mine = tuple(streams[slot.index])
+    handed = {} if consumed is None else {
+        position: frozenset(consumed.taken(shard)) for position, shard in enumerate(mine)
+        if shard in consumed.runs}  # (shards of unknown size: dealt whole, as above)
     if slot.world_size == 1 or not known:
-        return StreamPlan(mine, None, dropped)
+        return StreamPlan(mine, None, dropped, handed)
     unit = batch_size or 1
     capacity = [sum(records[s] for s in stream) // unit for stream in streams]
     per_rank = [
@@ -189,4 +219,35 @@ def plan_stream(records: Sequence[int | None], slot: StreamSlot, *, shuffle: boo
                        "batch this epoch (%d shards over %d streams)", len(order), slot.count)
     first = slot.rank * slot.num_workers
     quotas = _water_fill(capacity[first:first + slot.num_workers], units)
-    return StreamPlan(mine, quotas[slot.worker] * unit, dropped)
+    return StreamPlan(mine, quotas[slot.worker] * unit, dropped, handed)
+
+
+def _plan_rest(records: Sequence[int], slot: StreamSlot, order: list[int],
+               consumed: EpochConsumed) -> StreamPlan:
+    """The rest of an epoch after an elastic resume, cut at sample granularity.
+
+    The samples left, in the epoch's shard order, are cut into ``world_size`` equal
+    stretches of ``left // world_size`` samples, each split between the rank's
+    workers, as record blocks are (:func:`pyg_atompack.stream.blocks.plan_block_stream`):
+    every rank takes the same number of steps and nothing is dropped but the
+    ``left % world_size`` samples at the end of the order. A shard cut between two
+    streams is read by both, each skipping the other's samples (``handed``).
+    """
+    left = [records[s] - consumed.count(s) for s in order]
+    starts = np.concatenate([[0], np.cumsum(left, dtype=np.int64)])
+    per_rank = int(starts[-1]) // slot.world_size
+    lo = slot.rank * per_rank + per_rank * slot.worker // slot.num_workers
+    hi = slot.rank * per_rank + per_rank * (slot.worker + 1) // slot.num_workers
+    shards: list[int] = []
+    handed: dict[int, frozenset[int]] = {}
+    for position, shard in enumerate(order):
+        a, b = int(starts[position]), int(starts[position + 1])
+        cut_a, cut_b = max(a, lo) - a, min(b, hi) - a
+        if cut_b <= cut_a:
+            continue
+        taken = consumed.taken(shard)
+        if taken or cut_b - cut_a < left[position]:
+            rest = [i for i in range(records[shard]) if i not in taken]
+            handed[len(shards)] = frozenset(range(records[shard])) - set(rest[cut_a:cut_b])
+        shards.append(shard)
+    return StreamPlan(tuple(shards), None, (), handed)

@@ -277,6 +277,7 @@ class TraceRecorder:
         self.worker = worker
         self.wait_s = 0.0
         self.meter: StepWaitMeter | None = None  # the consumer's steps (main process)
+        self.tuner: Any = None  # a StreamTuner (stream/autotune.py) with memory_budget
         self.peak_live_shards = 0
         self._live_shards = 0
         self._lock = threading.Lock()
@@ -318,7 +319,8 @@ class TraceRecorder:
                 records.append(record)
         return {"origin": self.origin, "rank": self.rank, "worker": self.worker,
                 "wait_s": self.wait_s, "peak_live_shards": self.peak_live_shards,
-                "step_wait": steps, "records": records}
+                "step_wait": steps, "records": records,
+                "autotune": None if self.tuner is None else self.tuner.report()}
 
     def write(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_dict` atomically as JSON."""
