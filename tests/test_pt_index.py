@@ -28,8 +28,8 @@ from pyg_atompack.pyg.pt_archive import TorchZipError, read_torch_archive
 from pyg_atompack.pyg.pt_index import LazyPtSamples, NotLazyLayout, index_pt
 from pyg_atompack.pyg.samples import CollatedSamples
 from pyg_atompack.stream import (
-    HTTPSource,
     LocalSource,
+    RemoteSource,
     ShardDecodeError,
     ShardStreamDataset,
     UnsafePayloadError,
@@ -403,7 +403,7 @@ def test_http_and_local_sources_deliver_memory_maps(tmp_path):
     _assert_equal_samples(decode_shard(data, "a.pt"), samples)
     for server in serve_directory(tmp_path):
         server.add_fault("a.pt", "truncate", at_fraction=0.4)  # resumed into the same map
-        source = HTTPSource([server.url("a.pt")], retry=RetryPolicy(retries=2, backoff=0.01))
+        source = RemoteSource([server.url("a.pt")], retry=RetryPolicy(retries=2, backoff=0.01))
         fetched = source.fetch(source.list_shards()[0], CancelToken())
         assert isinstance(fetched, mmap.mmap)
         assert fetched[:] == (tmp_path / "a.pt").read_bytes()
