@@ -153,12 +153,16 @@ def test_fault_mid_block_resumes_without_refetching_it(big_files, server, tmp_pa
     assert sum(r.body_bytes for r in requests) == int(stored.sum()) + (a + cut.body_bytes - c)
 
 
-def test_at_most_k_plus_one_blocks_alive(server, tmp_path):
+# in a retrieval process one more block may download while the consumer's process
+# unpacks the items of the last one handed over (stream/offproc.py)
+@pytest.mark.parametrize("retrieval,extra", [("threads", 1), ("process", 2)])
+def test_at_most_k_plus_one_blocks_alive(server, tmp_path, retrieval, extra):
     source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     for k in (1, 3):
         dataset = ShardStreamDataset(source, block_bytes=2 << 20, cache_dir=tmp_path,
-                                     prefetch=k, concurrency=2, rank=0, world_size=4)
+                                     prefetch=k, concurrency=2, rank=0, world_size=4,
+                                     retrieval=retrieval)
         for i, _ in enumerate(dataset):
             if i % 64 == 0:
                 # a consumer with some compute, as in training: without it a consumer
@@ -166,7 +170,7 @@ def test_at_most_k_plus_one_blocks_alive(server, tmp_path):
                 time.sleep(0.005)
         stats = dataset.stats()
         assert stats["shards"] > 2 * (k + 1)  # many more blocks than can be alive
-        assert 1 < stats["peak_live_shards"] <= k + 1
+        assert 1 < stats["peak_live_shards"] <= k + extra
 
 
 # ---------------------------------------------------------------------- random access
@@ -265,7 +269,8 @@ def test_small_shards_keep_whole_file_reads_and_blocks_interleave(small_shards, 
     switches = np.count_nonzero(np.diff(block))
     assert switches > len(order) // 2  # consecutive samples mostly from different blocks
     stats = dataset.stats()
-    assert 3 < stats["peak_live_shards"] <= 2 + 3  # prefetch + interleave
+    # prefetch + interleave, and the one block more a retrieval process may hold
+    assert 3 < stats["peak_live_shards"] <= 2 + 3 + 1
 
 
 def test_block_split_is_exact_at_record_granularity():

@@ -423,6 +423,8 @@ class _RecordingSource(LocalSource):
 
 
 def test_stream_copies_the_samples_that_may_outlive_their_shard(tmp_path):
+    # the samples' addresses are compared with this process's shard buffers: the stream
+    # runs on threads here (a retrieval process hands out copies made in shared memory)
     for shard in range(2):
         (tmp_path / f"s{shard}.pt").write_bytes(bytes(_saved(make_samples(shard, 6))))
 
@@ -431,12 +433,12 @@ def test_stream_copies_the_samples_that_may_outlive_their_shard(tmp_path):
 
     source = _RecordingSource(str(tmp_path / "*.pt"))
     flags = [in_a_shard_buffer(sample, source)
-             for sample in ShardStreamDataset(source, prefetch=1)]
+             for sample in ShardStreamDataset(source, prefetch=1, retrieval="threads")]
     # only the last sample of each shard is copied (the consumer may still hold it
     # while the next shard is fetched); the others are views of the shard buffer
     assert flags == [True] * 5 + [False] + [True] * 5 + [False]
     source = _RecordingSource(str(tmp_path / "*.pt"))
-    samples = list(ShardStreamDataset(source, shuffle_buffer=4))
+    samples = list(ShardStreamDataset(source, shuffle_buffer=4, retrieval="threads"))
     assert not any(in_a_shard_buffer(s, source) for s in samples)  # the mixing buffer copies
     assert sorted(int(s.sample_id) for s in samples) == [*range(6), *range(1000, 1006)]
     assert np.isfinite(torch.cat([s.pos for s in samples]).numpy()).all()
