@@ -27,7 +27,8 @@ REMOTE_TESTS := tests/test_http_client.py tests/test_transport_hub.py tests/test
 	tests/test_stream_sources.py tests/test_remote_hostile_transfers.py \
 	tests/test_stream_arriving.py::test_from_the_hub_with_its_listed_hashes \
 	tests/test_remote_hostile_cache.py::test_a_hostile_hub_listing_is_refused \
-	tests/test_layers.py::test_hub_lists_and_reads_without_torch
+	tests/test_layers.py::test_hub_lists_and_reads_without_torch \
+	tests/test_remote_backends.py tests/test_groups_pyg.py
 HF_RELEASES ?= 0.36.2 1.33.0
 # Each release gets a venv under HF_VENVS holding only that release and the packages it
 # needs in other versions than the main venv has; a .pth file adds the main venv's

@@ -34,14 +34,14 @@ from harness import ServerProcess, hold_gil, serve_http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from servers.http_server import write_pt_shards  # noqa: E402
 
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
 
 CONSUMERS = {"sleep": time.sleep, "gil": hold_gil}
 
 
 def run_pass(base_url: str, compute_per_sample: float, consumer: str,
              **settings: object) -> tuple[float, dict]:
-    source = HTTPSource(f"{base_url}/manifest.json")  # listed before the clock starts
+    source = RemoteSource(f"{base_url}/manifest.json")  # listed before the clock starts
     dataset = ShardStreamDataset(source, **settings)
     step = CONSUMERS[consumer]
     started = time.perf_counter()

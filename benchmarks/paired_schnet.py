@@ -299,7 +299,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                                         num_interactions=args.num_interactions)
     with LoopbackServer(directory, latency_s=args.latency,
                         bandwidth_bps=args.bandwidth or None) as server:
-        source = stream.HTTPSource(server.url("manifest.json"))
+        source = stream.RemoteSource(server.url("manifest.json"))
         listing = list(source.list_shards())
         count = len(listing) - 1 if args.max_shards is None else min(args.max_shards,
                                                                         len(listing) - 1)

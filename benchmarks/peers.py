@@ -7,7 +7,7 @@ same per-connection bandwidth limit, by a consumer sleeping a fixed compute time
 batch of 32 (D/C = 0.5, 1, 3, where D is the download time of one ``.pt`` shard at the
 limit and C the compute time of its batches):
 
-* ours: ``ShardStreamDataset(HTTPSource(manifest), prefetch, concurrency, shuffle=True,
+* ours: ``ShardStreamDataset(RemoteSource(manifest), prefetch, concurrency, shuffle=True,
   batch_size=32)`` over the ``.pt`` shards (``ours_pt``, the reference of every ratio) and
   over ``.atp`` shards of the same structures (``ours_atp``), prefetch and concurrency as
   in ``stream_overlap.py``; from the throttled HTTP server (``tests/servers/http_server.py``);
@@ -75,7 +75,7 @@ from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
 from torch_geometric.data import Batch, Data  # noqa: E402
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
 
 WORK = HERE / "_work"
 #: Stores of part 1 (every format of a structure set), kept between runs.
@@ -365,7 +365,7 @@ def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int
     ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``.
     ``options`` go to ``ShardStreamDataset`` (e.g. ``verify_before_use=False``)."""
     def build():
-        source = HTTPSource(f"{base_url}/{kind}/manifest.json")
+        source = RemoteSource(f"{base_url}/{kind}/manifest.json")
         if workers == 0:
             return ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                       shuffle=True, batch_size=BATCH, **options)

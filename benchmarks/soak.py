@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from servers.http_server import ShardServer, write_pt_shards  # noqa: E402
 
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
 from pyg_atompack.transport import RetryPolicy  # noqa: E402
 
 FAULTS = ("500", "429", "reset", "truncate")
@@ -79,7 +79,7 @@ def soak(args: argparse.Namespace) -> dict:
                       for i in range(args.samples))
     server = ShardServer(root).start()
     policy = RetryPolicy(retries=8, backoff=0.01, max_backoff=0.1, timeout=10)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=policy),
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=policy),
                                  prefetch=args.prefetch, concurrency=args.concurrency,
                                  shuffle=True, seed=args.seed)
     epochs = -(-args.requests // args.shards)

@@ -102,10 +102,10 @@ def _manifest_is_current(root: Path, names: list[str]) -> bool:
 # ------------------------------------------------------------------ child measurements
 def child_stream(spec: dict) -> dict:
     """Stream ``spec["limit"]`` samples; RSS growth, time to first sample, samples/s."""
-    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 
     started = time.perf_counter()
-    source = HTTPSource(spec["url"])
+    source = RemoteSource(spec["url"])
     if spec.get("only"):
         source._shards = tuple(s for s in source.list_shards() if s.name == spec["only"])
     # threads: the blocks' memory in this process, whose resident set is sampled
@@ -183,14 +183,14 @@ def child_random_big(spec: dict) -> dict:
     about ``fraction`` of the pages, so the hit ratio is that of steady training.
     """
     from pyg_atompack import AtompackDataset, AtompackLoader
-    from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
+    from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
 
     options = {"cache_dir": spec["cache"], "cache_bytes": spec["cache_bytes"]}
     if spec.get("page_bytes"):
         options["page_bytes"] = spec["page_bytes"]
 
     def remote(url: str) -> AtompackDataset:  # AtompackDataset(url, cache_...) + page size
-        return AtompackDataset(open_remote_atp(url_range_readers(url), **options))
+        return AtompackDataset(open_remote_atp(range_readers(url), **options))
 
     warm = remote(spec["warm_url"]).reader
     started = time.perf_counter()

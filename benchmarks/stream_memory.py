@@ -112,7 +112,7 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
     """One measured run (in its own process); prints a JSON line."""
     import gc
 
-    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
     from pyg_atompack.stream.memory import release_free_memory
 
     server, base_url = serve(folder)
@@ -120,7 +120,7 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
         names = sorted(p.name for p in Path(folder).glob("*.pt"))
         names = names or sorted(p.name for p in Path(folder).glob("*.atp"))
         if warm:
-            warm_up = ShardStreamDataset(HTTPSource([f"{base_url}/{names[0]}"]),
+            warm_up = ShardStreamDataset(RemoteSource([f"{base_url}/{names[0]}"]),
                                          prefetch=prefetch, concurrency=concurrency,
                                          retrieval="threads")
             for _ in warm_up:
@@ -128,7 +128,7 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
             del warm_up, _
             gc.collect()
             release_free_memory()
-        source = HTTPSource([f"{base_url}/{name}" for name in names])
+        source = RemoteSource([f"{base_url}/{name}" for name in names])
         # threads: the stream's memory in this process, whose resident set is sampled
         # (the default would hold the shards in a child process)
         dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,

@@ -32,7 +32,7 @@ starves retrieval threads of it). It is called per sample, or per batch with
   ``views`` arms with ``read_ahead=0``, every sample built in the consumer's thread as
   it is taken instead of ahead on the read-ahead thread, which isolates what building
   ahead changes;
-* ``s3``: the ``prefetch`` arm over ``ObjectStoreSource("s3://...")``: the same shards
+* ``s3``: the ``prefetch`` arm over ``RemoteSource("s3://...")``: the same shards
   uploaded to a moto S3 server (``tests/servers/moto_s3.py``, its own process) behind a
   TCP relay with the same per-connection bandwidth limit (``tests/servers/tcp_proxy.py``,
   its own process);
@@ -103,7 +103,7 @@ from servers.http_server import (  # noqa: E402
 )
 from servers.moto_s3 import MotoS3Server, s3_environment  # noqa: E402
 
-from pyg_atompack.stream import HTTPSource, ObjectStoreSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
 
 S3_BUCKET = "stream-bench"
 DEFAULT_OUT = HERE / "results" / "stream.md"
@@ -157,9 +157,9 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
                block_bytes: int = 64 << 20, cache_dir: Path | None = None,
                read_ahead: int = 16, workers: int = 0, retrieval: str = "auto"):
     if s3_endpoint is None:
-        source = HTTPSource(f"{base_url}/manifest.json")
+        source = RemoteSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
-        source = ObjectStoreSource(f"s3://{S3_BUCKET}/{s3_prefix}/", endpoint_url=s3_endpoint)
+        source = RemoteSource(f"s3://{S3_BUCKET}/{s3_prefix}/", endpoint_url=s3_endpoint)
     dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
                                  lazy_decode=lazy_decode, blocks=blocks,
                                  block_bytes=block_bytes, cache_dir=cache_dir,
@@ -307,7 +307,7 @@ def s3_section(s3_rows: list, atp_bytes: int, shard_bytes: int) -> list[str]:
         "",
         "## Object-store arm (`s3`)",
         "",
-        "The `prefetch` configuration over `ObjectStoreSource(\"s3://...\")`: the same "
+        "The `prefetch` configuration over `RemoteSource(\"s3://...\")`: the same "
         "shards in a moto S3 server (its own process) behind a TCP relay (its own process) "
         "with the same per-connection bandwidth cap, so the arms differ only in the "
         "transport (s3fs/aiobotocore and moto's request handling instead of `http.client` "

@@ -8,7 +8,7 @@ Both layouts hold the same frames in the same order, one folder per format::
 A ``.pt`` shard is a ``torch.save``-d list of :class:`torch_geometric.data.Data` whose
 tensors each own their storage (so a shard never drags a whole trajectory along). An
 ``.atp`` shard is written with :class:`pyg_atompack.atp.Writer`. The manifest is what
-:class:`pyg_atompack.stream.LocalSource` and ``HTTPSource`` read::
+:class:`pyg_atompack.stream.LocalSource` and ``RemoteSource`` read::
 
     {"format": "pyg_atompack-shards/1",
      "shards": [{"name": ..., "records": ..., "bytes": ..., "sha256": ...}, ...],

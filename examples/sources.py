@@ -128,20 +128,14 @@ def build_md17_shards(
 
 def _remote_source(spec: str):
     if spec.startswith(("http://", "https://")):
-        return stream.HTTPSource(spec)
+        return stream.RemoteSource(spec)
     if spec.startswith("hf://"):
         from pyg_atompack import hub
 
-        location = hub.parse_hf_uri(spec)
-        base = dict(
-            path_in_repo=location.path_in_repo,
-            revision=location.revision or "main",
-            repo_type=location.repo_type,
-        )
         try:
-            return stream.HubSource(location.repo_id, pattern="*.pt", **base)
-        except stream.ShardFetchError:
-            return stream.HubSource(location.repo_id, pattern="*.atp", **base)
+            return stream.RemoteSource(spec, pattern="*.pt")
+        except hub.HubNoShardsError:
+            return stream.RemoteSource(spec, pattern="*.atp")
     return None
 
 
@@ -208,4 +202,4 @@ def open_data(
         rate = f"{bandwidth_bps / 1e6:.2f} MB/s" if bandwidth_bps else "unlimited"
         url = server.url(shards.MANIFEST_NAME)
         log(f"serving {directory} at {url} (latency {latency_s * 1e3:.0f} ms, {rate})")
-        yield ResolvedData(stream.HTTPSource(url), description, units, server)
+        yield ResolvedData(stream.RemoteSource(url), description, units, server)

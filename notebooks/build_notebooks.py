@@ -686,7 +686,7 @@ bandwidth and injected faults (`tests/servers/http_server.py`); it stands in for
 remote store here. Every response waits 50 ms before its first byte and bodies flow at
 400 kB/s per connection, so one shard takes about a quarter of a second to download.
 
-`HTTPSource` reads the manifest once; each shard's size and checksum are verified
+`RemoteSource` reads the manifest once; each shard's size and checksum are verified
 after download.
 
 # %%
@@ -694,7 +694,7 @@ sys.path.insert(0, str(Path(pyg_atompack.__file__).resolve().parents[1] / "tests
 from servers.http_server import ShardServer  # noqa: E402  (a stand-in, not part of the library)
 
 server = ShardServer(served, ttfb_s=0.05, bandwidth=400e3).start()
-source = stream.HTTPSource(server.url("manifest.json"))
+source = stream.RemoteSource(server.url("manifest.json"))
 print(source)
 print(source.list_shards()[0])
 
@@ -798,7 +798,7 @@ and the pass still yields all 480 structures.
 # %%
 server.add_fault("shard_00002.atp", "503", retry_after=1)
 server.add_fault("shard_00005.atp", "reset", at_fraction=0.9)
-patient = stream.HTTPSource(server.url("manifest.json"),
+patient = stream.RemoteSource(server.url("manifest.json"),
                             retry=transport.RetryPolicy(retries=3, backoff=0.1))
 dataset = ShardStreamDataset(patient, prefetch=1)
 print("structures:", sum(1 for _ in dataset))
@@ -813,7 +813,7 @@ and the URL, after the configured retries, unless the dataset is told to skip it
 
 # %%
 server.add_fault("shard_00003.atp", "503", times=10)
-impatient = stream.HTTPSource(server.url("manifest.json"),
+impatient = stream.RemoteSource(server.url("manifest.json"),
                               retry=transport.RetryPolicy(retries=1, backoff=0.05))
 try:
     sum(1 for _ in ShardStreamDataset(impatient, prefetch=1))
@@ -832,7 +832,7 @@ server.stop()
   batch_size=..., num_workers=...)` to decode in several processes; shards are split
   between workers and DDP ranks so each is read once per epoch, and `set_epoch(epoch)`
   reshuffles the shard order.
-* `HubSource` streams shards from a Hugging Face dataset repository and `LocalSource`
+* `RemoteSource("hf://...")` streams shards from a Hub dataset repository and `LocalSource`
   from a directory; any object with `list_shards()` and `fetch(shard, cancel)` works.
 * A `.pt` shard holding a list of `Data` is not unpickled: it is indexed in place and
   each sample is built when taken, so a shard in memory costs about its file size.

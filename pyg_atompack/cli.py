@@ -151,7 +151,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _is_url(path: str) -> bool:
-    from pyg_atompack.remote.urls import url_scheme
+    from pyg_atompack.remote.backends import url_scheme
 
     return url_scheme(path) is not None
 
@@ -188,7 +188,7 @@ def _remote_info(args: argparse.Namespace) -> int:
     lines = [f"path: {args.path}", "format: atp (remote)",
              f"size: {sum(s.size for s in remote.shards)} bytes",
              f"shards: {len(remote.shards)}"]
-    lines += [f"  {shard.path}: {count} records, {shard.size} bytes"
+    lines += [f"  {shard.name}: {count} records, {shard.size} bytes"
               for shard, count in zip(remote.shards, remote.shard_lengths.tolist())]
     lines += [f"structures: {len(remote)}", f"atoms: {int(remote.n_atoms.sum())}", "fields:"]
     for name, info in remote.fields.items():
@@ -208,7 +208,7 @@ def _remote_verify(args: argparse.Namespace) -> int:
     remote = _open_remote(args.path)
     count, problems = 0, []
     for shard in range(len(remote.shards)):
-        name = remote.shards[shard].path
+        name = remote.shards[shard].name
         try:
             local = remote.shard_reader(shard).path
         except RemoteIntegrityError as error:

@@ -30,6 +30,7 @@ import io
 import json
 import math
 import os
+import tokenize
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,8 @@ def load_npy(raw: bytes | bytearray | memoryview) -> np.ndarray:
         if version not in _NPY_HEADERS:
             raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
         shape, fortran_order, dtype = _NPY_HEADERS[version](handle)
-    except (ValueError, SyntaxError, TypeError) as exc:  # numpy's header parser
+    # numpy's header parser: a damaged header dict can also stop its tokenizer
+    except (ValueError, SyntaxError, TypeError, tokenize.TokenError) as exc:
         raise ValueError(f"not a readable .npy array ({exc})") from None
     if dtype.hasobject:
         raise ValueError(f"holds Python objects ({dtype}), which are never read")

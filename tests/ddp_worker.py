@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset  # noqa: E402
-from pyg_atompack.stream import HTTPSource  # noqa: E402
+from pyg_atompack.stream import RemoteSource  # noqa: E402
 from pyg_atompack.transport import RetryPolicy  # noqa: E402
 
 EPOCHS = 2
@@ -95,7 +95,7 @@ def run_atp(path: str, seed: int) -> list[dict]:
 def run_stream(manifest_url: str, seed: int) -> list[dict]:
     results = []
     for run in range(RUNS):
-        source = HTTPSource(manifest_url, retry=RetryPolicy(backoff=0.05, timeout=20))
+        source = RemoteSource(manifest_url, retry=RetryPolicy(backoff=0.05, timeout=20))
         dataset = ShardStreamDataset(source, shuffle=True, seed=seed, batch_size=4,
                                      prefetch=2, concurrency=2, transform=tag_worker)
         model = DistributedDataParallel(TinyModel())

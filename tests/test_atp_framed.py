@@ -197,7 +197,7 @@ def test_shard_stream_reads_framed_shards_whole_and_in_blocks(tmp_path):
             return local.fetch(shard, cancel)
 
         def range_reader(self, shard):
-            return FileRangeReader(shard.location)
+            return FileRangeReader(shard.file.url)
 
     whole = ShardStreamDataset(local, cache_dir=tmp_path / "c1")
     blocks = ShardStreamDataset(Ranged(), block_bytes=1 << 10, cache_dir=tmp_path / "c2")

@@ -18,7 +18,7 @@ import time
 import pytest
 from servers.http_server import serve_directory, write_pt_shards
 
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 from pyg_atompack.stream.autotune import (
     DECODED_FACTOR,
     DEFAULT_MAX_CONCURRENCY,
@@ -175,7 +175,7 @@ def slow_link(tmp_path):
 
 def test_stream_on_a_slow_link_gets_more_connections(slow_link) -> None:
     server, _ = slow_link
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     dataset = ShardStreamDataset(source, memory_budget=1 << 30)
     ids = shard_ids(dataset, consume_s=0.05 / 20)
     assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]
@@ -190,8 +190,8 @@ def test_stream_on_a_slow_link_gets_more_connections(slow_link) -> None:
 
 def test_stream_with_a_small_budget_keeps_prefetch_low(slow_link) -> None:
     server, names = slow_link
-    shard_bytes = max(s.size for s in HTTPSource(server.url("manifest.json")).list_shards())
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    shard_bytes = max(s.size for s in RemoteSource(server.url("manifest.json")).list_shards())
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     budget = int(2 * DECODED_FACTOR * shard_bytes)  # two live shards
     dataset = ShardStreamDataset(source, memory_budget=budget, split_shards=False)
     ids = shard_ids(dataset, consume_s=0.05 / 20)
@@ -206,7 +206,7 @@ def test_stream_with_a_small_budget_keeps_prefetch_low(slow_link) -> None:
 def test_default_stream_opens_more_connections_while_downloads_are_the_bottleneck(
         slow_link) -> None:
     server, _ = slow_link
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     dataset = ShardStreamDataset(source)  # the defaults: concurrency=None, prefetch=1
     ids = shard_ids(dataset, consume_s=0.05 / 20)
     assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]
@@ -234,7 +234,7 @@ def fast_link(tmp_path):
 def test_default_stream_keeps_one_connection_while_the_consumer_is_the_bottleneck(
         fast_link) -> None:
     server, _ = fast_link
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     dataset = ShardStreamDataset(source)
     ids = shard_ids(dataset, consume_s=0.15 / 20)
     assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]

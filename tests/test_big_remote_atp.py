@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pyg_atompack import atp
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 from pyg_atompack.stream.splitting import StreamSlot
 from tests.big_atp import write_big_atp, write_manifest
 from tests.servers.http_server import ShardServer
@@ -56,7 +56,7 @@ def _span(entry) -> tuple[int, int]:
 @pytest.mark.parametrize("name", NAMES)
 def test_blocks_deliver_every_record_once_across_workers_and_ranks(big_files, server, tmp_path,
                                                                    name):
-    source = HTTPSource(server.url("manifest.json"))
+    source = RemoteSource(server.url("manifest.json"))
     source._shards = tuple(s for s in source.list_shards() if s.name == name)
     local = atp.open(big_files / name)
     delivered: dict[int, list[int]] = {}
@@ -94,7 +94,7 @@ def test_blocks_deliver_every_record_once_across_workers_and_ranks(big_files, se
 
 
 def test_block_order_is_seeded_per_epoch(big_files, server, tmp_path):
-    source = HTTPSource(server.url("manifest.json"))
+    source = RemoteSource(server.url("manifest.json"))
     dataset = ShardStreamDataset(source, shuffle=True, block_bytes=BLOCK, cache_dir=tmp_path,
                                  seed=3)
     slot = StreamSlot(0, 1, 0, 1)
@@ -113,7 +113,7 @@ def test_block_order_is_seeded_per_epoch(big_files, server, tmp_path):
 
 
 def test_resume_mid_epoch_from_state_dict(server, tmp_path):
-    source = HTTPSource(server.url("manifest.json"))
+    source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     # one rank of four: a quarter of the file, cut into blocks at record granularity
     options = dict(shuffle=True, block_bytes=BLOCK, cache_dir=tmp_path, seed=5, prefetch=1,
@@ -132,7 +132,7 @@ def test_resume_mid_epoch_from_state_dict(server, tmp_path):
 
 
 def test_fault_mid_block_resumes_without_refetching_it(big_files, server, tmp_path):
-    source = HTTPSource(server.url("manifest.json"))
+    source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     dataset = ShardStreamDataset(source, block_bytes=BLOCK, cache_dir=tmp_path, prefetch=1,
                                  rank=0, world_size=4)
@@ -153,12 +153,16 @@ def test_fault_mid_block_resumes_without_refetching_it(big_files, server, tmp_pa
     assert sum(r.body_bytes for r in requests) == int(stored.sum()) + (a + cut.body_bytes - c)
 
 
-def test_at_most_k_plus_one_blocks_alive(server, tmp_path):
-    source = HTTPSource(server.url("manifest.json"))
+# in a retrieval process one more block may download while the consumer's process
+# unpacks the items of the last one handed over (stream/offproc.py)
+@pytest.mark.parametrize("retrieval,extra", [("threads", 1), ("process", 2)])
+def test_at_most_k_plus_one_blocks_alive(server, tmp_path, retrieval, extra):
+    source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     for k in (1, 3):
         dataset = ShardStreamDataset(source, block_bytes=2 << 20, cache_dir=tmp_path,
-                                     prefetch=k, concurrency=2, rank=0, world_size=4)
+                                     prefetch=k, concurrency=2, rank=0, world_size=4,
+                                     retrieval=retrieval)
         for i, _ in enumerate(dataset):
             if i % 64 == 0:
                 # a consumer with some compute, as in training: without it a consumer
@@ -166,7 +170,7 @@ def test_at_most_k_plus_one_blocks_alive(server, tmp_path):
                 time.sleep(0.005)
         stats = dataset.stats()
         assert stats["shards"] > 2 * (k + 1)  # many more blocks than can be alive
-        assert 1 < stats["peak_live_shards"] <= k + 1
+        assert 1 < stats["peak_live_shards"] <= k + extra
 
 
 # ---------------------------------------------------------------------- random access
@@ -265,7 +269,8 @@ def test_small_shards_keep_whole_file_reads_and_blocks_interleave(small_shards, 
     switches = np.count_nonzero(np.diff(block))
     assert switches > len(order) // 2  # consecutive samples mostly from different blocks
     stats = dataset.stats()
-    assert 3 < stats["peak_live_shards"] <= 2 + 3  # prefetch + interleave
+    # prefetch + interleave, and the one block more a retrieval process may hold
+    assert 3 < stats["peak_live_shards"] <= 2 + 3 + 1
 
 
 def test_block_split_is_exact_at_record_granularity():
@@ -326,7 +331,7 @@ def test_auto_blocks_only_for_sources_with_range_reads(small_shards, tmp_path):
 
     class Ranged(WholeFiles):
         def range_reader(self, shard):
-            return FileRangeReader(shard.location)
+            return FileRangeReader(shard.file.url)
 
     whole = ShardStreamDataset(WholeFiles(), block_bytes=512 << 10, cache_dir=tmp_path)
     assert whole.blocks is None and len(_energies(whole)) == 640

@@ -30,7 +30,7 @@ import pytest
 from servers.http_server import ShardServer, write_pt_shards
 
 from pyg_atompack import ShardStreamDataset, atp
-from pyg_atompack.stream import HTTPSource
+from pyg_atompack.stream import RemoteSource
 from pyg_atompack.stream.splitting import StreamSlot
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
@@ -137,7 +137,7 @@ def test_stream_shards_are_split_between_workers(launch: dict) -> None:
 
 
 def test_uneven_shards_drop_exactly_the_documented_surplus(launch: dict) -> None:
-    dataset = ShardStreamDataset(HTTPSource(launch["manifests"]["uneven"]), shuffle=True,
+    dataset = ShardStreamDataset(RemoteSource(launch["manifests"]["uneven"]), shuffle=True,
                                  seed=SEED, batch_size=4)
     all_ids = set(_shard_ids(UNEVEN_SHARDS))
     for (run, epoch), ranks in _epochs(launch, "stream_uneven").items():

@@ -258,12 +258,12 @@ def test_shard_subset_keeps_the_ranged_first_download(tmp_path):
     """The example's train/eval split of a source still fetches in parts (split_shards)."""
     from servers.http_server import serve_directory, write_pt_shards
 
-    from pyg_atompack.stream.http import MIN_PART_BYTES
+    from pyg_atompack.transport.http import MIN_PART_BYTES
 
     names = write_pt_shards(tmp_path, [400, 400], atoms=8)
     assert (tmp_path / names[0]).stat().st_size > 2 * MIN_PART_BYTES
     for server in serve_directory(tmp_path):
-        source = stream.HTTPSource(server.url("manifest.json"))
+        source = stream.RemoteSource(server.url("manifest.json"))
         listing = source.list_shards()
         subset = sources.ShardSubset(source, listing, [0])
         body = subset.fetch_in_parts(listing[0], stream.CancelToken(), 2)

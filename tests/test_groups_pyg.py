@@ -174,7 +174,7 @@ def test_groups_over_http_by_record(framed, tmp_path):
 
 
 def test_remote_groups_fetch_only_metadata_and_members(tmp_path):
-    from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
+    from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
 
     root = tmp_path / "www"
     root.mkdir()
@@ -189,7 +189,7 @@ def test_remote_groups_fetch_only_metadata_and_members(tmp_path):
     write_framed(root / "big.atp", source, [encode_groups([("far", grouping)])])
     size = (root / "big.atp").stat().st_size
     for server in serve_directory(root):
-        reader = open_remote_atp(url_range_readers(server.url("big.atp")),
+        reader = open_remote_atp(range_readers(server.url("big.atp")),
                                  cache_dir=tmp_path / "cache", page_bytes=4096)
         ds = AtompackGroupDataset(reader, "far", fields=["energy"])
         batch = ds[0]

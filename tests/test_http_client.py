@@ -63,7 +63,7 @@ from pyg_atompack.transport import RetryPolicy, http
 
 endpoint, plain = sys.argv[1:3]
 sha = hub.resolve_revision("org/remote", endpoint=endpoint)
-files = {f.path: f for f in hub.list_remote_files("org/remote", revision=sha, endpoint=endpoint)}
+files = {f.name: f for f in hub.list_remote_files("org/remote", revision=sha, endpoint=endpoint)}
 head = transfer.fetch_range(files["train/part_0.atp"], 0, 4)  # the CDN redirect
 readme = transfer.fetch_bytes(files["README.md"])  # the relative redirect
 reader = hub.open_hub_atp("org/remote", "train", revision=sha, endpoint=endpoint,

@@ -8,6 +8,7 @@ which sends ``ETag`` and ``Last-Modified`` as nginx derives them.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import threading
@@ -20,7 +21,7 @@ import torch
 from pyg_atompack import AtompackDataset
 from pyg_atompack.remote import atp_meta
 from pyg_atompack.remote.ranges import URLRangeReader
-from pyg_atompack.stream import CancelToken, HTTPSource, ShardStreamDataset
+from pyg_atompack.stream import CancelToken, RemoteSource, ShardStreamDataset
 from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy
 from pyg_atompack.transport import http as transport_http
 from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
@@ -85,7 +86,7 @@ def test_a_file_rewritten_mid_read_is_refused_not_spliced(served, tmp_path):
     url = server.url("manifest.json")
     dataset = AtompackDataset(url, cache_dir=tmp_path / "cache")
     assert float(dataset[0].energy) == 0.0
-    stream = ShardStreamDataset(HTTPSource(url), blocks=True, block_bytes=256 << 10,
+    stream = ShardStreamDataset(RemoteSource(url), blocks=True, block_bytes=256 << 10,
                                 cache_dir=tmp_path / "blocks", prefetch=0, shuffle=False)
     samples = iter(stream)
     assert float(next(samples).energy) == 0.0  # the first block is in
@@ -172,9 +173,10 @@ def test_a_file_of_another_size_than_listed_is_refused_at_once(served):
     retrying the short ranges (and the HTTP 416 beyond the end) as dropped connections."""
     root, server = served
     size = (root / NAME).stat().st_size
-    (root / NAME).write_bytes((root / NAME).read_bytes()[: size // 2])
+    (root / "listing.json").write_text(json.dumps({"shards": [{"name": NAME, "bytes": size}]}))
     policy = RetryPolicy(retries=3, backoff=0.01, timeout=10.0)
+    source = RemoteSource(server.url("listing.json"), suffixes=None, retry=policy)
+    (root / NAME).write_bytes((root / NAME).read_bytes()[: size // 2])
     with pytest.raises(RemoteIntegrityError, match=rf"size {size // 2} bytes, expected {size}"):
-        transport_http.fetch_in_parts(server.url(NAME), size=size, parts=2, policy=policy,
-                                      cancel=CancelToken(), make_token=CancelToken)
+        source.fetch_in_parts(source.list_shards()[0], CancelToken(), 2)
     assert len(server.requests_for(NAME)) <= 2  # no retries

@@ -17,6 +17,7 @@ from servers.fake_hub import FakeHub, git_blob_id, serve_fake_hub, write_referen
 from pyg_atompack import hub
 from pyg_atompack.hub import remote as hub_remote
 from pyg_atompack.hub import transfer as hub_transfer
+from pyg_atompack.remote import cached_path
 from pyg_atompack.transport import RetryPolicy
 
 REPO = "org/mols"
@@ -128,15 +129,15 @@ def test_listing_sizes_checksums_and_order(server, files):
     sha = hub.resolve_revision(REPO, endpoint=server.endpoint)
     server.clear_requests()
     listed = hub.list_remote_files(REPO, "train", revision=sha, endpoint=server.endpoint)
-    assert [f.path for f in listed] == sorted(p for p in files if p.startswith("train/"))
-    assert listed[0].path == "train/b/part_0.atp"  # nested dirs sort by POSIX path
+    assert [f.name for f in listed] == sorted(p for p in files if p.startswith("train/"))
+    assert listed[0].name == "train/b/part_0.atp"  # nested dirs sort by POSIX path
     for f in listed:
-        assert f.size == len(files[f.path])
-        assert f.revision == sha and f.repo_id == REPO
-        assert f.blob_id == git_blob_id(files[f.path])
-        assert f.url == f"{server.endpoint}/datasets/{REPO}/resolve/{sha}/{f.path}"
-        if f.path.endswith(".atp"):
-            assert f.sha256 == hashlib.sha256(files[f.path]).hexdigest()
+        assert f.size == len(files[f.name])
+        assert f.version == sha and f.repo == f"datasets/{REPO}"
+        assert f.blob_id == git_blob_id(files[f.name])
+        assert f.url == f"{server.endpoint}/datasets/{REPO}/resolve/{sha}/{f.name}"
+        if f.name.endswith(".atp"):
+            assert f.sha256 == hashlib.sha256(files[f.name]).hexdigest()
         else:
             assert f.sha256 is None  # plain git file: only the git blob id is known
     # exactly one request: the recursive tree listing, nothing per file
@@ -149,14 +150,14 @@ def test_listing_pattern_pagination_and_single_file(server, files):
     server.page_size = 2  # the client must follow Link: rel="next"
     atp_files = hub.list_remote_files(REPO, "/train/", revision="main", pattern="*.atp",
                                       endpoint=server.endpoint)
-    assert [f.path for f in atp_files] == sorted(p for p in files if p.endswith(".atp"))
+    assert [f.name for f in atp_files] == sorted(p for p in files if p.endswith(".atp"))
     assert len(server.requests_to("/tree/")) >= 2
     single = hub.list_remote_files(REPO, "train/part_1.atp", revision="main",
                                    endpoint=server.endpoint)
-    assert [(f.path, f.size) for f in single] == [("train/part_1.atp",
+    assert [(f.name, f.size) for f in single] == [("train/part_1.atp",
                                                    len(files["train/part_1.atp"]))]
     everything = hub.list_remote_files(REPO, revision="main", endpoint=server.endpoint)
-    assert [f.path for f in everything] == sorted(files)
+    assert [f.name for f in everything] == sorted(files)
 
 
 def test_listing_errors(server):
@@ -192,7 +193,7 @@ def test_pinned_sha_keeps_old_content(fake_hub, files, shard_dir, tmp_path):
 def test_fetch_range_reads_only_the_range(server, files):
     target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
                                    endpoint=server.endpoint)[0]
-    data = files[target.path]
+    data = files[target.name]
     server.clear_requests()
     assert hub_transfer.fetch_range(target, 100, 50) == data[100:150]
     assert hub_transfer.fetch_range(target, len(data) - 7, 7) == data[-7:]
@@ -240,8 +241,8 @@ def test_download_verifies_and_reuses_cache(server, files, tmp_path):
     server.clear_requests()
     for f in listed:
         local = hub.download(f, tmp_path)
-        assert local.read_bytes() == files[f.path]
-        assert local == hub_transfer.cached_path(f, tmp_path)
+        assert local.read_bytes() == files[f.name]
+        assert local == cached_path(f, tmp_path)
     assert len(server.requests_to("/resolve/", "GET")) == len(listed)
     again = [hub.download(f, tmp_path) for f in listed]
     assert len(server.requests_to("/resolve/", "GET")) == len(listed)  # nothing refetched
@@ -256,11 +257,12 @@ def test_download_detects_wrong_bytes(server, files, tmp_path):
     server.serve_wrong_bytes(REPO, path, bytes(len(true)))  # same size, other content
     with pytest.raises(hub.HubIntegrityError, match=r"org/mols.*train/part_1\.atp.*sha256"):
         hub.download(target, tmp_path)
-    assert not hub_transfer.cached_path(target, tmp_path).exists()
+    assert not cached_path(target, tmp_path).exists()
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
-    # verify=False only checks the size: the wrong bytes land in the unverified area
+    # verify=False only checks the size: the wrong bytes land under the commit's version
     unverified = hub.download(target, tmp_path, verify=False)
-    assert "unverified" in unverified.parts and unverified.read_bytes() == bytes(len(true))
+    assert "versions" in unverified.parts and "blobs" not in unverified.parts
+    assert unverified.read_bytes() == bytes(len(true))
     server.serve_wrong_bytes(REPO, path, true[:-10])  # short body
     with pytest.raises(hub.HubIntegrityError, match=r"train/part_1\.atp"):
         hub.download(target, tmp_path / "other")
@@ -278,10 +280,10 @@ def test_download_plain_file_checks_git_blob_id(server, files, tmp_path):
 def test_fetch_bytes_in_memory(server, files, tmp_path):
     target = hub.list_remote_files(REPO, "train/b/part_0.atp",
                                    revision="main", endpoint=server.endpoint)[0]
-    assert hub_transfer.fetch_bytes(target) == files[target.path]
-    wrong = bytearray(files[target.path])
+    assert hub_transfer.fetch_bytes(target) == files[target.name]
+    wrong = bytearray(files[target.name])
     wrong[-1] ^= 0xFF
-    server.serve_wrong_bytes(REPO, target.path, bytes(wrong))
+    server.serve_wrong_bytes(REPO, target.name, bytes(wrong))
     with pytest.raises(hub.HubIntegrityError, match=r"train/b/part_0\.atp.*sha256"):
         hub_transfer.fetch_bytes(target)
     assert hub_transfer.fetch_bytes(target, verify=False) == bytes(wrong)
@@ -293,13 +295,13 @@ def test_download_follows_cdn_redirect(server, files, tmp_path):
     target = hub.list_remote_files(REPO, "train/part_2.atp", revision="main",
                                    endpoint=server.endpoint)[0]
     assert hub_transfer.fetch_range(target, 0, 4) == b"ATPK"
-    assert hub.download(target, tmp_path).read_bytes() == files[target.path]
+    assert hub.download(target, tmp_path).read_bytes() == files[target.name]
     assert [r.status for r in server.requests_to("/cdn/")] == [206, 200]
     from huggingface_hub import hf_hub_download  # the real client copes with the redirect too
 
-    local = hf_hub_download(REPO, target.path, repo_type="dataset", endpoint=server.endpoint,
+    local = hf_hub_download(REPO, target.name, repo_type="dataset", endpoint=server.endpoint,
                             cache_dir=tmp_path / "hf")
-    assert Path(local).read_bytes() == files[target.path]
+    assert Path(local).read_bytes() == files[target.name]
 
 
 def test_real_client_hf_hub_download_against_fake(server, files, tmp_path):
@@ -472,7 +474,7 @@ def test_hf_uri_and_single_file(server, shard_dir, tmp_path):
     loc = hub.parse_hf_uri(f"hf://datasets/{REPO}@main/train/part_2.atp")
     reader = hub.open_hub_atp(loc.repo_id, loc.path_in_repo, revision=loc.revision,
                               cache_dir=tmp_path, endpoint=server.endpoint)
-    assert len(reader) == 4 and reader.shards[0].path == "train/part_2.atp"
+    assert len(reader) == 4 and reader.shards[0].name == "train/part_2.atp"
     assert float(reader[1].energy) == 301.0
 
 
@@ -581,7 +583,7 @@ def test_concurrent_readers_download_a_shard_once(server, files, tmp_path):
     # a second reader object (as in another worker) shares the verified cache entry
     other = pickle.loads(pickle.dumps(reader))
     paths = other.download_all(max_workers=3)
-    assert [p.read_bytes() for p in paths] == [files[s.path] for s in other.shards]
+    assert [p.read_bytes() for p in paths] == [files[s.name] for s in other.shards]
     assert len(_full_gets(server)) == 3  # only the two shards not yet cached
 
 

@@ -4,7 +4,7 @@ The real huggingface_hub client uploads (repo creation, preupload, LFS batch and
 object upload, commit) to ``tests/servers/hub_upload_routes.py``; Xet is disabled
 (``HF_HUB_DISABLE_XET``), since with ``hf_xet`` installed the client would upload
 through the Xet CAS, which the fake does not model. What was published is read
-back with ``AtompackDataset.from_hub``, ``ShardStreamDataset(HubSource(...))`` and
+back with ``AtompackDataset.from_hub``, ``ShardStreamDataset("hf://...")`` and
 the reference ``atompack.hub.open``.
 """
 
@@ -94,7 +94,7 @@ def _files(server: FakeHub, commit: str, repo: str = REPO) -> dict[str, bytes]:
     sha = hub.resolve_revision(repo, commit, token=WRITE_TOKEN, endpoint=server.endpoint)
     listed = hub.list_remote_files(repo, revision=sha, token=WRITE_TOKEN,
                                    endpoint=server.endpoint)
-    return {f.path: hub_transfer.fetch_bytes(f, token=WRITE_TOKEN) for f in listed}
+    return {f.name: hub_transfer.fetch_bytes(f, token=WRITE_TOKEN) for f in listed}
 
 
 def _writes(server: FakeHub) -> list[str]:
@@ -111,7 +111,7 @@ def _put_oids(server: FakeHub) -> list[str]:
 
 # ---------------------------------------------------------------------- publish and read back
 def test_push_converted_dataset_and_read_it_back(fake_hub, xyz, local_shards, tmp_path):
-    from pyg_atompack.stream import HubSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 
     result = _push(fake_hub, xyz, path_in_repo="train", create=True, shard_size=10)
     head = hub.resolve_revision(REPO, "main", token=WRITE_TOKEN, endpoint=fake_hub.endpoint)
@@ -164,8 +164,8 @@ def test_push_converted_dataset_and_read_it_back(fake_hub, xyz, local_shards, tm
     assert len(remote) == len(local) == N_STRUCTURES
     for index in range(len(local)):
         assert_data_equal(remote[index], local[index], f"hub[{index}]")
-    source = HubSource(REPO, "train", revision=result.commit, pattern="*.atp",
-                       endpoint=fake_hub.endpoint, token=WRITE_TOKEN)
+    source = RemoteSource(f"hf://datasets/{REPO}@{result.commit}/train", pattern="*.atp",
+                          endpoint=fake_hub.endpoint, token=WRITE_TOKEN)
     streamed = list(ShardStreamDataset(source))
     assert [float(d.energy) for d in streamed] == [float(d.energy) for d in local]
     for index, data in enumerate(streamed):
@@ -283,7 +283,7 @@ def test_hand_written_card_is_kept_unless_overwritten(fake_hub, local_shards, tm
 def test_pt_shard_directory_is_published_as_is(fake_hub, tmp_path):
     from servers.http_server import write_pt_shards
 
-    from pyg_atompack.stream import HubSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 
     root = tmp_path / "pt"
     root.mkdir()
@@ -296,9 +296,9 @@ def test_pt_shard_directory_is_published_as_is(fake_hub, tmp_path):
     assert manifest["shard_format"] == "pt" and manifest["total_records"] == 7
     assert [s["name"] for s in manifest["shards"]] == ["shard-0000.pt", "shard-0001.pt"]
     assert "sample_id" in str(manifest["fields"])
-    streamed = list(ShardStreamDataset(HubSource(REPO, "", revision=result.commit,
-                                                 pattern="*.pt", endpoint=fake_hub.endpoint,
-                                                 token=WRITE_TOKEN)))
+    streamed = list(ShardStreamDataset(RemoteSource(f"hf://datasets/{REPO}@{result.commit}",
+                                                    pattern="*.pt", endpoint=fake_hub.endpoint,
+                                                    token=WRITE_TOKEN)))
     assert [int(d.sample_id) for d in streamed] == [0, 1, 2, 1000, 1001, 1002, 1003]
 
 

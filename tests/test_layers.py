@@ -182,8 +182,8 @@ def served(tmp_path_factory):
 
 def test_remote_reads_a_remote_atp_by_record_without_torch(served, tmp_path):
     loaded = _loaded_by(f"""
-        from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
-        readers = url_range_readers([{served.url("part_0.atp")!r}, {served.url("part_1.atp")!r}])
+        from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
+        readers = range_readers([{served.url("part_0.atp")!r}, {served.url("part_1.atp")!r}])
         with open_remote_atp(readers, cache_dir={str(tmp_path / "pages")!r}) as dataset:
             assert len(dataset) == 7
             assert float(dataset[4].energy) == 201
@@ -199,7 +199,7 @@ def test_hub_lists_and_reads_without_torch(served, tmp_path):
             from pyg_atompack import hub
             assert hub.resolve_revision("org/layers", "main", token=False) == {sha!r}
             listed = hub.list_remote_files("org/layers", "d", revision={sha!r}, token=False)
-            assert [f.path for f in listed] == ["d/part_0.atp", "d/part_1.atp"]
+            assert [f.name for f in listed] == ["d/part_0.atp", "d/part_1.atp"]
             hub.download(listed[0], {str(tmp_path / "downloads")!r}, token=False)
             with hub.open_hub_atp("org/layers", "d", revision="main", token=False,
                                   cache_dir={str(tmp_path / "cache")!r}) as dataset:
@@ -223,16 +223,14 @@ def test_object_store_work_loads_no_torch(store_servers, monkeypatch, tmp_path):
     url = "s3://layers/atp/"
     head = (tmp_path / "atp" / "part_0.atp").read_bytes()[:64]
     remote = _loaded_by(f"""
-        from pyg_atompack.remote.objectstore import download, list_objects
-        from pyg_atompack.remote.record_reader import open_remote_atp
-        from pyg_atompack.remote.objectstore import object_range_readers
-        from pyg_atompack.remote.urls import object_store
-        object_store({url!r})
-        store, objects = list_objects({url!r})
+        from pyg_atompack.remote.backends import open_backend
+        from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
+        store = open_backend({url!r})
+        objects = store.list()
         assert [o.name for o in objects] == ["part_0.atp"]
         assert store.read_range(objects[0], 0, 64) == {head!r}
-        download(store, objects[0])
-        with open_remote_atp(object_range_readers({url!r}),
+        store.download(objects[0])
+        with open_remote_atp(range_readers({url!r}),
                              cache_dir={str(tmp_path / "pages")!r}) as dataset:
             assert float(dataset[2].energy) == 102
     """)

@@ -26,7 +26,7 @@ from servers.tcp_proxy import ThrottlingProxy
 from pyg_atompack.remote.objectstore import ObjectStore
 from pyg_atompack.stream import (
     CancelToken,
-    ObjectStoreSource,
+    RemoteSource,
     ShardStreamDataset,
 )
 from pyg_atompack.stream.errors import StreamCancelled
@@ -68,7 +68,7 @@ def pt_prefix(server, tmp_path_factory):
 
 # ------------------------------------------------------------------ pickling and secrets
 def test_pickled_source_carries_no_nested_secret_and_still_fetches(pt_prefix):
-    nested = ObjectStoreSource(f"s3://{BUCKET}/pt/", client_kwargs={
+    nested = RemoteSource(f"s3://{BUCKET}/pt/", client_kwargs={
         "aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY,
         "aws_session_token": SESSION_TOKEN, "region_name": "us-east-1"})
     for source in (nested,):
@@ -87,12 +87,12 @@ def test_anonymous_access(server, pt_prefix, monkeypatch):
     client.put_object(Bucket="public-shards", Key="p/a.pt", Body=b"open data", ACL="public-read")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name)
-    source = ObjectStoreSource("s3://public-shards/p/", anon=True)
+    source = RemoteSource("s3://public-shards/p/", anon=True)
     assert bytes(source.fetch(source.list_shards()[0], CancelToken())) == b"open data"
     # a private object stays private to unsigned requests
     with pytest.raises(RemoteAuthError, match=r"s3://atompack-test/pt/manifest\.json: access "
                                               r"denied"):
-        ObjectStoreSource(f"s3://{BUCKET}/pt/", anon=True)
+        RemoteSource(f"s3://{BUCKET}/pt/", anon=True)
 
 
 # ------------------------------------------------------------------ bad input
@@ -103,7 +103,7 @@ def test_bad_manifest_field_names_entry_and_field(server):
     server.client().put_object(Bucket=BUCKET, Key="badman/a.pt", Body=b"abc")
     with pytest.raises(TransportError, match=r"badman/manifest\.json: shards\[0\] \(a\.pt\): "
                                              r"'sha256' must be str"):
-        ObjectStoreSource(f"s3://{BUCKET}/badman/")
+        RemoteSource(f"s3://{BUCKET}/badman/")
 
 
 def test_manifest_size_mismatch_is_refused_at_listing(server):
@@ -113,7 +113,7 @@ def test_manifest_size_mismatch_is_refused_at_listing(server):
     server.client().put_object(Bucket=BUCKET, Key="short/a.pt", Body=b"abc")
     with pytest.raises(RemoteIntegrityError, match=r"s3://atompack-test/short/a\.pt: the "
                                                    r"bucket lists 3 bytes.*says 99"):
-        ObjectStoreSource(f"s3://{BUCKET}/short/")
+        RemoteSource(f"s3://{BUCKET}/short/")
 
 
 def test_unsupported_urls():
@@ -195,16 +195,16 @@ def test_throttling_outlasting_the_retries_names_the_url(server, proxy):
 
 
 def test_retries_argument_of_the_stream_sets_the_store_policy(pt_prefix):
-    source = ObjectStoreSource(f"s3://{BUCKET}/pt/", retry=FAST)
+    source = RemoteSource(f"s3://{BUCKET}/pt/", retry=FAST)
     dataset = ShardStreamDataset(source, retries=0)
-    assert dataset.source.retry.retries == 0 and dataset.source.store.retry.retries == 0
-    assert source.retry is FAST and source.store.retry is FAST  # the original is untouched
+    assert dataset.source.retry.retries == 0 and dataset.source.backend.retry.retries == 0
+    assert source.retry is FAST and source.backend.retry is FAST  # the original is untouched
 
 
 def test_endpoint_for_s3_wins_over_the_generic_one(pt_prefix, server, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
-    assert len(ObjectStoreSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
+    assert len(RemoteSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
 
 
 def test_cancel_interrupts_a_stalled_transfer(server, proxy):
@@ -229,11 +229,11 @@ def test_named_profile_from_the_shared_credentials_file(pt_prefix, monkeypatch, 
     credentials.write_text(f"[shards]\naws_access_key_id = {ACCESS_KEY}\n"
                            f"aws_secret_access_key = {SECRET_KEY}\n", encoding="utf-8")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
-    source = ObjectStoreSource(f"s3://{BUCKET}/pt/", profile="shards")
+    source = RemoteSource(f"s3://{BUCKET}/pt/", profile="shards")
     assert len(source.list_shards()) == len(PT_SIZES)
     assert SECRET_KEY.encode() not in pickle.dumps(source)
     monkeypatch.setenv("AWS_PROFILE", "shards")  # the same through the environment
-    assert len(ObjectStoreSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
+    assert len(RemoteSource(f"s3://{BUCKET}/pt/").list_shards()) == len(PT_SIZES)
 
 
 def test_transport_module_is_torch_free():

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
 from pyg_atompack.remote import RemoteAtpReader, atp_meta
-from pyg_atompack.remote.ranges import ObjectRangeReader
-from pyg_atompack.stream import ObjectStoreSource, ShardStreamDataset
+from pyg_atompack.remote.ranges import BackendRangeReader
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 from pyg_atompack.transport import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -79,7 +79,7 @@ def _span(value: str) -> int:
 def test_blocks_deliver_every_record_once_with_two_workers(files, proxy, tmp_path):
     dataset = ShardStreamDataset(f"s3://{BUCKET}/big/", blocks=True, block_bytes=BLOCK,
                                  shuffle=True, seed=3, prefetch=2, cache_dir=tmp_path)
-    assert isinstance(dataset.source, ObjectStoreSource)
+    assert isinstance(dataset.source, RemoteSource)
     assert dataset.blocks is not None and len(dataset.blocks) > 10
     local = atp.ShardedReader.from_paths([files / n for n in NAMES])
     delivered = []
@@ -110,7 +110,7 @@ def _spans(ranges: list[str]) -> list[tuple[int, int]]:
 
 
 def test_a_connection_cut_mid_block_resumes_that_block(files, proxy, tmp_path):
-    source = ObjectStoreSource(f"s3://{BUCKET}/big/",
+    source = RemoteSource(f"s3://{BUCKET}/big/",
                                retry=RetryPolicy(retries=3, backoff=0.01))
     dataset = ShardStreamDataset(source, blocks=True, block_bytes=BLOCK, cache_dir=tmp_path,
                                  prefetch=0, split_shards=False)  # metadata read here
@@ -169,9 +169,9 @@ def test_prefetch_shards_downloads_verified_whole_objects(files, proxy, tmp_path
 
 
 def test_range_reader_pickles_without_secrets_and_reads_in_a_clone(files, proxy):
-    source = ObjectStoreSource(f"s3://{BUCKET}/big/", key=ACCESS_KEY, secret=SECRET_KEY)
+    source = RemoteSource(f"s3://{BUCKET}/big/", key=ACCESS_KEY, secret=SECRET_KEY)
     reader = source.range_reader(source.list_shards()[0])
-    assert isinstance(reader, ObjectRangeReader)
+    assert isinstance(reader, BackendRangeReader)
     assert reader.identity.startswith("sha256:")  # the manifest's digest
     out = bytearray(100)
     reader.read_into(5000, memoryview(out))

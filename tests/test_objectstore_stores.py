@@ -30,7 +30,7 @@ from pyg_atompack import AtompackDataset
 from pyg_atompack.remote.objectstore import ObjectStore
 from pyg_atompack.stream import (
     CancelToken,
-    ObjectStoreSource,
+    RemoteSource,
     ShardIntegrityError,
     ShardStreamDataset,
 )
@@ -110,7 +110,7 @@ def proxy(store):
 
 # ------------------------------------------------------------------ listing
 def test_listing_has_sizes_versions_and_manifest_facts(store, pt_prefix):
-    shards = ObjectStoreSource(_url(store, "pt/")).list_shards()
+    shards = RemoteSource(_url(store, "pt/")).list_shards()
     assert [s.name for s in shards] == sorted(p.name for p in pt_prefix.glob("*.pt"))
     manifest = {e["name"]: e for e in json.loads((pt_prefix / "manifest.json").read_text())[
         "shards"]}
@@ -118,23 +118,23 @@ def test_listing_has_sizes_versions_and_manifest_facts(store, pt_prefix):
         assert shard.size == (pt_prefix / shard.name).stat().st_size
         assert shard.sha256 == manifest[shard.name]["sha256"]
         assert shard.records == manifest[shard.name]["records"]
-        assert shard.extra["etag"]  # what caches and range reads are pinned to
-        assert (shard.extra["generation"] is not None) == (store.scheme == "gs")
-        assert shard.location == _url(store, f"pt/{shard.name}")
-    assert ObjectStoreSource(_url(store, "pt/manifest.json")).list_shards() == shards
+        assert shard.file.version  # what caches and range reads are pinned to
+        assert shard.file.version.isdigit() == (store.scheme == "gs")  # GCS: the generation
+        assert shard.file.url == _url(store, f"pt/{shard.name}")
+    assert RemoteSource(_url(store, "pt/manifest.json")).list_shards() == shards
 
 
 def test_nested_shards_sorted_by_posix_path_and_other_objects_ignored(store, atp_root):
     store.put(BUCKET, "nested/b/x.atp", (atp_root / "part-1.atp").read_bytes())
     store.put(BUCKET, "nested/a.atp", (atp_root / "part-0.atp").read_bytes())
     store.put(BUCKET, "nested/readme.txt", b"not a shard")
-    names = [s.name for s in ObjectStoreSource(_url(store, "nested")).list_shards()]
+    names = [s.name for s in RemoteSource(_url(store, "nested")).list_shards()]
     assert names == ["a.atp", "b/x.atp"]
 
 
 # ------------------------------------------------------------------ streaming
 def test_stream_every_pt_sample_once_per_epoch_two_forked_workers(store, pt_prefix):
-    source = ObjectStoreSource(_url(store, "pt/"))  # the parent's client is in use now
+    source = RemoteSource(_url(store, "pt/"))  # the parent's client is in use now
     dataset = ShardStreamDataset(source, shuffle=True, seed=1, prefetch=1)
     for epoch in range(2):
         dataset.set_epoch(epoch)
@@ -156,7 +156,7 @@ def test_stream_atp_shards_two_forked_workers(store, atp_prefix):
 def test_first_shard_in_parts_equals_the_object(store):
     payload = os.urandom(3 << 20)
     store.put(BUCKET, "parts/big.pt", payload)
-    source = ObjectStoreSource(_url(store, "parts/big.pt"))
+    source = RemoteSource(_url(store, "parts/big.pt"))
     (shard,) = source.list_shards()
     assert bytes(source.fetch_in_parts(shard, CancelToken(), 4)) == payload
     assert bytes(source.fetch(shard, CancelToken())) == payload
@@ -184,7 +184,7 @@ def test_atompack_dataset_equals_local(store, atp_prefix, tmp_path, prefetch_sha
 # ------------------------------------------------------------------ pickling and secrets
 def test_pickled_source_carries_no_secret_and_still_fetches(store, pt_prefix):
     for options in (store.secret_options, {}):
-        source = ObjectStoreSource(_url(store, "pt/"), **options)
+        source = RemoteSource(_url(store, "pt/"), **options)
         shard = source.list_shards()[0]
         source.fetch(shard, CancelToken())  # a live client exists before pickling
         raw = pickle.dumps(source)
@@ -199,11 +199,11 @@ def test_wrong_bucket_and_wrong_key(store):
     scheme = store.scheme
     with pytest.raises(RemoteNotFoundError, match=rf"{scheme}://no-such-bucket/pt: bucket "
                                                   r"'no-such-bucket' does not exist"):
-        ObjectStoreSource(f"{scheme}://no-such-bucket/pt/")
+        RemoteSource(f"{scheme}://no-such-bucket/pt/")
     with pytest.raises(RemoteNotFoundError, match=rf"{scheme}://{BUCKET}/pt/nope\.pt: no such"):
-        ObjectStoreSource(_url(store, "pt/nope.pt"))
+        RemoteSource(_url(store, "pt/nope.pt"))
     with pytest.raises(RemoteNotFoundError, match=rf"{scheme}://{BUCKET}/void: no objects"):
-        ObjectStoreSource(_url(store, "void/"))
+        RemoteSource(_url(store, "void/"))
     with pytest.raises(RemoteNotFoundError, match=r"void/manifest\.json: no such object"):
         AtompackDataset(_url(store, "void/manifest.json"))
 
@@ -215,7 +215,7 @@ def test_manifest_naming_a_missing_shard(store):
     for url in (_url(store, "orphan/"), _url(store, "orphan/manifest.json")):
         with pytest.raises(RemoteNotFoundError, match=rf"{store.scheme}://{BUCKET}/orphan/"
                                                       r"gone\.pt: named by the manifest"):
-            ObjectStoreSource(url)
+            RemoteSource(url)
 
 
 def test_sha256_mismatch_detected_and_nothing_cached(store, tmp_path):
@@ -240,7 +240,7 @@ def test_sha256_mismatch_detected_and_nothing_cached(store, tmp_path):
 @pytest.mark.parametrize("store", ["s3", "az"], indirect=True)
 def test_object_replaced_after_listing(store):
     store.put(BUCKET, "moving/a.pt", b"version one")
-    source = ObjectStoreSource(_url(store, "moving/"))
+    source = RemoteSource(_url(store, "moving/"))
     store.put(BUCKET, "moving/a.pt", b"version two")
     with pytest.raises(RemoteIntegrityError, match=rf"{store.scheme}://{BUCKET}/moving/a\.pt: "
                                                    r"the object changed since it was listed"):
@@ -250,7 +250,7 @@ def test_object_replaced_after_listing(store):
 @pytest.mark.parametrize("store", ["s3", "az"], indirect=True)
 def test_missing_credentials(store, pt_prefix, monkeypatch):
     use_store(monkeypatch, store, credentials=False)
-    for make in (lambda: ObjectStoreSource(_url(store, "pt/")),
+    for make in (lambda: RemoteSource(_url(store, "pt/")),
                  lambda: AtompackDataset(_url(store, "pt/manifest.json"))):
         with pytest.raises(RemoteAuthError, match=rf"{store.scheme}://{BUCKET}/pt.*: no "
                                                   r"credentials found: set AZURE_STORAGE_|"
@@ -267,7 +267,7 @@ def test_azure_wrong_account_key_is_refused(store, monkeypatch):
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", store.connection_string(wrong))
     with pytest.raises(RemoteAuthError, match=rf"az://{BUCKET}/key: access denied "
                                               r"\(Authori[sz]ationFailure\)") as info:
-        ObjectStoreSource(f"az://{BUCKET}/key/", retry=FAST)
+        RemoteSource(f"az://{BUCKET}/key/", retry=FAST)
     assert wrong not in str(info.value)
 
 
@@ -276,7 +276,7 @@ def test_unreachable_endpoint_bounded_retries(store):
     with pytest.raises(RemoteUnavailableError, match=rf"{store.scheme}://{BUCKET}/pt: giving "
                                                      r"up after 3 attempts: .*127\.0\.0\.1:9"
                                                      ) as info:
-        ObjectStoreSource(_url(store, "pt/"), retry=FAST,
+        RemoteSource(_url(store, "pt/"), retry=FAST,
                           **store.options_via("http://127.0.0.1:9"))
     for secret in store.secrets:
         assert secret not in str(info.value)

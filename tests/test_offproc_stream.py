@@ -14,8 +14,8 @@ from servers.http_server import ShardServer, serve_directory, write_pt_shards
 from torch.utils.data import DataLoader
 
 from pyg_atompack.stream import (
-    HTTPSource,
     LocalSource,
+    RemoteSource,
     ShardDecodeError,
     ShardFetchError,
     ShardStreamDataset,
@@ -36,8 +36,8 @@ def server(tmp_path) -> ShardServer:
     yield from serve_directory(tmp_path)
 
 
-def _source(server: ShardServer) -> HTTPSource:
-    return HTTPSource(server.url("manifest.json"), retry=FAST)
+def _source(server: ShardServer) -> RemoteSource:
+    return RemoteSource(server.url("manifest.json"), retry=FAST)
 
 
 def _ids(items) -> list[int]:

@@ -28,8 +28,8 @@ from pyg_atompack.pyg.pt_archive import TorchZipError, read_torch_archive
 from pyg_atompack.pyg.pt_index import LazyPtSamples, NotLazyLayout, index_pt
 from pyg_atompack.pyg.samples import CollatedSamples
 from pyg_atompack.stream import (
-    HTTPSource,
     LocalSource,
+    RemoteSource,
     ShardDecodeError,
     ShardStreamDataset,
     UnsafePayloadError,
@@ -403,7 +403,7 @@ def test_http_and_local_sources_deliver_memory_maps(tmp_path):
     _assert_equal_samples(decode_shard(data, "a.pt"), samples)
     for server in serve_directory(tmp_path):
         server.add_fault("a.pt", "truncate", at_fraction=0.4)  # resumed into the same map
-        source = HTTPSource([server.url("a.pt")], retry=RetryPolicy(retries=2, backoff=0.01))
+        source = RemoteSource([server.url("a.pt")], retry=RetryPolicy(retries=2, backoff=0.01))
         fetched = source.fetch(source.list_shards()[0], CancelToken())
         assert isinstance(fetched, mmap.mmap)
         assert fetched[:] == (tmp_path / "a.pt").read_bytes()
@@ -423,6 +423,8 @@ class _RecordingSource(LocalSource):
 
 
 def test_stream_copies_the_samples_that_may_outlive_their_shard(tmp_path):
+    # the samples' addresses are compared with this process's shard buffers: the stream
+    # runs on threads here (a retrieval process hands out copies made in shared memory)
     for shard in range(2):
         (tmp_path / f"s{shard}.pt").write_bytes(bytes(_saved(make_samples(shard, 6))))
 
@@ -431,12 +433,12 @@ def test_stream_copies_the_samples_that_may_outlive_their_shard(tmp_path):
 
     source = _RecordingSource(str(tmp_path / "*.pt"))
     flags = [in_a_shard_buffer(sample, source)
-             for sample in ShardStreamDataset(source, prefetch=1)]
+             for sample in ShardStreamDataset(source, prefetch=1, retrieval="threads")]
     # only the last sample of each shard is copied (the consumer may still hold it
     # while the next shard is fetched); the others are views of the shard buffer
     assert flags == [True] * 5 + [False] + [True] * 5 + [False]
     source = _RecordingSource(str(tmp_path / "*.pt"))
-    samples = list(ShardStreamDataset(source, shuffle_buffer=4))
+    samples = list(ShardStreamDataset(source, shuffle_buffer=4, retrieval="threads"))
     assert not any(in_a_shard_buffer(s, source) for s in samples)  # the mixing buffer copies
     assert sorted(int(s.sample_id) for s in samples) == [*range(6), *range(1000, 1006)]
     assert np.isfinite(torch.cat([s.pos for s in samples]).numpy()).all()

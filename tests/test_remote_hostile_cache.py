@@ -25,7 +25,14 @@ from servers.http_server import serve_directory
 from servers.stores import use_store
 
 from pyg_atompack import AtompackDataset, hub
-from pyg_atompack.remote import CachePathError, CacheReadOnlyError, RemoteNameError, atp_meta
+from pyg_atompack.remote import (
+    CachePathError,
+    CacheReadOnlyError,
+    RemoteFile,
+    RemoteNameError,
+    atp_meta,
+    cached_path,
+)
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.stream import ShardStreamDataset
 from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, TransportError
@@ -182,9 +189,8 @@ def test_a_planted_listing_with_a_path_for_a_sha256_is_refused_before_any_write(
     # outside the cache is served as the verified shard
     (site["tmp"] / "x").write_bytes(site["good"])
     before = _snapshot(site["tmp"], site["cache"])
-    remote = hub.RemoteFile(path="part.atp", size=len(site["good"]),
-                            sha256="../../../x", url=site["server"].url("part.atp"),
-                            revision="", repo_id="127.0.0.1--0000", repo_type="url")
+    remote = RemoteFile("part.atp", size=len(site["good"]), sha256="../../../x",
+                        url=site["server"].url("part.atp"))
     with pytest.raises(RemoteNameError, match=r"sha256.*'\.\./\.\./\.\./x'"):
         hub.download(remote, site["cache"], policy=FAST)
     assert _snapshot(site["tmp"], site["cache"]) == before
@@ -252,7 +258,7 @@ def test_a_symlink_in_the_cache_pointing_out_is_never_written_through(site):
 def test_a_planted_lock_symlink_is_not_followed(site):
     url = site["server"].url("part.atp")
     reader = hub.open_remote_atp(url, policy=FAST)
-    final = hub.transfer.cached_path(reader.shards[0], site["cache"], verified=False)
+    final = cached_path(reader.shards[0], site["cache"], verified=False)
     final.parent.mkdir(parents=True)
     Path(f"{final}.lock").symlink_to(site["victim"])
     before = _snapshot(site["tmp"], site["cache"])

@@ -19,11 +19,11 @@ import torch
 from pyg_atompack import AtompackDataset
 from pyg_atompack.hub import list_remote_files
 from pyg_atompack.hub.errors import HubTransferError
-from pyg_atompack.hub.url_files import list_url_files
-from pyg_atompack.remote.record_reader import url_range_readers
-from pyg_atompack.remote.urls import check_scheme
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset
-from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError
+from pyg_atompack.remote.backends import open_backend
+from pyg_atompack.remote.manifest import ManifestError
+from pyg_atompack.remote.record_reader import range_readers
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+from pyg_atompack.stream.errors import ShardIntegrityError
 from pyg_atompack.transport import (
     RemoteIntegrityError,
     RemoteUnavailableError,
@@ -84,7 +84,7 @@ def test_a_manifest_entry_on_another_origin_gets_no_credentials(hostile, other, 
     hostile.set_document("manifest.json", _manifest(
         [(hostile.url("honest/x.atp"), size), (other.url("honest/x.atp"), size)]))
     headers = {"Authorization": SECRET, "Cookie": COOKIE, "X-Plain": "1"}
-    source = HTTPSource(hostile.url("manifest/manifest.json"), headers=headers, retry=FAST)
+    source = RemoteSource(hostile.url("manifest/manifest.json"), headers=headers, retry=FAST)
     samples = list(ShardStreamDataset(source, shuffle=False))
     assert len(samples) == 2 * RECORDS
     assert {"authorization", "cookie", "x-plain"} <= set(hostile.headers_seen("x"))
@@ -97,12 +97,12 @@ def test_record_reads_and_listings_keep_credentials_at_the_users_origin(hostile,
     size = len(shard_bytes)
     hostile.set_document("manifest.json", _manifest([(other.url("honest/x.atp"), size)]))
     url = hostile.url("manifest/manifest.json")
-    readers = url_range_readers(url, headers={"Authorization": SECRET})
+    readers = range_readers(url, headers={"Authorization": SECRET})
     dataset = AtompackDataset(readers[0].url)  # by record, from the other origin
     assert len(dataset) == RECORDS and dataset[RECORDS - 1].pos.shape[1] == 3
     for reader in readers:
         reader.read_into(0, memoryview(bytearray(16)))
-    files = list_url_files(url, headers={"Authorization": SECRET})
+    files = open_backend(url, headers={"Authorization": SECRET}).list()
     assert [f.size for f in files] == [size]
     assert "authorization" in hostile.headers_seen("x")
     assert "authorization" not in other.headers_seen("x")
@@ -145,7 +145,7 @@ def test_a_body_larger_than_listed_is_cut_off_at_the_listed_size(hostile, shard_
                                                                   behaviour):
     size = len(shard_bytes)
     hostile.set_document("manifest.json", _manifest([(hostile.url(f"{behaviour}/x.atp"), size)]))
-    source = HTTPSource(hostile.url("manifest/manifest.json"), retry=FAST)
+    source = RemoteSource(hostile.url("manifest/manifest.json"), retry=FAST)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     began = time.monotonic()
     # oversize announces its length (refused before reading), endless does not (cut off)
@@ -215,15 +215,15 @@ def test_reprs_and_messages_carry_no_url_secret(hostile, shard_bytes):
     hostile.set_document("manifest.json", _manifest(
         [(f"http://alice:pa55word@127.0.0.1:{port}/honest/x.atp?token=t0k3n", size)]))
     url = f"http://alice:pa55word@127.0.0.1:{port}/manifest/manifest.json?token=t0k3n&x=1"
-    source = HTTPSource(url, retry=FAST)
+    source = RemoteSource(url, retry=FAST)
     dataset = ShardStreamDataset(source)
     texts = [repr(source), repr(dataset)]
     broken = f"http://alice:pa55word@127.0.0.1:{port}/honest/x.atp?token=t0k3n"
-    with pytest.raises(ShardFetchError) as caught:
-        HTTPSource(broken.replace("honest/x.atp", "manifest/missing.json"), retry=FAST)
+    with pytest.raises(TransportError) as caught:
+        RemoteSource(broken.replace("honest/x.atp", "manifest/missing.json"), retry=FAST)
     texts.append(str(caught.value))
     with pytest.raises(UnsupportedURLError) as caught:
-        check_scheme("ftp://alice:pa55word@host/x.atp?sig=t0k3n")
+        open_backend("ftp://alice:pa55word@host/x.atp?sig=t0k3n")
     texts.append(str(caught.value))
     with pytest.raises(TransportError) as caught:
         transport.fetch("http://alice:pa55word@[::1/x.atp?token=t0k3n", policy=FAST)
@@ -262,5 +262,5 @@ def test_a_single_file_url_is_streamed_by_record_blocks(tmp_path):
 
 def test_a_malformed_manifest_is_a_clear_error_naming_it(hostile):
     hostile.documents["manifest.json"] = (b'{"shards": ' + json.dumps("x").encode() + b"}", {})
-    with pytest.raises(ShardFetchError, match="manifest.json: 'shards' must be a list"):
-        HTTPSource(hostile.url("manifest/manifest.json"), retry=FAST)
+    with pytest.raises(ManifestError, match="manifest.json: 'shards' must be a list"):
+        RemoteSource(hostile.url("manifest/manifest.json"), retry=FAST)

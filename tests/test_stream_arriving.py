@@ -23,9 +23,7 @@ from servers.stores import use_store
 from torch.utils.data import DataLoader
 
 from pyg_atompack.stream import (
-    HTTPSource,
-    HubSource,
-    ObjectStoreSource,
+    RemoteSource,
     ShardDecodeError,
     ShardIntegrityError,
     ShardStreamDataset,
@@ -74,7 +72,7 @@ def _hold_tails(server: ShardServer, root: Path, names: list[str]) -> threading.
 
 def _dataset(server: ShardServer, **options) -> ShardStreamDataset:
     options = {"prefetch": 2, "concurrency": 2, **options}
-    return ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST), **options)
+    return ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST), **options)
 
 
 def _ids(samples) -> list[int]:
@@ -361,13 +359,13 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     write_pt_shards(tmp_path, [150, 150], atoms=20, manifest=False)  # sizes, no hashes
     server.upload_directory(tmp_path, "arriving", "pt")
     ranges = []
-    read_into = ObjectStoreSource.read_into
+    read_into = RemoteSource.read_into
 
     def recording(self, shard, buffer, start, end, cancel, progress=None, pin=None):
         ranges.append((shard.name, start, end))
         return read_into(self, shard, buffer, start, end, cancel, progress, pin=pin)
 
-    monkeypatch.setattr(ObjectStoreSource, "read_into", recording)
+    monkeypatch.setattr(RemoteSource, "read_into", recording)
     monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
     # in this process, where the reads are recorded
     dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2,
@@ -420,16 +418,16 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
         {"name": name[5:], "records": 40, "bytes": len(data),
          "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()]}).encode()
     calls = []
-    read_into = HubSource.read_into
+    read_into = RemoteSource.read_into
 
     def recording(self, shard, *args, **kwargs):
         calls.append(shard.name)
         return read_into(self, shard, *args, **kwargs)
 
-    monkeypatch.setattr(HubSource, "read_into", recording)
+    monkeypatch.setattr(RemoteSource, "read_into", recording)
     for hub in serve_fake_hub():
         hub.commit("org/arriving", files)
-        source = HubSource("org/arriving", "data", endpoint=hub.endpoint)
+        source = RemoteSource("hf://datasets/org/arriving/data", endpoint=hub.endpoint)
         assert all(shard.sha256 for shard in source.list_shards())  # LFS hashes
         # in this process, where the reads are recorded
         dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=True,

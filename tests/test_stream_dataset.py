@@ -13,7 +13,7 @@ from servers.http_server import ShardServer, serve_directory, write_pt_shards
 from torch.utils.data import DataLoader
 from torch_geometric.data import Batch
 
-from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset
+from pyg_atompack.stream import LocalSource, RemoteSource, ShardStreamDataset
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.trace import TRACE_FIELDS
 from pyg_atompack.transport import RetryPolicy
@@ -29,8 +29,8 @@ def server(tmp_path) -> ShardServer:
     yield from serve_directory(tmp_path)
 
 
-def _source(server: ShardServer) -> HTTPSource:
-    return HTTPSource(server.url("manifest.json"), retry=FAST)
+def _source(server: ShardServer) -> RemoteSource:
+    return RemoteSource(server.url("manifest.json"), retry=FAST)
 
 
 def _ids(items) -> list[int]:
@@ -96,7 +96,7 @@ def test_equal_batches_per_rank(server):
 
 def test_unknown_counts_give_equal_shard_counts(server):
     urls = [server.url(f"shard-{i:04d}.pt") for i in range(7)]  # 7 shards, 2 ranks
-    plans = [ShardStreamDataset(HTTPSource(urls), rank=r, world_size=2).plan() for r in (0, 1)]
+    plans = [ShardStreamDataset(RemoteSource(urls), rank=r, world_size=2).plan() for r in (0, 1)]
     assert len(plans[0].shards) == len(plans[1].shards) == 3
     assert plans[0].dropped_shards == plans[1].dropped_shards and len(plans[0].dropped_shards) == 1
 
@@ -186,7 +186,7 @@ def test_breaking_out_cancels_in_flight_downloads_promptly(tmp_path):
         for name in ("shard-0001.pt", "shard-0002.pt"):
             server.add_fault(name, "stall")  # would hold the connection for 30 s
         dataset = ShardStreamDataset(
-            HTTPSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60)),
+            RemoteSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60)),
             prefetch=3, concurrency=3, retrieval="threads")  # threads in this process
         iterator = iter(dataset)
         next(iterator)
@@ -246,7 +246,7 @@ def test_bad_arguments(server):
         ShardStreamDataset(_source(server), rank=0)
     with pytest.raises(ValueError, match="prefetch"):
         ShardStreamDataset(_source(server), prefetch=-1)
-    assert "ShardStreamDataset(HTTPSource" in repr(ShardStreamDataset(_source(server)))
+    assert "ShardStreamDataset(RemoteSource" in repr(ShardStreamDataset(_source(server)))
 
 
 def test_downloads_start_at_iter_and_stop_when_the_iterator_is_dropped(tmp_path):
@@ -258,7 +258,7 @@ def test_downloads_start_at_iter_and_stop_when_the_iterator_is_dropped(tmp_path)
         return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
 
     for server in serve_directory(tmp_path):
-        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json")), prefetch=1,
+        dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json")), prefetch=1,
                                      retrieval="threads")  # threads in this process
         samples = iter(dataset)  # a DataLoader worker calls iter() well before next()
         deadline = time.monotonic() + 30

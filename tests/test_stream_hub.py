@@ -1,4 +1,4 @@
-"""HubSource against the loopback fake Hub, driven by the real huggingface_hub client."""
+"""RemoteSource over hf:// against the loopback fake Hub (and the real huggingface_hub)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from servers.fake_hub import FakeHub, serve_fake_hub
 from servers.http_server import make_samples
 
-from pyg_atompack.stream import HubSource, ShardIntegrityError, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardIntegrityError, ShardStreamDataset
 
 REPO = "org/streamed"
 TESTS_DIR = Path(__file__).resolve().parent
@@ -57,8 +57,8 @@ def _ids(dataset) -> list[int]:
 def test_hub_source_lists_once_with_pinned_revision(fake_hub):
     sha = fake_hub.commit(REPO, _files([3, 2]))
     fake_hub.clear_requests()
-    source = HubSource(REPO, "data", revision="main", endpoint=fake_hub.endpoint)
-    assert source.revision == sha
+    source = RemoteSource(f"hf://datasets/{REPO}@main/data", endpoint=fake_hub.endpoint)
+    assert source.backend.revision == sha
     shards = source.list_shards()
     assert [s.name for s in shards] == ["shard-0000.pt", "shard-0001.pt"]
     assert [s.records for s in shards] == [3, 2]  # from the manifest in the repo
@@ -67,7 +67,7 @@ def test_hub_source_lists_once_with_pinned_revision(fake_hub):
         data = files[f"data/{shard.name}"]
         assert shard.size == len(data)
         assert shard.sha256 == hashlib.sha256(data).hexdigest()  # from the LFS listing
-        assert sha in shard.location
+        assert sha in shard.file.url
     api_calls = _api_calls(fake_hub)
     assert len(api_calls) == 2  # one revision lookup, one tree listing
     dataset = ShardStreamDataset(source, prefetch=1)
@@ -79,20 +79,20 @@ def test_hub_source_lists_once_with_pinned_revision(fake_hub):
 
 def test_revision_stays_pinned_after_a_new_push(fake_hub):
     old = fake_hub.commit(REPO, _files([2, 2]))
-    source = HubSource(REPO, "data", endpoint=fake_hub.endpoint)
+    source = RemoteSource(f"hf://datasets/{REPO}/data", endpoint=fake_hub.endpoint)
     new = fake_hub.commit(REPO, _files([2, 2], version=1))  # branch moves on
-    assert new != old and source.revision == old
+    assert new != old and source.backend.revision == old
     assert _ids(ShardStreamDataset(source)) == [0, 1, 1000, 1001]
-    fresh = HubSource(REPO, "data", endpoint=fake_hub.endpoint)
-    assert fresh.revision == new
+    fresh = RemoteSource(f"hf://datasets/{REPO}/data", endpoint=fake_hub.endpoint)
+    assert fresh.backend.revision == new
     assert _ids(ShardStreamDataset(fresh)) == [10000, 10001, 11000, 11001]
-    pinned = HubSource(REPO, "data", revision=old, endpoint=fake_hub.endpoint)
+    pinned = RemoteSource(f"hf://datasets/{REPO}@{old}/data", endpoint=fake_hub.endpoint)
     assert _ids(ShardStreamDataset(pinned)) == [0, 1, 1000, 1001]
 
 
 def test_hub_checksum_mismatch_is_reported(fake_hub):
     fake_hub.commit(REPO, _files([2, 2]))
-    source = HubSource(REPO, "data", endpoint=fake_hub.endpoint)
+    source = RemoteSource(f"hf://datasets/{REPO}/data", endpoint=fake_hub.endpoint)
     good = _files([2, 2])["data/shard-0001.pt"]
     fake_hub.serve_wrong_bytes(REPO, "data/shard-0001.pt", good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(ShardIntegrityError, match=r"shard shard-0001\.pt: sha256"):
@@ -103,10 +103,10 @@ def test_hub_source_via_hf_endpoint_in_a_subprocess(fake_hub):
     sha = fake_hub.commit(REPO, _files([2, 1]))
     script = (
         "import json\n"
-        "from pyg_atompack.stream import HubSource, ShardStreamDataset\n"
-        f"source = HubSource({REPO!r}, 'data')\n"
+        "from pyg_atompack.stream import RemoteSource, ShardStreamDataset\n"
+        f"source = RemoteSource('hf://datasets/{REPO}/data')\n"
         "ids = [int(s.sample_id) for s in ShardStreamDataset(source, prefetch=2)]\n"
-        "print(json.dumps({'revision': source.revision, 'ids': ids}))\n"
+        "print(json.dumps({'revision': source.backend.revision, 'ids': ids}))\n"
     )
     env = fake_hub.subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR.parent), env.get("PYTHONPATH", "")])

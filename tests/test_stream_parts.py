@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 
 import pytest
@@ -9,12 +10,12 @@ from servers.http_server import serve_directory, write_pt_shards
 
 from pyg_atompack.stream import (
     CancelToken,
-    HTTPSource,
+    RemoteSource,
     ShardFetchError,
     ShardStreamDataset,
 )
-from pyg_atompack.stream.http import MIN_PART_BYTES, fetch_url_in_parts
 from pyg_atompack.transport import RetryPolicy
+from pyg_atompack.transport.http import MIN_PART_BYTES
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
 
@@ -23,12 +24,16 @@ FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeou
 def big_file(tmp_path):
     data = bytes(range(256)) * (3 * MIN_PART_BYTES // 256 + 7)  # a bit over 3 parts
     (tmp_path / "big.bin").write_bytes(data)
+    # listed with its size, so nothing but the parts asks for big.bin
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"shards": [{"name": "big.bin", "bytes": len(data)}]}))
     return tmp_path, data
 
 
-def _fetch(server, data, parts, **options):
-    return fetch_url_in_parts(server.url("big.bin"), size=len(data), parts=parts,
-                              name="big.bin", policy=FAST, cancel=CancelToken(), **options)
+def _fetch(server, data, parts):
+    source = RemoteSource(server.url("manifest.json"), suffixes=None, retry=FAST)
+    (shard,) = source.list_shards()
+    return source.fetch_in_parts(shard, CancelToken(), parts)
 
 
 def test_parts_are_concurrent_ranges_assembled_in_one_map(big_file):
@@ -96,7 +101,7 @@ def test_dataset_fetches_each_shard_over_the_connections_free_when_it_starts(tmp
     assert (tmp_path / names[3]).stat().st_size < MIN_PART_BYTES
     for server in serve_directory(tmp_path, bandwidth=2_000_000):
         def stream(server=server, **options):
-            dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+            dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
                                          prefetch=2, concurrency=3, stream_shards="none",
                                          **options)
             before = [len(server.requests_for(name)) for name in names]

@@ -13,8 +13,8 @@ from servers.http_server import make_samples, serve_directory
 from torch_geometric.data import Batch, Data, InMemoryDataset
 
 from pyg_atompack.stream import (
-    HTTPSource,
     LocalSource,
+    RemoteSource,
     ShardDecodeError,
     ShardStreamDataset,
     UnsafePayloadError,
@@ -148,7 +148,7 @@ def test_atp_shards_stream_over_http(tmp_path):
     server_gen = serve_directory(tmp_path)
     server = next(server_gen)
     try:
-        source = HTTPSource([server.url("part-0.atp"), server.url("part-1.atp")])
+        source = RemoteSource([server.url("part-0.atp"), server.url("part-1.atp")])
         samples = list(ShardStreamDataset(source, prefetch=1))
     finally:
         server_gen.close()

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from pyg_atompack.remote import RemoteFile
 from pyg_atompack.stream.errors import ShardFetchError
 from pyg_atompack.stream.prefetch import Prefetcher
 
@@ -163,8 +164,9 @@ def test_a_shard_is_leased_no_more_connections_than_it_has_parts():
     class Whole:
         pass
 
-    shards = [ShardInfo("tiny", size=MIN_PART_BYTES - 1), ShardInfo("two", size=2 * MIN_PART_BYTES),
-              ShardInfo("big", size=10 << 20), ShardInfo("unknown")]
+    shards = [ShardInfo(RemoteFile("tiny", size=MIN_PART_BYTES - 1)),
+              ShardInfo(RemoteFile("two", size=2 * MIN_PART_BYTES)),
+              ShardInfo(RemoteFile("big", size=10 << 20)), ShardInfo(RemoteFile("unknown"))]
 
     def loader(source):
         return ShardLoader(source, shards, trusted=False, verify=True, on_error="raise")

@@ -10,10 +10,12 @@ import time
 import pytest
 from servers.http_server import ShardServer, serve_directory, write_pt_shards
 
+from pyg_atompack.remote import RemoteFile
+from pyg_atompack.remote.manifest import ManifestError
 from pyg_atompack.stream import (
     CancelToken,
-    HTTPSource,
     LocalSource,
+    RemoteSource,
     ShardFetchError,
     ShardInfo,
     ShardIntegrityError,
@@ -21,7 +23,7 @@ from pyg_atompack.stream import (
     Source,
 )
 from pyg_atompack.stream.errors import StreamCancelled
-from pyg_atompack.transport import RetryPolicy
+from pyg_atompack.transport import RemoteNotFoundError, RetryPolicy
 from pyg_atompack.transport.retry import parse_retry_after
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
@@ -61,18 +63,19 @@ def test_local_source_counts_atp_records(tmp_path, golden_dir, golden_expected):
 
 
 def test_local_source_without_shards_is_an_error(tmp_path):
-    with pytest.raises(ShardFetchError, match="no .pt or .atp shards"):
+    # a listing that fails raises the backend's error (the transport family), naming it
+    with pytest.raises(RemoteNotFoundError, match="no .pt or .atp shards"):
         LocalSource(tmp_path)
 
 
 def test_http_source_from_manifest_and_url_list(server):
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     shards = source.list_shards()
     assert [(s.name, s.records) for s in shards] == [
         ("shard-0000.pt", 4), ("shard-0001.pt", 3), ("shard-0002.pt", 5)]
     assert all(s.sha256 and s.size for s in shards)
     assert _ids(ShardStreamDataset(source)) == EXPECTED_IDS
-    by_url = HTTPSource([server.url(s.name) for s in shards], retry=FAST)
+    by_url = RemoteSource([server.url(s.name) for s in shards], retry=FAST)
     assert [s.name for s in by_url.list_shards()] == [s.name for s in shards]
     assert _ids(ShardStreamDataset(by_url)) == EXPECTED_IDS
     # listing happened once, at construction: one manifest request in total
@@ -81,17 +84,17 @@ def test_http_source_from_manifest_and_url_list(server):
 
 def test_bad_manifest_names_the_problem(server):
     (server.root / "bad.json").write_text('{"shards": [{"name": "x.pt", "records": "many"}]}')
-    with pytest.raises(ShardFetchError, match=r"records"):
-        HTTPSource(server.url("bad.json"), retry=FAST)
+    with pytest.raises(ManifestError, match=r"bad\.json: .*records"):
+        RemoteSource(server.url("bad.json"), retry=FAST)
     (server.root / "broken.json").write_text("{not json")
-    with pytest.raises(ShardFetchError, match="not valid JSON"):
-        HTTPSource(server.url("broken.json"), retry=FAST)
+    with pytest.raises(ManifestError, match="broken.json: manifest is not valid JSON"):
+        RemoteSource(server.url("broken.json"), retry=FAST)
 
 
 @pytest.mark.parametrize("fault", ["500", "503", "429", "reset", "truncate", "wrong_bytes"])
 def test_each_fault_is_retried_and_data_arrives_intact(server, fault, caplog):
     server.add_fault("shard-0001.pt", fault, times=1, retry_after=0)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST))
     with caplog.at_level(logging.WARNING):
         assert _ids(dataset) == EXPECTED_IDS
     log = server.requests_for("shard-0001.pt")
@@ -101,7 +104,7 @@ def test_each_fault_is_retried_and_data_arrives_intact(server, fault, caplog):
 
 def test_truncated_transfer_resumes_with_range(server):
     server.add_fault("shard-0002.pt", "truncate", at_fraction=0.5)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST))
     assert _ids(dataset) == EXPECTED_IDS
     first, second = server.requests_for("shard-0002.pt")
     assert first.range is None and first.body_bytes > 0
@@ -113,7 +116,7 @@ def test_truncated_transfer_resumes_with_range(server):
 
 def test_retry_after_is_honoured(server):
     server.add_fault("shard-0000.pt", "429", retry_after=1)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST))
     assert _ids(dataset) == EXPECTED_IDS
     first, second = server.requests_for("shard-0000.pt")
     # the backoff alone would be ~0.01 s; the server asked for a full second
@@ -133,7 +136,7 @@ def test_retry_policy_backoff_and_retry_after():
 
 def test_persistent_server_error_gives_up_naming_the_shard(server):
     server.add_fault("shard-0001.pt", "500", times=10)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST))
     with pytest.raises(ShardFetchError, match=r"shard-0001\.pt.*4 attempts.*HTTP 500"):
         _ids(dataset)
     assert len(server.requests_for("shard-0001.pt")) == 4
@@ -141,7 +144,7 @@ def test_persistent_server_error_gives_up_naming_the_shard(server):
 
 def test_retries_argument_overrides_source_policy(server):
     server.add_fault("shard-0000.pt", "503", times=10, retry_after=0)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
                                  retries=1)
     with pytest.raises(ShardFetchError, match="2 attempts"):
         _ids(dataset)
@@ -150,7 +153,7 @@ def test_retries_argument_overrides_source_policy(server):
 
 def test_missing_file_is_permanent_and_not_retried(server):
     urls = [server.url("shard-0000.pt"), server.url("missing.pt")]
-    dataset = ShardStreamDataset(HTTPSource(urls, retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(urls, retry=FAST))
     with pytest.raises(ShardFetchError, match=r"missing\.pt: HTTP 404"):
         _ids(dataset)
     # one size probe when listed, one download: neither retried
@@ -159,14 +162,14 @@ def test_missing_file_is_permanent_and_not_retried(server):
 
 def test_checksum_mismatch_retried_once_then_clear_error(server):
     server.add_fault("shard-0002.pt", "wrong_bytes", times=2)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST))
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST))
     with pytest.raises(ShardIntegrityError, match=r"shard shard-0002\.pt: sha256 .* expected"):
         _ids(dataset)
     assert len(server.requests_for("shard-0002.pt")) == 2
     # verify=False accepts the corrupted bytes' existence (here: still a loadable pickle
     # or a decode error, but never an integrity error)
     server.add_fault("shard-0002.pt", "wrong_bytes", times=2, at_fraction=0.0)
-    unverified = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+    unverified = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
                                     verify=False)
     with pytest.raises(Exception) as caught:
         _ids(unverified)
@@ -174,7 +177,7 @@ def test_checksum_mismatch_retried_once_then_clear_error(server):
 
 
 def test_size_mismatch_is_detected(server):
-    source = HTTPSource(server.url("manifest.json"), retry=FAST)
+    source = RemoteSource(server.url("manifest.json"), retry=FAST)
     expected = source.list_shards()[0].size
     (server.root / "shard-0000.pt").write_bytes(b"y" * 11)  # changed after listing
     with pytest.raises(ShardIntegrityError,
@@ -184,7 +187,7 @@ def test_size_mismatch_is_detected(server):
 
 def test_on_error_skip_logs_and_continues(server, caplog):
     server.add_fault("shard-0001.pt", "500", times=10)
-    dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+    dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
                                  on_error="skip")
     with caplog.at_level(logging.WARNING):
         assert _ids(dataset) == [0, 1, 2, 3, 2000, 2001, 2002, 2003, 2004]
@@ -195,14 +198,14 @@ def test_on_error_skip_logs_and_continues(server, caplog):
 def test_stalled_transfer_times_out_and_is_retried(server):
     server.add_fault("shard-0000.pt", "stall")
     policy = RetryPolicy(retries=2, backoff=0.01, timeout=0.5)
-    assert _ids(ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=policy))) \
+    assert _ids(ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=policy))) \
         == EXPECTED_IDS
     assert [e.fault for e in server.requests_for("shard-0000.pt")] == ["stall", None]
 
 
 def test_cancel_token_interrupts_a_blocked_transfer(server):
     server.add_fault("shard-0000.pt", "stall")
-    source = HTTPSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60))
+    source = RemoteSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60))
     token = CancelToken()
     outcome = {}
 
@@ -227,7 +230,7 @@ def test_custom_source_protocol(server):
             self.files = {p.name: p.read_bytes() for p in sorted(root.glob("*.pt"))}
 
         def list_shards(self):
-            return [ShardInfo(name=n, size=len(b)) for n, b in self.files.items()]
+            return [ShardInfo(RemoteFile(n, size=len(b))) for n, b in self.files.items()]
 
         def fetch(self, shard, cancel):
             cancel.raise_if_cancelled()

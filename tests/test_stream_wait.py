@@ -9,7 +9,7 @@ import torch
 from servers.http_server import serve_directory, write_pt_shards
 from torch.utils.data import DataLoader
 
-from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 from pyg_atompack.stream.trace import StepWaitMeter, resolve_wait_clock
 from pyg_atompack.transport import RetryPolicy
 
@@ -151,7 +151,7 @@ def _consume(items, compute_s: float) -> int:
 def test_stats_share_when_downloads_are_three_times_compute(throttled):
     # prefetch=0: every download happens inside next(); downloads 0.24 s per shard,
     # compute 0.08 s per shard (4 batches of 2 samples x 20 ms)
-    dataset = ShardStreamDataset(HTTPSource(throttled.url("manifest.json"), retry=FAST),
+    dataset = ShardStreamDataset(RemoteSource(throttled.url("manifest.json"), retry=FAST),
                                  prefetch=0, batch_size=2, wait_clock="wall")
     assert _consume(dataset, 0.02) == 16
     stats = dataset.stats()
@@ -170,7 +170,7 @@ def test_stats_share_when_downloads_are_three_times_compute(throttled):
 def test_stats_share_falls_when_prefetch_hides_downloads(throttled):
     # compute 0.4 s per shard against 0.24 s downloads: after the first shard the next
     # one is in before it is asked for
-    dataset = ShardStreamDataset(HTTPSource(throttled.url("manifest.json"), retry=FAST),
+    dataset = ShardStreamDataset(RemoteSource(throttled.url("manifest.json"), retry=FAST),
                                  prefetch=1, batch_size=2)
     _consume(dataset, 0.1)
     stats = dataset.stats()
@@ -179,7 +179,7 @@ def test_stats_share_falls_when_prefetch_hides_downloads(throttled):
 
 
 def test_stats_without_steps_behind_workers(throttled):
-    dataset = ShardStreamDataset(HTTPSource(throttled.url("manifest.json"), retry=FAST),
+    dataset = ShardStreamDataset(RemoteSource(throttled.url("manifest.json"), retry=FAST),
                                  prefetch=2, batch_size=4)
     meter = StepWaitMeter()
     loader = DataLoader(dataset, batch_size=None, num_workers=2)
@@ -191,7 +191,7 @@ def test_stats_without_steps_behind_workers(throttled):
 
 
 def test_cuda_wait_clock_needs_cuda(throttled):
-    source = HTTPSource(throttled.url("manifest.json"), retry=FAST)
+    source = RemoteSource(throttled.url("manifest.json"), retry=FAST)
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     with pytest.raises(ValueError, match="wait_clock='cuda' needs a CUDA device"):

@@ -13,7 +13,7 @@ from torch_geometric.data import Batch, Data, HeteroData
 from torch_geometric.loader import DataLoader
 
 from pyg_atompack.pyg import handoff
-from pyg_atompack.stream import HTTPSource, LocalSource, ShardStreamDataset
+from pyg_atompack.stream import LocalSource, RemoteSource, ShardStreamDataset
 from pyg_atompack.stream.splitting import StreamSlot, worker_share
 from pyg_atompack.transport import RetryPolicy
 
@@ -123,7 +123,7 @@ def test_workers_share_the_ranks_connections_and_prefetch(tmp_path):
     size = (tmp_path / names[0]).stat().st_size
     # each shard takes ~0.25 s at this rate, so both workers' transfers overlap
     for server in serve_directory(tmp_path, bandwidth=size * 4):
-        dataset = ShardStreamDataset(HTTPSource(server.url("manifest.json"), retry=FAST),
+        dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
                                      prefetch=2, concurrency=2)
         count = sum(len(b.sample_id) for b in DataLoader(dataset, batch_size=40,
                                                           num_workers=2))
@@ -185,7 +185,7 @@ def test_each_worker_makes_its_own_client_with_the_parents_trust_store(tmp_path,
         names = [f"shard-{n:04d}.pt" for n in range(4)]
         where = (server.url("manifest.json") if listed == "manifest"
                  else [server.url(name) for name in names])
-        dataset = ShardStreamDataset(HTTPSource(where, retry=FAST), prefetch=2, concurrency=2)
+        dataset = ShardStreamDataset(RemoteSource(where, retry=FAST), prefetch=2, concurrency=2)
         loader = DataLoader(dataset, batch_size=4, num_workers=2)
         assert sum(len(b.sample_id) for b in loader) == 18
         downloads = [e for e in server.requests

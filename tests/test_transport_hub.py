@@ -122,7 +122,7 @@ def test_persistent_failure_gives_up_naming_the_file_without_secrets(server, tmp
     assert len([r for r in server.requests if r.fault == "503"]) == 4
     # nothing from the failed download is left in the cache
     assert not [p for p in (tmp_path / "cache").rglob("*")
-                if p.is_file() and ("blobs" in p.parts or "unverified" in p.parts)
+                if p.is_file() and ("blobs" in p.parts or "versions" in p.parts)
                 and not p.name.endswith(".lock")]
 
 
@@ -186,12 +186,12 @@ def test_pickled_hub_source_holds_no_token_and_still_streams(server):
     import torch
     from servers.http_server import make_samples
 
-    from pyg_atompack.stream import HubSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
 
     buffer = io.BytesIO()
     torch.save(make_samples(7, 3), buffer)
     server.commit("org/streamed", {"s/a.pt": buffer.getvalue()})
-    source = HubSource("org/streamed", "s", endpoint=server.endpoint, retry=FAST)
+    source = RemoteSource("hf://datasets/org/streamed/s", endpoint=server.endpoint, retry=FAST)
     blob = pickle.dumps(source)
     assert TOKEN.encode() not in blob  # the logged-in token is read when needed
     clone = pickle.loads(blob)
@@ -205,11 +205,11 @@ def test_http_source_credentials_stay_at_their_origin(server):
     """Any Authorization header given to a source (not only the Hub token) stops at the
     origin it was given for: the CDN, which refuses requests carrying one, serves the
     redirected download."""
-    from pyg_atompack.stream import CancelToken, HTTPSource
+    from pyg_atompack.stream import CancelToken, RemoteSource
 
     target = hub.list_remote_files(REPO, "train/part_0.atp", revision="main",
                                    endpoint=server.endpoint, policy=FAST)[0]
-    source = HTTPSource([target.url], headers={"Authorization": "Bearer site-secret"},
+    source = RemoteSource([target.url], headers={"Authorization": "Bearer site-secret"},
                         retry=FAST)
     server.clear_requests()
     body = source.fetch(source.list_shards()[0], CancelToken())
@@ -220,15 +220,17 @@ def test_http_source_credentials_stay_at_their_origin(server):
 
 
 def test_a_file_too_large_for_memory_is_a_project_error(server):
-    from pyg_atompack.stream import CancelToken, ShardFetchError
-    from pyg_atompack.stream.http import fetch_url_in_parts
+    from dataclasses import replace
+
+    from pyg_atompack.stream import CancelToken, RemoteSource, ShardFetchError
     from pyg_atompack.transport import RemoteTooLargeError
 
-    target = hub.list_remote_files(REPO, "train/part_0.atp", revision="main",
-                                   endpoint=server.endpoint, policy=FAST)[0]
+    source = RemoteSource(f"hf://datasets/{REPO}/train/part_0.atp", endpoint=server.endpoint,
+                          retry=FAST)
+    (shard,) = source.list_shards()
+    huge = replace(shard, file=replace(shard.file, size=1 << 62))
     with pytest.raises(ShardFetchError, match=r"part_0\.atp.*cannot be held in memory") as caught:
-        fetch_url_in_parts(target.url, size=1 << 62, parts=2, name="part_0.atp", policy=FAST,
-                           cancel=CancelToken())
+        source.fetch_in_parts(huge, CancelToken(), parts=2)
     assert isinstance(caught.value.__cause__, RemoteTooLargeError)
 
 
@@ -241,7 +243,7 @@ def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
     import torch
     from servers.http_server import make_samples
 
-    from pyg_atompack.stream import HubSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
     from pyg_atompack.transport.http import MIN_PART_BYTES
 
     files = {}
@@ -254,8 +256,8 @@ def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
     expected = sorted(shard * 1000 + i for shard in range(3) for i in range(400))
     for workers in (0, 2):
         before = len(server.requests)
-        dataset = ShardStreamDataset(HubSource("org/split", "s", endpoint=server.endpoint,
-                                               retry=FAST),
+        dataset = ShardStreamDataset(RemoteSource("hf://datasets/org/split/s",
+                                                  endpoint=server.endpoint, retry=FAST),
                                      prefetch=2, concurrency=4, stream_shards="none")
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
         assert sorted(int(sample.sample_id) for sample in loader) == expected

@@ -18,9 +18,9 @@ from servers.http_server import serve_directory, write_manifest, write_pt_shards
 
 from pyg_atompack import AtompackDataset, hub
 from pyg_atompack.cli import main
-from pyg_atompack.remote import urls as url_rules
-from pyg_atompack.stream import HTTPSource, HubSource, ShardStreamDataset, open_source
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, open_source
 from pyg_atompack.transport import (
+    RemoteIntegrityError,
     RemoteNotFoundError,
     RetryPolicy,
     TransportError,
@@ -122,7 +122,7 @@ def test_a_server_ignoring_ranges_still_serves_headers_metadata_and_records(www,
 def test_altered_or_missing_shard_is_one_error_naming_the_url(server, www, tmp_path):
     reader = hub.open_remote_atp(server.url("manifest.json"), cache_dir=tmp_path, policy=FAST)
     server.add_fault("part_1.atp", "wrong_bytes", times=1, at_fraction=0.9)
-    with pytest.raises(hub.HubIntegrityError, match=r"http://127\.0\.0\.1:\d+/part_1\.atp.*sha256"):
+    with pytest.raises(RemoteIntegrityError, match=r"http://127\.0\.0\.1:\d+/part_1\.atp.*sha256"):
         reader[5]
     assert not [p for p in tmp_path.rglob("*")
                 if p.is_file() and "blobs" in p.parts and p.suffix != ".lock"]
@@ -161,8 +161,12 @@ def test_unreachable_host_and_bad_urls(tmp_path):
 
 
 def test_object_store_scheme_without_backend_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(url_rules.OBJECT_STORES, "s3",
-                        url_rules.Backend("pyg_atompack._absent_backend", "pip install s3fs"))
+    import fsspec
+
+    def absent(protocol):
+        raise ImportError(f"Install s3fs to access {protocol}")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", absent)  # as if s3fs were missing
     for opener in (AtompackDataset, open_source, ShardStreamDataset):
         with pytest.raises(UnsupportedURLError, match=r"s3://.*pip install s3fs"):
             opener("s3://bucket/prefix/")
@@ -171,7 +175,7 @@ def test_object_store_scheme_without_backend_says_what_to_install(monkeypatch):
 def test_open_source_and_stream_dataset_take_urls(server, www):
     pt = server.base_url + "/pt/"
     source = open_source(pt, retry=FAST)
-    assert isinstance(source, HTTPSource) and len(source.list_shards()) == 2
+    assert isinstance(source, RemoteSource) and len(source.list_shards()) == 2
     ids = [int(s.sample_id) for s in ShardStreamDataset(pt + "manifest.json")]
     assert ids == [0, 1, 1000, 1001, 1002]
     single = ShardStreamDataset(server.url("pt/shard-0001.pt"))
@@ -181,7 +185,7 @@ def test_open_source_and_stream_dataset_take_urls(server, www):
                                        "d/b.pt": (www / "pt" / "shard-0000.pt").read_bytes(),
                                        "d/notes.txt": b"not a shard"})
         source = open_source(f"hf://datasets/org/urls@{sha}/d", endpoint=fake.endpoint)
-        assert isinstance(source, HubSource)
+        assert isinstance(source, RemoteSource) and source.backend.revision == sha
         assert [s.name for s in source.list_shards()] == ["a.atp", "b.pt"]
         one = open_source("hf://datasets/org/urls/d/b.pt", endpoint=fake.endpoint)
         assert [s.name for s in one.list_shards()] == ["b.pt"]

@@ -11,7 +11,7 @@ from servers.stores import STORES, use_store
 
 from pyg_atompack import AtompackDataset
 from pyg_atompack.cli import main
-from pyg_atompack.stream import ObjectStoreSource, ShardStreamDataset, open_source
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, open_source
 
 BUCKET = "url-rule"
 
@@ -48,7 +48,7 @@ def test_object_store_urls_everywhere(store, tmp_path, capsys):
     assert dataset.reader.downloaded_shards() == [0, 1]
 
     source = open_source(f"{store.scheme}://{BUCKET}/pt/")
-    assert isinstance(source, ObjectStoreSource)
+    assert isinstance(source, RemoteSource)
     ids = [int(s.sample_id) for s in ShardStreamDataset(f"{store.scheme}://{BUCKET}/pt/")]
     assert ids == [0, 1, 1000, 1001, 1002]
 

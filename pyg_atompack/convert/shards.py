@@ -1,7 +1,7 @@
 """Sharded outputs: a directory of shard files plus ``manifest.json``.
 
-The manifest shape is shared with the streaming layer (``HTTPSource`` reads
-it)::
+The manifest shape is shared with the streaming layer (``stream.RemoteSource``
+reads it)::
 
     {"format": "pyg_atompack-shards/1",
      "shards": [{"name": "shard_00000.atp", "records": 1000,

@@ -15,7 +15,7 @@ from torch_geometric.data import Data, Dataset
 from pyg_atompack import atp
 from pyg_atompack.pyg import flat_to_data_list, record_to_data, resolve_fields, resolve_names
 from pyg_atompack.pyg.handoff import install_in_worker
-from pyg_atompack.remote.urls import OBJECT_STORES, url_scheme
+from pyg_atompack.remote.backends import url_scheme
 
 __all__ = ["AtompackDataset"]
 
@@ -65,29 +65,20 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
     if _is_reader(source):
         return source
     if isinstance(source, (list, tuple)) and source and all(_is_url(s) for s in source):
-        from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
+        from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
 
-        return open_remote_atp(url_range_readers(list(source)), name=str(source), **cache)
+        return open_remote_atp(range_readers(list(source)), name=str(source), **cache)
     scheme = url_scheme(source)
     if scheme is not None:  # never a local path: the one URL rule
         from pyg_atompack import hub
 
-        # one rule for hf://, http(s):// and object stores: records are read by range
-        # through the bounded page cache unless prefetch_shards=True
+        # one rule for every scheme: records are read by range through the bounded page
+        # cache unless prefetch_shards=True (hf:// keeps its pinned, cached listing)
         by_record = not remote.get("prefetch_shards")
-        if by_record and scheme in ("http", "https"):
-            from pyg_atompack.remote.record_reader import open_remote_atp, url_range_readers
+        if by_record and scheme != "hf":
+            from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
 
-            target = source + "manifest.json" if source.endswith("/") else source
-            return open_remote_atp(url_range_readers(target), name=source, **cache)
-        if by_record and scheme in OBJECT_STORES:
-            # ranged GETs pinned to the listed ETags
-            from pyg_atompack.remote.objectstore import object_range_readers
-            from pyg_atompack.remote.record_reader import open_remote_atp
-            from pyg_atompack.remote.urls import object_store
-
-            object_store(source)  # the backend is installed (else: what to install)
-            return open_remote_atp(object_range_readers(source), name=source, **cache)
+            return open_remote_atp(range_readers(source), name=source, **cache)
         reader = hub.open_remote_atp(source, access=access)
         return reader.by_record(**cache) if by_record else reader
     if isinstance(source, (list, tuple)):

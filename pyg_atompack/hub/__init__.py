@@ -13,7 +13,7 @@ Public API::
 
     sha = hub.resolve_revision("org/data", "main")             # -> 40-hex commit sha
     files = hub.list_remote_files("org/data", "omat/train", revision=sha, pattern="*.atp")
-    # [RemoteFile(path, size, sha256, url, revision, repo_id, repo_type, blob_id), ...]
+    # [RemoteFile(name, size, sha256, version=sha, url, blob_id, repo), ...]
     # sorted by POSIX path; ONE listing request (recursive tree), no per-file requests
 
     local = hub.download(files[0], cache_dir)                    # verified (size + sha256)
@@ -57,7 +57,7 @@ imported, into ``huggingface_hub.constants.ENDPOINT``. Setting the environment
 variable later has no effect in a running process. So every function that talks
 to the API takes ``endpoint=`` (``None`` = the client's configured endpoint) and
 passes it to ``HfApi(endpoint=...)`` and ``hf_hub_url(endpoint=...)``. A
-:class:`RemoteFile` carries its full URL, so range reads,
+:class:`~pyg_atompack.remote.RemoteFile` carries its full URL, so range reads,
 :func:`download` and pickled readers in DataLoader workers keep using the
 endpoint they were listed from. For a separate process (a script, ``torchrun``)
 set ``HF_ENDPOINT`` in its environment before it starts. Tests do exactly this
@@ -71,7 +71,8 @@ readers to untrusted places.
 
 from __future__ import annotations
 
-from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp
+from pyg_atompack.hub.atp_reader import HubAtpReader, open_hub_atp, open_remote_atp
+from pyg_atompack.hub.backend import HubBackend
 from pyg_atompack.hub.errors import (
     HubAuthError,
     HubError,
@@ -87,14 +88,15 @@ from pyg_atompack.hub.errors import (
 )
 from pyg_atompack.hub.publish import HubPublishError, PushResult, push
 from pyg_atompack.hub.pull import PullResult, pull
-from pyg_atompack.hub.remote import RemoteFile, list_remote_files, resolve_revision
+from pyg_atompack.hub.remote import list_remote_files, resolve_revision
 from pyg_atompack.hub.transfer import download
 from pyg_atompack.hub.uri import HubLocation, parse_hf_uri
-from pyg_atompack.hub.url_files import open_remote_atp, open_url_atp
+from pyg_atompack.remote.backends import register_backend
 
 __all__ = [
     "HubAtpReader",
     "HubAuthError",
+    "HubBackend",
     "HubError",
     "HubGatedRepoError",
     "HubIntegrityError",
@@ -109,14 +111,15 @@ __all__ = [
     "HubURIError",
     "PullResult",
     "PushResult",
-    "RemoteFile",
     "download",
     "list_remote_files",
     "open_hub_atp",
     "open_remote_atp",
-    "open_url_atp",
     "parse_hf_uri",
     "pull",
     "push",
     "resolve_revision",
 ]
+
+# the Hub serves hf:// URLs in the one backend registry (remote/ cannot name this layer)
+register_backend("hf", HubBackend)

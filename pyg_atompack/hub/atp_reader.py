@@ -9,7 +9,7 @@
    request, in parallel, to learn its molecule count — no shard is downloaded.
 
 Headers, then lazily atom counts and fields, come from the one remote-``.atp`` reader,
-:mod:`pyg_atompack.remote.atp_meta`, over each shard's :func:`shard_range_reader`.
+:mod:`pyg_atompack.remote.atp_meta`, over each shard's range reader (its backend's).
 
 Steps 2-3 are stored in ``{cache_dir}/.../listings/{sha}/`` (a commit is
 immutable, so this never goes stale) and reused by the next open of the same
@@ -51,16 +51,17 @@ from pyg_atompack.hub.listing_cache import (
     store_ref,
 )
 from pyg_atompack.hub.remote import (
-    RemoteFile,
+    describe_file,
     is_commit_sha,
     list_remote_files,
+    repo_of,
     resolve_revision,
 )
-from pyg_atompack.hub.transfer import download, fetch_range
 from pyg_atompack.hub.uri import hf_uri, normalize_path_in_repo
 from pyg_atompack.remote.atp_meta import load_meta, read_fields, read_header
 from pyg_atompack.remote.cache import cache_root
-from pyg_atompack.remote.ranges import RangeAdapter, RangeReader
+from pyg_atompack.remote.files import RemoteFile
+from pyg_atompack.remote.ranges import RangeReader
 
 # the header facts a listing keeps (plain ints: JSON-friendly, picklable)
 _FACTS = ("num_molecules", "index_offset", "index_len", "schema_offset", "schema_len",
@@ -98,18 +99,15 @@ class HubAtpReader(ShardedReader):
             (:func:`~pyg_atompack.remote.atp_meta.read_header`). (default: :obj:`None`)
         path_in_repo (str, optional): The listed directory or file, for ``repr`` and messages.
             (default: :obj:`""`)
+        backend (Any): The :mod:`~pyg_atompack.remote.backends` backend that listed the
+            shards (picklable): their range reads and downloads go through it.
         cache_dir (str | os.PathLike, optional): Download cache root
             (default: :func:`~pyg_atompack.remote.cache.cache_root`).
-        token (str | bool, optional): Hub token used for downloads. (default: :obj:`None`)
         verify (bool, optional): Verify each downloaded shard's sha256. (default: :obj:`True`)
         access (str, optional): Passed to ``atp.open`` for downloaded shards.
             (default: :obj:`"mmap"`)
-        policy (Any, optional): Retries and timeouts of range reads and downloads (a
-            ``RetryPolicy``). (default: the Hub default)
         name (str, optional): How messages and ``repr`` name the source
             (default: its ``hf://`` URI).
-        store (Any, optional): The object-store handle that listed the shards (object-store URLs
-            only; picklable, without secrets). (default: :obj:`None`)
         max_workers (int, optional): Header range reads in flight when ``headers`` is
             :obj:`None`. (default: :obj:`8`)
     """
@@ -119,14 +117,12 @@ class HubAtpReader(ShardedReader):
         shards: list[RemoteFile],
         headers: list[dict[str, int]] | None = None,
         *,
+        backend: Any,
         path_in_repo: str = "",
         cache_dir: str | os.PathLike | None = None,
-        token: str | bool | None = None,
         verify: bool = True,
         access: str = "mmap",
-        policy: Any = None,
         name: str | None = None,
-        store: Any = None,
         max_workers: int = 8,
     ) -> None:
         if headers is not None and len(shards) != len(headers):
@@ -136,15 +132,13 @@ class HubAtpReader(ShardedReader):
         self._remote = list(shards)
         self.path_in_repo = path_in_repo
         self.cache_dir = cache_root(cache_dir)
-        self.token = token
+        self.backend = backend
         self.verify = verify
-        self.policy = policy
-        self.store = store
         first = self._remote[0]
-        self.name = name or hf_uri(first.repo_id, path_in_repo, revision=first.revision,
-                                   repo_type=first.repo_type)
-        self._ranges = [shard_range_reader(shard, token=token, policy=policy, store=store)
-                        for shard in self._remote]
+        repo_id, repo_type = repo_of(first)
+        self.name = name or hf_uri(repo_id, path_in_repo, revision=first.version or "",
+                                   repo_type=repo_type)
+        self._ranges = [backend.range_reader(shard) for shard in self._remote]
         self._heads: dict[int, bytes] = {}  # header slots read by this process
         self.headers = ([dict(h) for h in headers] if headers is not None
                         else self._read_headers(max_workers))
@@ -210,12 +204,12 @@ class HubAtpReader(ShardedReader):
     @property
     def repo_id(self) -> str:
         """The repository the shards belong to."""
-        return self._remote[0].repo_id
+        return repo_of(self._remote[0])[0]
 
     @property
     def revision(self) -> str:
         """The pinned commit sha."""
-        return self._remote[0].revision
+        return self._remote[0].version or ""
 
     @property
     def reads_by_record(self) -> bool:
@@ -265,14 +259,13 @@ class HubAtpReader(ShardedReader):
             if reader is not None:
                 return reader
             remote = self._remote[shard]
-            path = download(remote, self.cache_dir, token=self.token, verify=self.verify,
-                            policy=self.policy, store=self.store)
+            path = self.backend.download(remote, self.cache_dir, verify=self.verify)
             reader = Reader(path, access=self.access, name=self._ranges[shard].name)
             expected = self.headers[shard]["num_molecules"]
             if len(reader) != expected:
                 reader.close()
                 raise HubIntegrityError(
-                    f"{remote.describe()}: downloaded shard holds {len(reader)} molecules, "
+                    f"{describe_file(remote)}: downloaded shard holds {len(reader)} molecules, "
                     f"its remote header said {expected}"
                 )
             with self._lock:
@@ -294,8 +287,7 @@ class HubAtpReader(ShardedReader):
             The local path of each shard, in shard order.
         """
         def fetch(shard: RemoteFile) -> Path:
-            return download(shard, self.cache_dir, token=self.token, verify=self.verify,
-                            policy=self.policy, store=self.store)
+            return self.backend.download(shard, self.cache_dir, verify=self.verify)
 
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
             return list(pool.map(fetch, self._remote))
@@ -351,8 +343,8 @@ class HubAtpReader(ShardedReader):
 
 # what a pickled HubAtpReader carries: the listing, the range readers (a URL's keeps the
 # version its first read was pinned to) and the settings, no open file
-_PICKLED = ("_remote", "_ranges", "headers", "path_in_repo", "cache_dir", "token", "verify",
-            "policy", "store", "name", "_pages")
+_PICKLED = ("_remote", "_ranges", "headers", "path_in_repo", "cache_dir", "backend", "verify",
+            "name", "_pages")
 
 
 class _DownloadedShard:
@@ -445,63 +437,6 @@ class _PagedShard(_DownloadedShard):
         return self.reader().read_resolved(indices, infos)
 
 
-class HubRangeReader(RangeAdapter):
-    """Range reads of a listed Hub file, through :func:`~pyg_atompack.hub.transfer.fetch_range`.
-
-    Args:
-        remote_file (RemoteFile): A file of a Hub listing.
-        token (str | bool, optional): Hub token (``None``: the saved login, ``False``: none).
-            (default: :obj:`None`)
-        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the Hub default)
-    """
-
-    def __init__(self, remote_file: RemoteFile, *, token: str | bool | None = None,
-                 policy: Any = None) -> None:
-        self.remote_file = remote_file
-        self.token = token
-        self.policy = policy
-        self.size = int(remote_file.size)
-        self.name = hf_uri(remote_file.repo_id, remote_file.path, revision=remote_file.revision,
-                           repo_type=remote_file.repo_type)
-        digest = remote_file.sha256 or remote_file.blob_id
-        self.identity = f"sha256:{digest.lower()}" if remote_file.sha256 else (
-            f"git:{digest}" if digest else f"hub:{self.name}|{self.size}")
-
-    def _read(self, start: int, out: memoryview, cancel: Any) -> None:
-        out[:] = fetch_range(self.remote_file, start, len(out), token=self.token,
-                             policy=self.policy)
-
-
-def shard_range_reader(remote: RemoteFile, *, token: str | bool | None = None,
-                       policy: Any = None, store: Any = None) -> Any:
-    """The :class:`~pyg_atompack.remote.ranges.RangeReader` of a listed file.
-
-    Args:
-        remote (RemoteFile): A file of a Hub, URL or object-store listing.
-        token (str | bool, optional): Hub token (Hub files only). (default: :obj:`None`)
-        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``). (default: the source's)
-        store (Any, optional): The object-store handle that listed ``remote`` (object stores only).
-            (default: :obj:`None`)
-
-    Returns:
-        Range reads of that file, named as messages name it.
-    """
-    from pyg_atompack.remote.ranges import ObjectRangeReader, URLRangeReader
-
-    if remote.repo_type == "url":
-        from pyg_atompack.transport.http import Probe
-
-        # the version the listing named pins the reads; else the first read's answer does
-        known = Probe(remote.size, remote.version) if remote.version else None
-        return URLRangeReader(remote.url, size=remote.size, sha256=remote.sha256,
-                              retry=policy, name=remote.describe(), probe=known)
-    if remote.repo_type == "object":
-        from pyg_atompack.hub.transfer import object_info
-
-        return ObjectRangeReader(store, object_info(remote))
-    return HubRangeReader(remote, token=token, policy=policy)
-
-
 def open_hub_atp(
     repo_id: str,
     path_in_repo: str | None = None,
@@ -591,10 +526,72 @@ def open_hub_atp(
                 f"{describe_remote(repo_id, sha, path or '/')}: no .atp file under this path"
             )
         headers = None  # read now, one range request per shard
-    reader = HubAtpReader(
-        shards, headers, path_in_repo=path, cache_dir=cache_root_dir, token=token,
-        verify=verify, access=access, policy=policy, max_workers=max_workers,
-    )
+    from pyg_atompack.hub.backend import HubBackend
+
+    backend = HubBackend(hf_uri(repo_id, path, revision=sha, repo_type=repo_type), token=token,
+                         endpoint=endpoint, retry=policy)
+    reader = HubAtpReader(shards, headers, backend=backend, path_in_repo=path,
+                          cache_dir=cache_root_dir, verify=verify, access=access,
+                          max_workers=max_workers)
     if cached is None:
         store_listing(cache_file, shards, reader.headers, cache_root_dir)
     return reader
+
+
+def open_remote_atp(url: str, *, cache_dir: str | os.PathLike | None = None,
+                    verify: bool = True, access: str = "mmap", policy: Any = None,
+                    max_workers: int = 8, **options: Any) -> HubAtpReader:
+    """Open the remote ``.atp`` data any supported URL names, lazily (the one URL rule).
+
+    ``hf://`` goes to :func:`open_hub_atp` (revision pinning, the listing cache, offline
+    use); every other scheme to its backend (:func:`~pyg_atompack.remote.backends.open_backend`:
+    ``http(s)://`` files, manifests and directories, object-store prefixes, schemes other
+    packages add), which lists the ``.atp`` files once (one manifest read, or one size
+    probe of a single file, or one bucket listing); then one 8192-byte header range read
+    per shard. Shards are downloaded, verified, into the cache on first use.
+
+    Args:
+        url (str): The URL.
+        cache_dir (str | os.PathLike, optional): Cache root
+            (default: :func:`~pyg_atompack.remote.cache.cache_root`).
+        verify (bool, optional): Verify each download against the listed sha256.
+            (default: :obj:`True`)
+        access (str, optional): ``atp.open`` access mode of downloaded shards.
+            (default: :obj:`"mmap"`)
+        policy (Any, optional): Retries and timeouts (a ``RetryPolicy``).
+            (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
+        max_workers (int, optional): Parallel header reads. (default: :obj:`8`)
+        **options (optional): The backend's options (``token`` / ``endpoint`` for ``hf://``,
+            ``headers`` for http(s), the store's options).
+
+    Returns:
+        A :class:`HubAtpReader` named by the (redacted) URL.
+
+    Raises:
+        UnsupportedURLError: No backend serves the scheme, or it is not installed.
+        HubNoShardsError: The URL names no ``.atp`` file.
+    """
+    from pyg_atompack.remote.backends import open_backend, url_scheme
+    from pyg_atompack.transport.errors import TransportError
+    from pyg_atompack.transport.redact import redact_url
+
+    if url_scheme(url) == "hf":
+        from pyg_atompack.hub.uri import parse_hf_uri
+
+        location = parse_hf_uri(url)
+        return open_hub_atp(location.repo_id, location.path_in_repo,
+                            revision=location.revision, repo_type=location.repo_type,
+                            cache_dir=cache_dir, verify=verify, access=access, policy=policy,
+                            max_workers=max_workers, **options)
+    where = redact_url(url)
+    backend = open_backend(url, retry=policy, **options)
+    try:
+        shards = backend.list((".atp",))
+    except FileNotFoundError as error:
+        raise HubNoShardsError(f"{where}: no .atp file: {error}") from error
+    unsized = [shard.describe() for shard in shards if shard.size is None]
+    if unsized:
+        raise TransportError(f"{unsized[0]}: the server does not tell the file's size",
+                             url=unsized[0])
+    return HubAtpReader(shards, backend=backend, cache_dir=cache_dir, verify=verify,
+                        access=access, name=where, max_workers=max_workers)

@@ -23,11 +23,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from pyg_atompack.hub.remote import RemoteFile, is_commit_sha
+from pyg_atompack.hub.remote import is_commit_sha
 from pyg_atompack.hub.transfer import repo_cache_folder
 from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.remote.files import RemoteFile
 
-_VERSION = 2
+_VERSION = 3
 
 
 def listing_file(cache_dir: Path, repo_id: str, repo_type: str, sha: str, path: str) -> Path:

@@ -48,7 +48,6 @@ from pyg_atompack.hub.errors import (
     describe_remote,
 )
 from pyg_atompack.hub.remote import (
-    RemoteFile,
     is_commit_sha,
     list_remote_files,
     make_api,
@@ -56,6 +55,7 @@ from pyg_atompack.hub.remote import (
     translate_errors,
 )
 from pyg_atompack.hub.uri import normalize_path_in_repo
+from pyg_atompack.remote.files import RemoteFile
 
 MANIFEST_NAME = "manifest.json"
 CARD_NAME = "README.md"
@@ -208,7 +208,7 @@ def _remote_state(repo_id: str, path_in_repo: str, head: str | None, *, token: s
                                        endpoint=endpoint, allow_empty=True)
         except HubPathNotFoundError:
             listed = []
-        remote.update({f.path: f for f in listed if root == path_in_repo or f.path == CARD_NAME})
+        remote.update({f.name: f for f in listed if root == path_in_repo or f.name == CARD_NAME})
     remote_card = fetch_bytes(remote[CARD_NAME], token=token) if CARD_NAME in remote else None
     published: set[str] = set()
     manifest = remote.get(_join(path_in_repo, MANIFEST_NAME))

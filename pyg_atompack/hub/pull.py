@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyg_atompack.hub.errors import HubIntegrityError
-from pyg_atompack.hub.remote import list_remote_files, resolve_revision, translate_errors
+from pyg_atompack.hub.remote import (
+    describe_file,
+    list_remote_files,
+    resolve_revision,
+    translate_errors,
+)
 from pyg_atompack.hub.uri import normalize_path_in_repo
 
 
@@ -114,13 +119,13 @@ def pull(
     dest = Path(dest).expanduser()
     with translate_errors(repo_id, commit, path_in_repo or None):
         snapshot_download(repo_id, repo_type="dataset", revision=commit,
-                          allow_patterns=[f.path for f in listed], local_dir=dest,
+                          allow_patterns=[f.name for f in listed], local_dir=dest,
                           token=token, endpoint=endpoint, max_workers=max_workers)
     files = []
     for remote in listed:
-        local = dest / remote.path
+        local = dest / remote.name
         if not _matches(local, remote):
-            raise HubIntegrityError(f"{remote.describe()}: the local copy {local} differs from "
+            raise HubIntegrityError(f"{describe_file(remote)}: the local copy {local} differs from "
                                     "the listing (size or checksum)")
         files.append(local)
     root = dest / path_in_repo if path_in_repo else dest

@@ -22,7 +22,6 @@ import fnmatch
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from urllib.parse import quote, urljoin
 
 from pyg_atompack.hub.errors import (
@@ -39,6 +38,7 @@ from pyg_atompack.hub.errors import (
 )
 from pyg_atompack.hub.uri import normalize_path_in_repo
 from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.remote.files import RemoteFile
 from pyg_atompack.transport import http as transport
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers, origin
 from pyg_atompack.transport.errors import (
@@ -55,50 +55,24 @@ _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 _REPO_TYPES = ("dataset", "model", "space")
 
 
-@dataclass(frozen=True)
-class RemoteFile:
-    """One file of a Hub repository at a pinned revision.
+def repo_of(remote_file: RemoteFile) -> tuple[str, str]:
+    """``(repo_id, repo_type)`` of a Hub file (``RemoteFile.repo``).
 
-    Instances are small, immutable and picklable; they carry everything needed
-    to fetch the file again (the URL embeds endpoint, repository and commit).
+    Args:
+        remote_file (RemoteFile): A file of a Hub listing.
 
-    Attributes:
-        path: POSIX path of the file inside the repository.
-        size: Size in bytes, from the listing.
-        sha256: Hex sha256 of the content for Git LFS files (what the Hub
-            announces); ``None`` for plain git files.
-        url: The ``.../resolve/{revision}/{path}`` download URL.
-        revision: The revision the listing was made at (a commit sha when the
-            listing was pinned, which :func:`list_remote_files` callers should do).
-        repo_id: The repository, for error messages (``""`` when unknown).
-        repo_type: ``"dataset"``, ``"model"`` or ``"space"``; ``"url"`` for a file listed
-            from a plain HTTP(S) URL (no repository, no Hub token), ``"object"`` for one
-            listed from an object store (``blob_id`` then holds its ETag).
-        blob_id: The git blob id (sha1 of ``"blob {size}\\0" + content``), which
-            lets plain git files be verified too; ``None`` when unknown.
-        version: For ``repo_type="url"``: the version the server named when the file was
-            listed (ETag, else ``"modified <Last-Modified>"``), which keys the cached copy
-            and pins its download; for ``"object"``: the GCS generation. ``None`` when the
-            listing named none.
+    Returns:
+        ``("owner/name", "dataset")`` and the like; ``("", "")`` for other backends' files.
     """
+    kind, _, repo_id = remote_file.repo.partition("s/")
+    return repo_id, kind
 
-    path: str
-    size: int
-    sha256: str | None
-    url: str
-    revision: str
-    repo_id: str = ""
-    repo_type: str = "dataset"
-    blob_id: str | None = None
-    version: str | None = None
 
-    def describe(self) -> str:
-        """Human-readable ``repo @ revision, path`` string (the URL, for plain URLs)."""
-        if self.repo_type in ("url", "object"):
-            from pyg_atompack.transport.redact import redact_url
-
-            return redact_url(self.url)
-        return describe_remote(self.repo_id or None, self.revision, self.path or self.url)
+def describe_file(remote_file: RemoteFile) -> str:
+    """``repo 'owner/name' @ 'sha', path 'p'`` for a Hub file, else its redacted URL."""
+    if not remote_file.repo:
+        return remote_file.describe()
+    return describe_remote(repo_of(remote_file)[0], remote_file.version, remote_file.name)
 
 
 def is_commit_sha(revision: str | None) -> bool:
@@ -356,15 +330,14 @@ def _remote_file(entry: dict, *, repo_id, revision, repo_type, endpoint) -> Remo
                    endpoint=endpoint)
     # the listing is untrusted: names and digests become cache paths (remote/cache.py)
     return RemoteFile(
-        path=remote_cache.local_name(entry["path"], url=url),
+        name=remote_cache.local_name(entry["path"], url=url),
         size=int(entry["size"]),
         sha256=remote_cache.check_sha256(sha256, url=url, field="lfs sha256"),
+        version=revision,
         url=url,
-        revision=revision,
-        repo_id=repo_id,
-        repo_type=repo_type,
         blob_id=remote_cache.check_digest(entry.get("oid"), url=url, field="oid",
                                           lengths=(40, 64)),
+        repo=f"{repo_type}s/{repo_id}",
     )
 
 
@@ -469,7 +442,7 @@ def list_remote_files(
         for e in files
         if fnmatch.fnmatchcase(_relative(e["path"], root), pattern)
     ]
-    result.sort(key=lambda f: f.path)
+    result.sort(key=lambda f: f.name)
     if not result and not allow_empty:
         raise HubNoShardsError(
             f"{describe_remote(repo_id, revision, path_in_repo.strip('/') or '/')}: "

@@ -8,7 +8,12 @@ datasets:
   (``$PYG_ATOMPACK_CACHE``, default ``~/.cache/pyg_atompack``), the one function that turns
   a name a remote party listed into a local path, the sha256 check, version keys and the
   checked, read-only-aware writes every cached file goes through;
-* :mod:`~pyg_atompack.remote.urls`: which backend serves which URL scheme;
+* :mod:`~pyg_atompack.remote.files`: :class:`RemoteFile`, the one description of a
+  listed file (URL, name, size, sha256, version), whatever backend listed it;
+* :mod:`~pyg_atompack.remote.backends`: one backend per URL scheme (list, read a byte
+  range, download), chosen by one registry that other packages extend through the
+  ``pyg_atompack.backends`` entry points; ``file`` and ``http(s)`` in
+  :mod:`~pyg_atompack.remote.http_backend`;
 * :mod:`~pyg_atompack.remote.manifest`: the one reader of ``manifest.json``;
 * :mod:`~pyg_atompack.remote.objectstore` (with ``objectstore_backends``): object stores
   (``s3://``, ``gs://``, ``az://``) on fsspec, under the transport's retry policy and
@@ -25,9 +30,11 @@ from pyg_atompack.remote.cache import (
     CacheReadOnlyError,
     RemoteNameError,
     cache_root,
+    cached_path,
     check_sha256,
     local_name,
 )
+from pyg_atompack.remote.files import RemoteFile
 from pyg_atompack.remote.record_reader import RemoteAtpReader, open_remote_atp
 
 __all__ = [
@@ -36,8 +43,10 @@ __all__ = [
     "CacheReadOnlyError",
     "RemoteNameError",
     "cache_root",
+    "cached_path",
     "check_sha256",
     "local_name",
     "RemoteAtpReader",
+    "RemoteFile",
     "open_remote_atp",
 ]

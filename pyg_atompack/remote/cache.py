@@ -3,14 +3,16 @@
 **One root.** ``$PYG_ATOMPACK_CACHE`` (default ``~/.cache/pyg_atompack``); every ``cache_dir=``
 argument of the library names this root. Below it, one folder per kind::
 
-    {root}/hub/{repo_type}s--{owner}--{name}/   Hub repositories: blobs/{sha256},
-                                                blobs/git-{blob id}, unverified/{commit}/{path},
-                                                listings/, refs/
-    {root}/http/{host}--{hash of the URL's directory}/
-                                                files of http(s) URLs: blobs/{sha256},
-                                                versions/{version key}/{file name}
-    {root}/objectstore/{scheme}--{bucket}/      objects: blobs/sha256-{digest}/{file name},
-                                                versions/{version key}/{key}
+    {root}/hub/{repo_type}s--{owner}--{name}/   Hub repositories (and their listings/, refs/)
+    {root}/http/{host}--{hash of the URL's directory}/   files of http(s) URLs
+    {root}/objectstore/{scheme}--{bucket}/      objects
+
+and in each such folder, for every backend, the one layout of :func:`cached_path`::
+
+    blobs/sha256-{digest}/{file name}           verified against the listed sha256
+    blobs/git-{blob id}/{file name}             verified against a Hub git blob id
+    versions/{version key}/{name}               pinned to the listed version (commit, ETag, ...)
+    unversioned/{name}                          no version named: never reused
     {root}/atp-meta/                            header, schema and index of remote .atp files
     {root}/pages/                               the bounded page cache of by-record reads
 
@@ -58,15 +60,20 @@ import contextlib
 import errno
 import hashlib
 import os
+import posixpath
 import re
 import unicodedata
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 from pyg_atompack.transport.errors import TransportError
 from pyg_atompack.transport.redact import redact_url
+
+if TYPE_CHECKING:
+    from pyg_atompack.remote.files import RemoteFile
 
 __all__ = [
     "CACHE_ENV",
@@ -80,10 +87,12 @@ __all__ = [
     "RemoteNameError",
     "cache_root",
     "cached_file",
+    "cached_path",
     "check_digest",
     "check_inside",
     "check_sha256",
     "file_lock",
+    "folder_of",
     "kind_folder",
     "local_component",
     "local_name",
@@ -285,6 +294,78 @@ def version_key(*parts: object) -> str:
 
 
 # ---------------------------------------------------------------------- paths
+def folder_of(file: RemoteFile, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder of the listing ``file`` belongs to.
+
+    Args:
+        file (RemoteFile): A listed file.
+        cache_dir (str | os.PathLike, optional): The root (default: :func:`cache_root`).
+
+    Returns:
+        ``{root}/hub/{repo_type}s--{owner}--{name}`` for a Hub file,
+        ``{root}/http/{host}--{hash of the URL's directory}`` for an http(s) file (one
+        folder per directory, readable and made unique by the hash), else
+        ``{root}/objectstore/{scheme}--{bucket}``.
+
+    Raises:
+        RemoteNameError: A part of the repository or bucket cannot safely name a folder.
+    """
+    if file.repo:
+        where = f"hf://{file.repo}"
+        parts = [local_component(part, url=where, field="repository id part")
+                 for part in file.repo.split("/")]
+        return kind_folder(HUB, cache_dir) / "--".join(parts)
+    parts = urlsplit(file.url)
+    if parts.scheme in ("http", "https"):
+        directory = posixpath.dirname(parts.path)
+        digest = hashlib.sha256(f"{parts.scheme}://{parts.netloc}{directory}".encode())
+        host = re.sub(r"[^A-Za-z0-9.-]", "_", parts.hostname or "host")[:64]
+        return kind_folder(HTTP, cache_dir) / f"{host}--{digest.hexdigest()[:16]}"
+    bucket = local_component(parts.netloc, url=file.url, field="bucket")
+    scheme = local_component(parts.scheme, url=file.url, field="scheme")
+    return kind_folder(OBJECTSTORE, cache_dir) / f"{scheme}--{bucket}"
+
+
+def cached_path(file: RemoteFile, cache_dir: str | os.PathLike | None = None, *,
+                verified: bool = True) -> Path:
+    """Where the cache keeps ``file``: the one layout of every backend (module docstring).
+
+    By content when ``verified`` and the listing names a sha256 (or a Hub git blob id),
+    else by the listed version, else in ``unversioned/`` (never reused). Every listed
+    value is checked: the name through :func:`local_name` (an http(s) file's local name
+    is the last component of its URL, decoded: an absolute manifest entry lands in the
+    folder of its own origin and directory), the digests as hex, the version hashed.
+
+    Args:
+        file (RemoteFile): A listed file.
+        cache_dir (str | os.PathLike, optional): The root (default: :func:`cache_root`).
+        verified (bool, optional): The place of a copy checked against the listed hash,
+            rather than of one checked only for its size. (default: :obj:`True`)
+
+    Returns:
+        The path (whether or not the file is there yet).
+
+    Raises:
+        RemoteNameError: A listed name, digest or folder part cannot safely name a file.
+    """
+    url = file.url or file.name
+    folder = folder_of(file, cache_dir)
+    if not file.repo and urlsplit(file.url).scheme in ("http", "https"):
+        name = local_component(unquote(posixpath.basename(urlsplit(file.url).path)), url=url,
+                               field="file name")
+    else:
+        name = local_name(file.name, url=url)
+    if verified and file.sha256:
+        return folder / "blobs" / f"sha256-{check_sha256(file.sha256, url=url)}" / \
+            posixpath.basename(name)
+    if verified and file.blob_id:
+        blob = check_digest(file.blob_id, url=url, field="git blob id", lengths=(40, 64))
+        return folder / "blobs" / f"git-{blob}" / posixpath.basename(name)
+    if file.version is None:
+        return folder / "unversioned" / name
+    return folder / "versions" / version_key(file.version) / name
+
+
 def check_inside(path: str | os.PathLike, root: str | os.PathLike, *,
                  url: str | None = None) -> Path:
     """``path``, after checking it stays inside ``root`` once symlinks are resolved.

@@ -17,7 +17,7 @@ between the stores (client options, the conditional range read, error codes) liv
   a transient failure (``Range`` pinned to the listed version: ``If-Match`` on the ETag
   for S3 and Azure, ``ifGenerationMatch`` for GCS; an object that changed meanwhile is
   an error, never a splice of two versions);
-* :meth:`ObjectStore.download` puts a verified copy (size, and sha256 when known) into
+* :meth:`ObjectStore.download` (the one download of every backend) puts a verified copy into
   a cache directory and returns its path; nothing unverified ever lands there.
 
 Clients are made lazily, in the process that uses them: a handle created before a
@@ -35,9 +35,10 @@ failures, timeouts, 408, 429, 5xx and the stores' throttling codes are retried w
 exponential backoff and jitter, honouring a ``Retry-After`` header; nothing else is.
 The clients make a single attempt each, so retries never multiply.
 
-:func:`object_range_readers` gives the listed objects the
+:class:`ObjectStore` is the object stores' backend (:mod:`pyg_atompack.remote.backends`):
+its ``range_reader`` gives a listed object the
 :class:`~pyg_atompack.remote.ranges.RangeReader` interface
-(:class:`~pyg_atompack.remote.ranges.ObjectRangeReader`), for record-level reads (record
+(:class:`~pyg_atompack.remote.ranges.BackendRangeReader`), for record-level reads (record
 blocks, the page cache) exactly as for HTTP(S) files.
 
 This module is torch-free.
@@ -48,20 +49,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import hashlib
 import json
 import logging
-import mmap
 import os
 import posixpath
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pyg_atompack.remote import cache as remote_cache
+from pyg_atompack.remote.files import Backend, RemoteFile
+from pyg_atompack.remote.manifest import read_manifest_records
 from pyg_atompack.remote.objectstore_backends import BACKENDS, StoreHTTPError
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
@@ -83,12 +83,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OBJECT_STORE_SCHEMES",
-    "ObjectInfo",
     "ObjectStore",
-    "download",
     "is_object_store_url",
-    "list_objects",
-    "object_range_readers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,7 +93,6 @@ logger = logging.getLogger(__name__)
 OBJECT_STORE_SCHEMES = {scheme: backend.package for scheme, backend in BACKENDS.items()}
 SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = "manifest.json"
-_HASH_CHUNK = 8 << 20
 # storage options that hold a credential: kept in memory, never pickled, never printed
 _SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "password",
                              "account_key", "sas_token", "connection_string",
@@ -114,35 +109,6 @@ _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
 def is_object_store_url(url: object) -> bool:
     """Whether ``url`` is a string with one of :data:`OBJECT_STORE_SCHEMES`."""
     return isinstance(url, str) and urlsplit(url).scheme in OBJECT_STORE_SCHEMES
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """One listed object: small, immutable and picklable.
-
-    Attributes:
-        name: POSIX path relative to the listed prefix (the shard name).
-        url: Full object URL, e.g. ``s3://bucket/prefix/shard_00000.atp``.
-        size: Size in bytes, from the listing.
-        etag: The store's entity tag (quotes removed), or ``None``.
-        sha256: Hex sha256 from the manifest, or ``None``.
-        records: Record count from the manifest, or ``None``.
-        generation: GCS's object generation (what range reads are pinned to there),
-            or ``None``.
-    """
-
-    name: str
-    url: str
-    size: int
-    etag: str | None = None
-    sha256: str | None = None
-    records: int | None = None
-    generation: str | None = None
-
-    @property
-    def path(self) -> str:
-        """``bucket/key`` as fsspec names it."""
-        return self.url.split("://", 1)[1]
 
 
 def _split_url(url: str) -> tuple[str, str, str]:
@@ -240,7 +206,7 @@ class _Truncated(Exception):
     """The body ended before the requested range did."""
 
 
-class ObjectStore:
+class ObjectStore(Backend):
     """A fork-safe, picklable handle on one object-store prefix, object or manifest.
 
     Args:
@@ -279,6 +245,8 @@ class ObjectStore:
         self.retry = retry or RetryPolicy()
         self.storage_options, self._secrets = _split_secrets(storage_options)
         self._secrets_dropped = False
+        #: The entries of the ``manifest.json`` the last :meth:`list` read (records).
+        self.manifest: dict[str, dict] = {}
         self._fs: Any = None
         self._pid: int | None = None
         self._lock = threading.Lock()
@@ -416,7 +384,7 @@ class ObjectStore:
         return with_retries(attempt, url=url, policy=self.retry, cancel=cancel)
 
     # ------------------------------------------------------------------ listing
-    def _info(self, key: str) -> ObjectInfo:
+    def _info(self, key: str) -> RemoteFile:
         url = self.object_url(key)
         entry = self._retrying(url, lambda: self.fs.info(f"{self.bucket}/{key}"))
         if entry.get("type") == "directory":
@@ -431,15 +399,15 @@ class ObjectStore:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise TransportError(f"{url}: manifest is not valid JSON: {error}",
                                  url=url) from error
-        return parse_manifest(document, url)
+        return read_manifest_records(document, url)  # names and sha256 checked there
 
-    def list(self, suffixes: Sequence[str] | None = SHARD_SUFFIXES) -> list[ObjectInfo]:
+    def list(self, suffixes: Sequence[str] | None = SHARD_SUFFIXES) -> list[RemoteFile]:
         """List the objects this handle names, sorted by POSIX path.
 
         A prefix is listed recursively; names are relative to it. A ``manifest.json``
         directly below the prefix (or the manifest the URL names) contributes each
-        shard's sha256 and record count, and its ``bytes`` must agree with the listed
-        size. With a manifest URL, exactly the shards it names are returned.
+        shard's sha256 and record count (:attr:`manifest`), and its ``bytes`` must agree
+        with the listed size. With a manifest URL, exactly the shards it names are returned.
 
         Args:
             suffixes (Sequence[str] | None, optional): Keep names ending with one of these;
@@ -460,7 +428,7 @@ class ObjectStore:
         """
         if self.key.endswith(".json"):
             directory = posixpath.dirname(self.key)
-            manifest = self._read_manifest(self.key)
+            manifest = self.manifest = self._read_manifest(self.key)
             if not manifest:
                 raise TransportError(f"{self.url}: manifest lists no shards "
                                      f"(expected a 'shards' list)", url=self.url)
@@ -489,6 +457,7 @@ class ObjectStore:
                                        else MANIFEST_NAME)
         if any(o.name == MANIFEST_NAME for o in everything):
             manifest = self._read_manifest(manifest_url.split("/", 3)[3])
+        self.manifest = manifest
         objects = [_with_manifest(o, manifest.get(o.name), manifest_url) for o in everything
                    if suffixes is None or o.name.endswith(tuple(suffixes))]
         if not objects:
@@ -502,7 +471,7 @@ class ObjectStore:
                 f"{url}: named by the manifest {manifest_url} but not in the bucket", url=url)
         return _checked(self.url, objects)
 
-    def _list_prefix(self, prefix: str) -> list[ObjectInfo]:
+    def _list_prefix(self, prefix: str) -> list[RemoteFile]:
         root = f"{self.bucket}/{prefix}".rstrip("/")
         url = self.object_url(prefix)
 
@@ -527,11 +496,11 @@ class ObjectStore:
         return objects
 
     # ------------------------------------------------------------------ bytes
-    def read_range(self, obj: ObjectInfo, start: int, length: int | None) -> bytes:
+    def read_range(self, obj: RemoteFile, start: int, length: int | None) -> bytes:
         """Read ``length`` bytes of ``obj`` from byte ``start`` (:obj:`None`: to the end).
 
         Args:
-            obj (ObjectInfo): A listed object.
+            obj (RemoteFile): A listed object.
             start (int): First byte.
             length (int | None): Number of bytes, or :obj:`None` for the rest of the object.
 
@@ -546,49 +515,45 @@ class ObjectStore:
         if start < 0 or end < start or end > obj.size:
             raise ValueError(f"{obj.url}: range [{start}, {end}) outside its {obj.size} bytes")
         buffer = bytearray(end - start)
-        self.read_into(obj, buffer, start=start, end=end)
+        self.read_into(obj, memoryview(buffer), start)
         return bytes(buffer)
 
-    def read_into(self, obj: ObjectInfo, buffer: Any, *, start: int = 0,
-                  end: int | None = None, offset: int | None = None,
-                  cancel: Cancel | None = None,
-                  progress: Callable[[int], None] | None = None) -> None:
-        """Stream bytes ``[start, end)`` of ``obj`` into ``buffer[offset:]``.
+    def read_into(self, obj: RemoteFile, out: Any, start: int = 0, cancel: Cancel | None = None,
+                  progress: Callable[[int], None] | None = None, pin: Any = None) -> None:
+        """Stream bytes ``[start, start + len(out))`` of ``obj`` into ``out``.
 
-        One ranged ``GET`` conditioned on the listed ETag; after a transient failure the
-        next attempt asks for the rest only. Cancelling ``cancel`` aborts the transfer
-        in flight at once (the request task is cancelled, not waited for).
+        One ranged ``GET`` conditioned on the listed version (ETag, GCS generation); after a
+        transient failure the next attempt asks for the rest only. Cancelling ``cancel``
+        aborts the transfer in flight at once (the request task is cancelled, not waited
+        for).
 
         Args:
-            obj (ObjectInfo): A listed object.
-            buffer (Any): A writable buffer (``bytearray``, ``mmap``, ``memoryview``) holding
-                at least ``offset + end - start`` bytes.
+            obj (RemoteFile): A listed object.
+            out (Any): A writable buffer (``bytearray``, ``mmap``, ``memoryview``).
             start (int, optional): First byte of the object. (default: 0)
-            end (int, optional): One past the last byte. (default: the object's size)
-            offset (int, optional): Where byte ``start`` goes in ``buffer``. (default: ``start``
-                when the buffer holds the whole object, else 0)
             cancel (Cancel, optional): Stops the transfer and any backoff wait.
                 (default: :obj:`None`)
-            progress (Callable[[int], None], optional): Called with the byte count of every chunk
-                received. (default: :obj:`None`)
+            progress (Callable[[int], None], optional): Called as bytes land with the offset
+                one past the last byte in. (default: :obj:`None`)
+            pin (Any, optional): Not needed: every request is conditioned on the listed
+                version, so the ranges of one download cannot come from two versions.
+                (default: :obj:`None`)
 
         Raises:
             RemoteIntegrityError: The object changed since it was listed.
             RemoteNotFoundError, RemoteAuthError: Permanent failures.
             RemoteUnavailableError: Transient failures outlasted every retry.
         """
-        end = obj.size if end is None else end
-        if offset is None:
-            offset = start if len(buffer) >= obj.size else 0
-        view = memoryview(buffer).cast("B")
+        view = memoryview(out).cast("B")
+        end = start + len(view)
         position = [start]
 
         def sink(chunk: bytes) -> None:
-            at = offset + position[0] - start
+            at = position[0] - start
             view[at:at + len(chunk)] = chunk
             position[0] += len(chunk)
             if progress is not None:
-                progress(len(chunk))
+                progress(position[0])
 
         def attempt() -> None:
             if position[0] < end:
@@ -599,7 +564,7 @@ class ObjectStore:
         finally:
             view.release()
 
-    def _stream(self, obj: ObjectInfo, start: int, end: int, sink: Callable[[bytes], None],
+    def _stream(self, obj: RemoteFile, start: int, end: int, sink: Callable[[bytes], None],
                 cancel: Cancel | None) -> None:
         fs = self.fs
         if cancel is not None:
@@ -628,83 +593,6 @@ class ObjectStore:
         if received[0] != end - start:
             raise _Truncated(f"connection closed after {start + received[0]} of {end} bytes")
 
-    # ------------------------------------------------------------------ downloads
-    def cached_path(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None) -> Path:
-        """Where :meth:`download` keeps ``obj``: by content with a sha256, else by version.
-
-        Every listed value is checked (:mod:`pyg_atompack.remote.cache`): the key through
-        ``local_name``, the sha256 as 64 hex digits; the ETag and generation are hashed.
-
-        Args:
-            obj (ObjectInfo): A listed object.
-            cache_dir (str | os.PathLike, optional): Cache root.
-                (default: :func:`~pyg_atompack.remote.cache.cache_root`)
-
-        Returns:
-            ``{root}/objectstore/{scheme}--{bucket}/blobs/sha256-{digest}/{file name}``, else
-            ``.../versions/{version key of ETag, generation}/{key}`` (``unversioned/{key}``,
-            never reused, when the store names no version).
-
-        Raises:
-            RemoteNameError: The key, bucket or sha256 cannot safely name a file.
-        """
-        # the listing's URL names the error: a hostile key may hold control characters
-        name = remote_cache.local_name(obj.name, url=self.url)
-        bucket = remote_cache.local_component(self.bucket, url=self.url, field="bucket")
-        folder = remote_cache.kind_folder(remote_cache.OBJECTSTORE, cache_dir) / \
-            f"{self.scheme}--{bucket}"
-        sha256 = remote_cache.check_sha256(obj.sha256, url=self.url)
-        if sha256:  # the file keeps its name, so messages about it name the shard
-            return folder / "blobs" / f"sha256-{sha256}" / posixpath.basename(name)
-        if obj.etag is None and obj.generation is None:
-            return folder / "unversioned" / name
-        return folder / "versions" / remote_cache.version_key(obj.etag, obj.generation) / name
-
-    def download(self, obj: ObjectInfo, cache_dir: str | os.PathLike | None = None,
-                 *, cancel: Cancel | None = None) -> Path:
-        """A verified local copy of ``obj`` in the cache, downloading it if needed.
-
-        A copy is reused only at the listed version (sha256, else ETag / generation:
-        see :meth:`cached_path`). The bytes go to a temporary file next to the
-        destination (ranged reads pinned to the listed version, resumed after transient
-        failures), are checked against the listed size and the manifest's sha256, and
-        only then renamed into place; a failed or unverified download leaves nothing in
-        the cache. A file lock makes concurrent processes download once. A hit writes
-        nothing, so a read-only cache serves it.
-
-        Args:
-            obj (ObjectInfo): A listed object.
-            cache_dir (str | os.PathLike, optional): Cache root.
-                (default: :func:`~pyg_atompack.remote.cache.cache_root`)
-            cancel (Cancel, optional): Stops the transfer. (default: :obj:`None`)
-
-        Returns:
-            The local path (read-only by convention: it may be shared).
-
-        Raises:
-            RemoteIntegrityError: Size or sha256 differs from the listing.
-            RemoteNameError: A listed value cannot safely name a file.
-            CacheReadOnlyError: Not cached, and the cache cannot be written.
-            TransportError: The transfer failed (see :meth:`read_into`).
-        """
-        final = self.cached_path(obj, cache_dir)
-        versioned = bool(obj.sha256 or obj.etag is not None or obj.generation is not None)
-
-        def complete(path: Path) -> bool:
-            return versioned and _is_complete(path, obj.size)
-
-        def write(temp: Path) -> None:
-            with open(temp, "wb") as handle:
-                handle.truncate(obj.size)
-            with open(temp, "r+b") as handle:
-                if obj.size:
-                    with mmap.mmap(handle.fileno(), obj.size) as mapped:
-                        self.read_into(obj, mapped, cancel=cancel)
-                        mapped.flush()
-            verify_file(obj, temp)
-
-        return remote_cache.cached_file(final, remote_cache.cache_root(cache_dir),
-                                        complete=complete, write=write, url=obj.url)
 
 
 def _split_secrets(options: dict) -> tuple[dict, dict]:
@@ -741,30 +629,23 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _is_complete(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except FileNotFoundError:
-        return False
-
-
-def _checked(url: str, objects: list[ObjectInfo]) -> list[ObjectInfo]:
+def _checked(url: str, objects: list[RemoteFile]) -> list[RemoteFile]:
     """``objects`` listed at ``url``, after checking each name can safely become a path."""
     for obj in objects:
         remote_cache.local_name(obj.name, url=url)
     return objects
 
 
-def _object_info(store: ObjectStore, entry: dict, name: str) -> ObjectInfo:
-    etag = entry.get("ETag") or entry.get("etag") or entry.get("md5Hash")
-    generation = entry.get("generation")
-    return ObjectInfo(name=name, url=f"{store.scheme}://{entry['name']}",
+def _object_info(store: ObjectStore, entry: dict, name: str) -> RemoteFile:
+    # what reads and cached copies are pinned to: GCS's generation, else the ETag
+    version = entry.get("generation") or entry.get("ETag") or entry.get("etag") or \
+        entry.get("md5Hash")
+    return RemoteFile(name=name, url=f"{store.scheme}://{entry['name']}",
                       size=int(entry["size"]),
-                      etag=str(etag).strip('"') if etag else None,
-                      generation=str(generation) if generation else None)
+                      version=str(version).strip('"') if version else None)
 
 
-def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> ObjectInfo:
+def _with_manifest(obj: RemoteFile, entry: dict | None, manifest_url: str) -> RemoteFile:
     if not entry:
         return obj
     announced = entry.get("bytes")
@@ -772,105 +653,4 @@ def _with_manifest(obj: ObjectInfo, entry: dict | None, manifest_url: str) -> Ob
         raise RemoteIntegrityError(
             f"{obj.url}: the bucket lists {obj.size} bytes, the manifest {manifest_url} "
             f"says {announced}", url=obj.url)
-    return replace(obj, sha256=entry.get("sha256"), records=entry.get("records"))
-
-
-def parse_manifest(document: Any, url: str) -> dict[str, dict]:
-    """``{name: entry}`` from a shard manifest: the one parser,
-    :func:`pyg_atompack.remote.manifest.read_manifest_records` (names and sha256
-    checked there).
-
-    Args:
-        document (Any): The parsed JSON.
-        url (str): Where it came from, for messages.
-
-    Returns:
-        Every listed shard's entry (``name``, optional ``records``, ``bytes``,
-        ``sha256``); empty for documents without a ``"shards"`` list.
-
-    Raises:
-        TransportError: An entry is malformed or unsafe (the message names the entry).
-    """
-    from pyg_atompack.remote.manifest import read_manifest_records
-
-    return read_manifest_records(document, url)
-
-
-def verify_file(obj: ObjectInfo, path: str | os.PathLike) -> None:
-    """Raise unless the file at ``path`` has ``obj``'s size (and sha256 when known).
-
-    Args:
-        obj (ObjectInfo): The listed object.
-        path (str | os.PathLike): The local copy.
-
-    Raises:
-        RemoteIntegrityError: The size or digest differs (the message names the URL).
-    """
-    size = os.path.getsize(path)
-    if size != obj.size:
-        raise RemoteIntegrityError(f"{obj.url}: received {size} bytes, the listing says "
-                                   f"{obj.size}", url=obj.url)
-    if obj.sha256:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            while chunk := handle.read(_HASH_CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != obj.sha256.lower():
-            raise RemoteIntegrityError(
-                f"{obj.url}: sha256 {digest.hexdigest()}, the manifest says {obj.sha256}",
-                url=obj.url)
-
-
-def list_objects(url: str, *, suffixes: Sequence[str] | None = SHARD_SUFFIXES,
-                 **options: Any) -> tuple[ObjectStore, list[ObjectInfo]]:
-    """List ``url`` (see :meth:`ObjectStore.list`) and return the handle with the listing.
-
-    Args:
-        url (str): A prefix, object or manifest URL.
-        suffixes (Sequence[str] | None, optional): Names to keep. (default: :obj:`(".pt", ".atp")`)
-        **options (optional): :class:`ObjectStore` options.
-
-    Returns:
-        ``(store, objects)``.
-    """
-    store = ObjectStore(url, **options)
-    return store, store.list(suffixes)
-
-
-def object_range_readers(url: str, *, suffixes: Sequence[str] = (".atp",),
-                         **options: Any) -> list[Any]:
-    """Range readers for the objects an object-store URL names (one listing request).
-
-    Args:
-        url (str): A prefix, object or ``manifest.json`` URL (see :meth:`ObjectStore.list`).
-        suffixes (Sequence[str], optional): Names to keep. (default: :obj:`(".atp",)`)
-        **options (optional): :class:`ObjectStore` options (``anon``, ``profile``, ``endpoint_url``,
-            ``retry``, fsspec options).
-
-    Returns:
-        One :class:`~pyg_atompack.remote.ranges.ObjectRangeReader` per object, in POSIX
-        path order, sharing one picklable, fork-safe handle.
-
-    Raises:
-        TransportError: The listing failed (see :meth:`ObjectStore.list`).
-    """
-    from pyg_atompack.remote.ranges import ObjectRangeReader
-
-    store, objects = list_objects(url, suffixes=suffixes, **options)
-    return [ObjectRangeReader(store, obj) for obj in objects]
-
-
-def download(store: ObjectStore, obj: ObjectInfo,
-             cache_dir: str | os.PathLike | None = None) -> Path:
-    """Verified local copy of ``obj`` (see :meth:`ObjectStore.download`).
-
-    Args:
-        store (ObjectStore): The handle that listed ``obj``.
-        obj (ObjectInfo): A listed object.
-        cache_dir (str | os.PathLike, optional): Cache root.
-            (default: :func:`~pyg_atompack.remote.cache.cache_root`)
-
-    Returns:
-        The local path.
-    """
-    return store.download(obj, cache_dir)
+    return replace(obj, sha256=entry.get("sha256"))

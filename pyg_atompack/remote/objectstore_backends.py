@@ -32,6 +32,11 @@ _CHUNK = 1 << 20
 _AZURE_GET = 4 << 20
 
 
+def _path(obj: Any) -> str:
+    """``bucket/key`` of a listed object, as fsspec names it."""
+    return obj.url.split("://", 1)[1]
+
+
 class StoreHTTPError(Exception):
     """A non-success answer to one of this module's own requests.
 
@@ -80,7 +85,7 @@ class Backend:
 
         Args:
             store (ObjectStore): The handle; its ``fs`` is this process's client.
-            obj (ObjectInfo): The listed object.
+            obj (RemoteFile): The listed object.
             start (int): First byte.
             end (int): One past the last byte.
 
@@ -121,9 +126,9 @@ class S3Backend(Backend):
         return fs
 
     async def chunks(self, store: Any, obj: Any, start: int, end: int):
-        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+        extra = {"IfMatch": f'"{obj.version}"'} if obj.version else {}
         response = await store.fs._call_s3("get_object", Bucket=store.bucket,
-                                           Key=obj.path.split("/", 1)[1],
+                                           Key=_path(obj).split("/", 1)[1],
                                            Range=f"bytes={start}-{end - 1}", **extra)
         body = response["Body"]
         try:
@@ -201,10 +206,11 @@ class GCSBackend(Backend):
 
     async def chunks(self, store: Any, obj: Any, start: int, end: int):
         fs = store.fs
-        params = {"ifGenerationMatch": obj.generation} if obj.generation else {}
+        # the listing's version is the generation (GCS lists one for every object)
+        params = {"ifGenerationMatch": obj.version} if str(obj.version).isdigit() else {}
         session = await fs._set_session()
         headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}"})
-        async with session.get(fs.url(obj.path), params=fs._get_params(params),
+        async with session.get(fs.url(_path(obj)), params=fs._get_params(params),
                                headers=headers, timeout=fs.requests_timeout) as response:
             if response.status not in (200, 206):
                 body = await response.read()
@@ -282,10 +288,10 @@ class AzureBackend(Backend):
         from azure.core import MatchConditions
 
         fs = store.fs
-        container, blob = obj.path.split("/", 1)
+        container, blob = _path(obj).split("/", 1)
         client = fs.service_client.get_blob_client(container, blob)
-        pin = ({"etag": f'"{obj.etag}"', "match_condition": MatchConditions.IfNotModified}
-               if obj.etag else {})
+        pin = ({"etag": f'"{obj.version}"', "match_condition": MatchConditions.IfNotModified}
+               if obj.version else {})
         downloader = await client.download_blob(
             offset=start, length=end - start, max_concurrency=1,
             connection_timeout=store.retry.connect_timeout,

@@ -11,13 +11,11 @@ wrap the transport's range reads:
   :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
   missing byte, under the source's retry policy), pinned to the server's ``ETag`` /
   ``Last-Modified``;
-* :class:`ObjectRangeReader`: a listed object-store object (``s3://``, ``gs://``,
-  ``az://``), through :meth:`pyg_atompack.remote.objectstore.ObjectStore.read_into`
-  (a ranged ``GET`` pinned to the listed ETag, resumed after a dropped connection under
-  the store's retry policy).
-
-A layer above adds its own adapter on :class:`RangeAdapter` (the Hub's is
-:class:`pyg_atompack.hub.atp_reader.HubRangeReader`).
+* :class:`BackendRangeReader`: any listed file through its backend's ``read_into``: an
+  object-store object (a ranged ``GET`` pinned to the listed ETag / generation, resumed
+  after a dropped connection under the store's retry policy; picklable without secrets
+  and fork-safe, the store making its client in each process), a Hub file, the files of
+  schemes other packages register.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from pyg_atompack.transport.http import Cancel
 
-__all__ = ["FileRangeReader", "ObjectRangeReader", "RangeAdapter", "RangeReader",
+__all__ = ["BackendRangeReader", "FileRangeReader", "RangeAdapter", "RangeReader",
            "URLRangeReader", "read_range"]
 
 
@@ -163,7 +161,7 @@ class URLRangeReader(RangeAdapter):
     and pages follow a file rewritten under the same URL even when a manifest's sha256 is
     stale, and every read refuses an answer from another version (a
     :class:`~pyg_atompack.transport.RemoteIntegrityError`), as
-    :class:`ObjectRangeReader` does with the ETag.
+    :class:`BackendRangeReader` does with an object's listed ETag.
 
     Args:
         url (str): The file's URL.
@@ -244,35 +242,33 @@ class URLRangeReader(RangeAdapter):
             self._probe = transport_http.Probe(self.size, pin.version)
 
 
-class ObjectRangeReader(RangeAdapter):
-    """Range reads of a listed object-store object.
+class BackendRangeReader(RangeAdapter):
+    """Range reads of a listed file through its backend's ``read_into``.
 
-    Picklable without secrets and fork-safe: the store handle makes its client lazily in
-    each process (see :class:`~pyg_atompack.remote.objectstore.ObjectStore`). Every
-    read is conditioned on the listed ETag, so an object replaced since it was listed
-    raises :class:`~pyg_atompack.transport.RemoteIntegrityError` instead of mixing two
-    versions.
+    Picklable with its backend. The identity is the listed sha256, else the git blob id,
+    else the URL and size, plus the listed version (ETag, generation) of a file outside
+    the Hub: caches then follow an object rewritten under its name even when a
+    manifest's sha256 is stale. (A Hub file's version is its commit, whose content its
+    hashes name already.)
 
     Args:
-        store (ObjectStore): The :class:`~pyg_atompack.remote.objectstore.ObjectStore`
-            that listed the object.
-        obj (ObjectInfo): Its :class:`~pyg_atompack.remote.objectstore.ObjectInfo`
-            (URL, size, ETag, sha256 from a manifest).
+        backend (Any): The :mod:`~pyg_atompack.remote.backends` backend that listed ``file``.
+        file (RemoteFile): The listed :class:`~pyg_atompack.remote.RemoteFile`.
     """
 
-    def __init__(self, store: Any, obj: Any) -> None:
-        self.store = store
-        self.obj = obj
-        self.name = obj.url
-        self.size = int(obj.size)
-        # the ETag changes whenever the object is written again: with it, cached
-        # metadata and pages follow the object even when a manifest's sha256 is stale
-        etag = f"|etag:{obj.etag}" if obj.etag else ""
-        if obj.sha256:
-            self.identity = f"sha256:{obj.sha256.lower()}{etag}"
+    def __init__(self, backend: Any, file: Any) -> None:
+        self.backend = backend
+        self.file = file
+        self.name = file.describe()
+        self.size = int(file.size)
+        if file.sha256:
+            identity = f"sha256:{file.sha256.lower()}"
+        elif file.blob_id:
+            identity = f"git:{file.blob_id}"
         else:
-            self.identity = f"object:{obj.url}|{self.size}{etag}"
+            identity = f"url:{file.url}|{self.size}"
+        pinned = file.version is not None and not file.repo
+        self.identity = f"{identity}|version:{file.version}" if pinned else identity
 
     def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
-        self.store.read_into(self.obj, out, start=start, end=start + len(out), offset=0,
-                             cancel=cancel)
+        self.backend.read_into(self.file, out, start, cancel)

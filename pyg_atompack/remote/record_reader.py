@@ -40,7 +40,7 @@ from pyg_atompack.remote.block_cache import (
 )
 from pyg_atompack.remote.ranges import RangeReader
 
-__all__ = ["RemoteAtpReader", "open_remote_atp", "url_range_readers"]
+__all__ = ["RemoteAtpReader", "open_remote_atp", "range_readers"]
 
 
 class RemoteAtpReader:
@@ -264,72 +264,33 @@ def open_remote_atp(readers: Sequence[RangeReader] | RangeReader, *,
     return ShardedReader.from_readers(shards, name=name)
 
 
-def _probe(url: str, headers: Any) -> Any:
-    """The length and version of the file at ``url``, from a one-byte range request."""
-    from pyg_atompack.transport import http as transport_http
-    from pyg_atompack.transport.redact import redact_url
-    from pyg_atompack.transport.retry import RetryPolicy
-
-    found = transport_http.probe(url, policy=RetryPolicy(), headers=headers)
-    if found.size is None:
-        raise OSError(f"{redact_url(url)}: the server announces no size (no Content-Range "
-                      f"on a range request, no Content-Length)")
-    return found
-
-
-def url_range_readers(source: str | Sequence[str], *,
-                      headers: dict[str, str] | None = None) -> list[RangeReader]:
-    """Range readers for ``http(s)://`` `.atp` files.
+def range_readers(url: str | Sequence[str], *, suffixes: Sequence[str] = (".atp",),
+                  **options: Any) -> list[RangeReader]:
+    """Range readers for the files a URL names, listed once by its backend.
 
     Args:
-        source (str | Sequence[str]): The URL of a ``manifest.json`` (the converter's: names, bytes,
-            sha256 of the shards, relative to it; its `.atp` shards are used), of one `.atp` file,
-            or a list of `.atp` URLs.
-        headers (dict[str, str], optional): Extra request headers (e.g. ``Authorization``);
-            credentials go only to the origin of ``source`` (a manifest entry on another
-            host is read without them). (default: :obj:`None`)
+        url (str | Sequence[str]): Any URL :func:`~pyg_atompack.remote.backends.open_backend`
+            serves (an http(s) ``manifest.json``, directory or file, a list of http(s) file
+            URLs, an object-store prefix, a local directory).
+        suffixes (Sequence[str], optional): Names to keep. (default: :obj:`(".atp",)`)
+        **options (optional): The backend's options (``headers``: credentials go only to
+            the origin of ``url``, never to a host a manifest names; ``retry``; the store's).
 
     Returns:
-        One :class:`~pyg_atompack.remote.ranges.URLRangeReader` per file, in order.
+        One :class:`~pyg_atompack.remote.ranges.RangeReader` per file, in listing order.
 
     Raises:
-        OSError: The manifest or a size cannot be read (the message names the URL).
+        OSError: The listing failed or a file's size is unknown (names the URL).
     """
-    import json
-    from urllib.parse import urljoin
+    from pyg_atompack.remote.backends import backend_class, open_backend
 
-    from pyg_atompack.remote.ranges import URLRangeReader
-    from pyg_atompack.transport.credentials import bind_headers
-    from pyg_atompack.transport.redact import redact_url
-
-    # the credentials belong to the user's own URL(s), not to what a manifest names
-    headers = bind_headers(headers, source)
-    if isinstance(source, str) and source.rsplit("?", 1)[0].endswith(".json"):
-        from pyg_atompack.remote.manifest import read_manifest_records
-        from pyg_atompack.transport import http as transport_http
-        from pyg_atompack.transport.retry import RetryPolicy
-
-        body = transport_http.fetch(source, policy=RetryPolicy(), headers=headers,
-                                    limit=transport_http.DOCUMENT_LIMIT)
-        try:
-            entries = read_manifest_records(json.loads(bytes(body).decode("utf-8")),
-                                            redact_url(source))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise OSError(f"{redact_url(source)}: manifest is not valid JSON: {error}") from error
-        readers = []
-        for name, entry in entries.items():
-            if not name.endswith(".atp"):
-                continue
-            url = urljoin(source, name)
-            size = entry.get("bytes")
-            found = _probe(url, headers) if size is None else None  # else probed lazily
-            readers.append(URLRangeReader(url, size=size if found is None else found.size,
-                                          sha256=entry.get("sha256"), headers=headers,
-                                          probe=found))
-        if not readers:
-            raise OSError(f"{redact_url(source)}: the manifest lists no .atp shard")
-        return readers
-    urls = [source] if isinstance(source, str) else list(source)
-    probes = [_probe(url, headers) for url in urls]
-    return [URLRangeReader(url, size=found.size, headers=headers, probe=found)
-            for url, found in zip(urls, probes)]
+    if isinstance(url, (list, tuple)):
+        backend = backend_class(url[0])(list(url), **options)
+    else:
+        backend = open_backend(url, **options)
+    files = backend.list(suffixes)
+    for file in files:
+        if file.size is None:
+            raise OSError(f"{file.describe()}: the server announces no size (no "
+                          f"Content-Range on a range request, no Content-Length)")
+    return [backend.range_reader(file) for file in files]

@@ -1,8 +1,9 @@
 """Streaming remote ``.pt`` / ``.atp`` shards into PyTorch Geometric training.
 
-Sources (:class:`LocalSource`, :class:`HTTPSource`, :class:`HubSource`,
-:class:`ObjectStoreSource` for ``s3://`` prefixes, or your own :class:`Source`;
-:func:`open_source` picks one from a URL) list shards once and fetch their bytes;
+Sources (:class:`RemoteSource` over the backend a URL's scheme names: ``http(s)://``,
+``hf://``, ``s3://`` / ``gs://`` / ``az://``, schemes other packages register;
+:class:`LocalSource`; or your own :class:`Source`; :func:`open_source` picks one from a
+URL) list shards once and fetch their bytes;
 :class:`ShardStreamDataset`
 prefetches and decodes them with a bounded working set (in a child process that hands
 items over through shared memory, or on background threads: ``retrieval=``), splits
@@ -12,9 +13,9 @@ per-shard traces.
 Example::
 
     from torch_geometric.loader import DataLoader
-    from pyg_atompack.stream import HTTPSource, ShardStreamDataset
+    from pyg_atompack.stream import ShardStreamDataset
 
-    dataset = ShardStreamDataset(HTTPSource("https://host/data/manifest.json"),
+    dataset = ShardStreamDataset("https://host/data/manifest.json",
                                  prefetch=2, concurrency=2, shuffle=True, seed=0)
     for epoch in range(10):
         dataset.set_epoch(epoch)
@@ -31,12 +32,15 @@ from pyg_atompack.stream.errors import (
     StreamError,
     UnsafePayloadError,
 )
-from pyg_atompack.stream.http import HTTPSource
-from pyg_atompack.stream.hub_source import HubSource
-from pyg_atompack.stream.objectstore_source import ObjectStoreSource
 from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.payloads import decode_shard
-from pyg_atompack.stream.sources import CancelToken, LocalSource, ShardInfo, Source
+from pyg_atompack.stream.sources import (
+    CancelToken,
+    LocalSource,
+    RemoteSource,
+    ShardInfo,
+    Source,
+)
 from pyg_atompack.transport.buffers import ShardBuffer
 
 __all__ = [
@@ -45,9 +49,7 @@ __all__ = [
     "ShardInfo",
     "CancelToken",
     "LocalSource",
-    "HTTPSource",
-    "HubSource",
-    "ObjectStoreSource",
+    "RemoteSource",
     "open_source",
     "ShardBuffer",
     "decode_shard",

@@ -33,7 +33,7 @@ from pyg_atompack import atp
 from pyg_atompack.atp.header import HEADER_SIZE
 from pyg_atompack.atp.images import FileMeta, block_span, complete_block, plan_blocks
 from pyg_atompack.remote.atp_meta import load_meta
-from pyg_atompack.remote.ranges import FileRangeReader, RangeReader, URLRangeReader
+from pyg_atompack.remote.ranges import RangeReader
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
     ShardFetchError,
@@ -102,9 +102,9 @@ class BlockPlan:
 def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
     """A range reader for one shard of ``source``, or None when it has none.
 
-    A source may offer ``range_reader(info)`` itself; :class:`LocalSource` shards and
-    the URL sources (:class:`HTTPSource`, :class:`HubSource`) get the adapters of
-    :mod:`pyg_atompack.remote.ranges`. A size is needed (from the listing).
+    The shipped sources (:class:`~pyg_atompack.stream.RemoteSource`,
+    :class:`~pyg_atompack.stream.LocalSource`) offer ``range_reader(info)`` through their
+    backend; a source of your own may too. A size is needed (from the listing).
 
     Args:
         source (Source): The dataset's source.
@@ -114,24 +114,7 @@ def range_reader(source: Source, info: ShardInfo) -> RangeReader | None:
         The reader, or :obj:`None`.
     """
     own = getattr(source, "range_reader", None)
-    if callable(own):
-        return own(info)
-    from pyg_atompack.stream.http import URLShardSource
-    from pyg_atompack.stream.sources import LocalSource
-
-    if isinstance(source, LocalSource):
-        return FileRangeReader(info.location)
-    if isinstance(source, URLShardSource) and info.size is not None:
-        # one reader per shard for the source's life: the version it learns (ETag) on
-        # first use travels with the source to the workers and to later epochs
-        readers = source.__dict__.setdefault("_range_readers", {})
-        key = (info.location, info.size, info.sha256, source.retry)
-        if key not in readers:
-            readers[key] = URLRangeReader(info.location, size=info.size, sha256=info.sha256,
-                                          headers=source.headers, retry=source.retry,
-                                          name=info.location)
-        return readers[key]
-    return None
+    return own(info) if callable(own) else None
 
 
 def wants_blocks(source: Source, shards: Sequence[ShardInfo], block_bytes: int,

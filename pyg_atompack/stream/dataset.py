@@ -119,8 +119,8 @@ class ShardStreamDataset(IterableDataset):
 
     Args:
         source (Source | str | os.PathLike): Where shards come from
-            (:class:`~pyg_atompack.stream.LocalSource`, :class:`~pyg_atompack.stream.HTTPSource`,
-            :class:`~pyg_atompack.stream.HubSource` or any :class:`~pyg_atompack.stream.Source`), or
+            (:class:`~pyg_atompack.stream.RemoteSource`, :class:`~pyg_atompack.stream.LocalSource`
+            or any :class:`~pyg_atompack.stream.Source`), or
             a URL or path that :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
             ``http(s)://``, object stores, a local directory). Listed once, here.
         prefetch (int, optional): Shards retrieved and decoded ahead of the one being consumed;
@@ -186,8 +186,7 @@ class ShardStreamDataset(IterableDataset):
             layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
         split_shards (bool, optional): Fetch a shard over several connections at once, as
             byte ranges (sources with ``fetch_in_parts``, such as
-            :class:`~pyg_atompack.stream.HTTPSource`,
-            :class:`~pyg_atompack.stream.HubSource` and object stores; record blocks
+            :class:`~pyg_atompack.stream.RemoteSource`; record blocks
             always): a download takes the connections of ``concurrency`` that are free
             when it starts, as many as it has parts (of at least 32 KiB, 1 MiB for
             blocks; the first shard of an iteration finds them all free), and gives

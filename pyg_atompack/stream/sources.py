@@ -2,20 +2,23 @@
 
 A *source* lists its shards once and fetches one shard's bytes on demand. Anything that
 implements the small :class:`Source` protocol can feed a
-:class:`~pyg_atompack.stream.ShardStreamDataset`; the library ships :class:`LocalSource`,
-:class:`~pyg_atompack.stream.HTTPSource`, :class:`~pyg_atompack.stream.HubSource` and
-:class:`~pyg_atompack.stream.ObjectStoreSource` (``s3://``).
+:class:`~pyg_atompack.stream.ShardStreamDataset`; the library ships one,
+:class:`RemoteSource`, over the backend a URL's scheme names
+(:mod:`pyg_atompack.remote.backends`: ``http(s)://``, ``hf://``, object stores, local
+paths, schemes other packages register), and :class:`LocalSource`, its local files read
+whole.
 
 Writing your own source, e.g. for shards stored inside one zip archive::
 
     import zipfile
+    from pyg_atompack.remote import RemoteFile
     from pyg_atompack.stream import ShardBuffer, ShardInfo
 
     class ZipSource:
         def __init__(self, archive: str):
             self.archive = archive  # only the path: workers open the archive themselves
             with zipfile.ZipFile(archive) as zf:
-                self._shards = [ShardInfo(name=i.filename, size=i.file_size)
+                self._shards = [ShardInfo(RemoteFile(i.filename, size=i.file_size))
                                 for i in sorted(zf.infolist(), key=lambda i: i.filename)
                                 if i.filename.endswith((".pt", ".atp"))]
 
@@ -32,8 +35,8 @@ Writing your own source, e.g. for shards stored inside one zip archive::
             return buffer.take()
 
 Keep no open client, socket or file in a source across ``fork``: DataLoader workers
-inherit it (:class:`~pyg_atompack.stream.ObjectStoreSource` makes its client lazily
-in each process for that reason).
+inherit it (the object stores' backend makes its client lazily in each process for that
+reason).
 
 Returning the bytes in a :class:`~pyg_atompack.stream.ShardBuffer` (a memory map, or a
 :class:`bytearray`) lets the dataset decode ``.pt`` lists of ``Data`` and ``.atp`` shards
@@ -54,49 +57,58 @@ pickled into DataLoader workers, so remote listings are never repeated per worke
 from __future__ import annotations
 
 import contextlib
-import glob
-import hashlib
-import json
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from pyg_atompack.remote import manifest
-from pyg_atompack.stream.errors import ShardFetchError, StreamCancelled
-from pyg_atompack.transport.buffers import ShardBuffer, WritableBuffer
+from pyg_atompack.remote.files import SHARD_SUFFIXES, RemoteFile
+from pyg_atompack.stream.errors import ShardFetchError, ShardIntegrityError, StreamCancelled
+from pyg_atompack.transport.buffers import WritableBuffer, allocate
+from pyg_atompack.transport.errors import (
+    RemoteIntegrityError,
+    RemoteTooLargeError,
+    TransportError,
+)
 from pyg_atompack.transport.http import Cancel
 
-SHARD_SUFFIXES = (".pt", ".atp")
 MANIFEST_NAME = manifest.MANIFEST_NAME
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What a source knows about one shard before fetching it.
+    """What a source knows about one shard before fetching it: the listed file, and
+    what only a stream needs.
 
     Attributes:
-        name: Identifier used in traces and error messages (usually the file name).
-        size: Size in bytes, or ``None`` when unknown.
-        sha256: Hex digest, or ``None`` when unknown (then only the size is verified).
+        file: The listed :class:`~pyg_atompack.remote.RemoteFile` (name, size, sha256,
+            version, URL); its name identifies the shard in traces and messages. A
+            size of ``None`` is unknown; without a sha256 only the size is verified.
         records: Number of samples in the shard, or ``None`` when unknown. Known counts
             let the dataset give every DDP rank exactly the same number of samples.
-        location: Source-specific address (path, URL, path in repo).
-        extra: Source-specific metadata (kept JSON-serialisable).
+        name: How traces and messages name the shard: relative to what the source
+            listed (default: the file's name).
     """
 
-    name: str
-    size: int | None = None
-    sha256: str | None = None
+    file: RemoteFile
     records: int | None = None
-    location: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
+    name: str = ""
 
-    def to_dict(self) -> dict:
-        """Plain dictionary (JSON-serialisable)."""
-        return asdict(self)
+    def __post_init__(self) -> None:
+        if not self.name:  # a frozen dataclass: the default is set once, here
+            object.__setattr__(self, "name", self.file.name)
+
+    @property
+    def size(self) -> int | None:
+        """The listed size in bytes, or ``None``."""
+        return self.file.size
+
+    @property
+    def sha256(self) -> str | None:
+        """The listed sha256, or ``None``."""
+        return self.file.sha256
 
 
 class CancelToken(Cancel):
@@ -207,121 +219,257 @@ class Source(Protocol):
         ...
 
 
-def read_manifest_records(document: dict, origin: str) -> dict[str, dict]:
-    """Parse the shard manifest written by the converter (see
-    :func:`pyg_atompack.remote.manifest.read_manifest_records`).
+def shard_error(name: str, error: TransportError) -> ShardFetchError:
+    """The streaming error for a failed transfer of shard ``name``.
 
     Args:
-        document (dict): The parsed JSON document.
-        origin (str): Where it came from, for error messages.
+        name (str): The shard.
+        error (TransportError): What the backend raised (its message names the redacted URL).
 
     Returns:
-        ``{name: entry}`` for every listed shard.
-
-    Raises:
-        ShardFetchError: The manifest does not have the documented shape.
-        RemoteNameError: A name or sha256 cannot safely name a file (``..``, an absolute
-            path, a control character, ...; a :class:`~pyg_atompack.transport.TransportError`
-            too): refused here, when the manifest is listed.
+        A :class:`ShardFetchError` with the error's ``url`` and ``status`` (a
+        :class:`ShardIntegrityError` for bytes that do not match the listing).
     """
-    try:
-        return manifest.read_manifest_records(document, origin)
-    except manifest.ManifestError as error:
-        raise ShardFetchError(str(error)) from error
+    if isinstance(error, ShardFetchError):
+        return error
+    kind = ShardIntegrityError if isinstance(error, RemoteIntegrityError) else ShardFetchError
+    return kind(f"shard {name}: {error}", url=error.url, status=error.status)
 
 
-def _atp_record_count(path: Path) -> int | None:
-    # reading the header and index only; a file the format layer cannot open will fail
-    # loudly later, when it is fetched and decoded, so here it just stays unknown
-    try:
-        from pyg_atompack import atp
-
-        with atp.open(str(path)) as reader:
-            return len(reader)
-    except Exception:  # noqa: BLE001 - counting is an optimisation, never an error
-        return None
-
-
-class LocalSource:
-    """Shards from a local directory or glob pattern.
+class RemoteSource:
+    """The shards a URL names, listed once by its backend (the one source over every
+    backend of :mod:`pyg_atompack.remote.backends`).
 
     Args:
-        directory_or_glob (str | os.PathLike): A directory (every ``*.pt`` / ``*.atp`` file in it,
-            sorted) or a glob pattern such as ``"shards/train-*.pt"``.
-        checksums (bool, optional): Compute each shard's sha256 while listing (reads every file
-            once). (default: :obj:`False`; sizes are always verified)
+        url (str | Sequence[str] | Backend): ``http(s)://.../manifest.json``, a directory URL
+            ending in ``/`` (its ``manifest.json``), one ``.pt`` / ``.atp`` file URL or a list
+            of them; ``hf://datasets/{repo}[@{revision}]/{path}`` (a directory or one file);
+            an object-store URL (``s3://bucket/prefix/``, ``gs://``, ``az://``, or a
+            ``manifest.json`` there); a scheme another package registered; or a backend
+            already opened.
+        suffixes (tuple[str, ...], optional): Keep only files ending in one of these.
+            (default: :obj:`(".pt", ".atp")`)
+        **options (optional): The backend's options: ``retry`` (a
+            :class:`~pyg_atompack.transport.RetryPolicy`) for all; ``headers`` for
+            http(s) (credentials bound to the origins of ``url``, never sent to another
+            host a manifest names); ``token``, ``endpoint``, ``pattern`` for ``hf://``;
+            ``anon``, ``profile``, ``endpoint_url`` and fsspec options (secrets never
+            pickled) for object stores.
 
-    Record counts come from a ``manifest.json`` next to the shards when present, and
-    otherwise from the index of ``.atp`` shards.
+    Sizes, sha256 and record counts come from the one listing (a manifest, the Hub's tree
+    at a pinned commit, a bucket listing); files listed without a size are asked for it
+    once, here, so every transfer is bounded by it and big ``.atp`` files can be read by
+    record blocks. Every read goes through the backend: retried, resumed, pinned to the
+    listed version, and failures are :class:`ShardFetchError` naming the shard. The
+    listing is pickled into DataLoader workers; clients are made in each process.
     """
 
-    def __init__(self, directory_or_glob: str | os.PathLike, *, checksums: bool = False):
-        self.pattern = str(directory_or_glob)
-        root = Path(self.pattern)
-        if root.is_dir():
-            paths = sorted(p for p in root.iterdir() if p.suffix in SHARD_SUFFIXES)
-            manifest_dir = root
+    def __init__(self, url: str | Sequence[str] | Any, *,
+                 suffixes: tuple[str, ...] = SHARD_SUFFIXES, **options: Any) -> None:
+        from pyg_atompack.remote.backends import backend_class, open_backend
+
+        if isinstance(url, (list, tuple)):
+            if not url:
+                raise ShardFetchError("RemoteSource needs at least one URL")
+            self.backend = backend_class(url[0])(list(url), **options)
+        elif isinstance(url, (str, os.PathLike)):
+            self.backend = open_backend(url, **options)
         else:
-            paths = sorted(Path(p) for p in glob.glob(self.pattern) if Path(p).is_file())
-            manifest_dir = paths[0].parent if paths else root.parent
-        if not paths:
-            raise ShardFetchError(f"no .pt or .atp shards found at {self.pattern!r}")
-        manifest = {}
-        manifest_path = manifest_dir / MANIFEST_NAME
-        if manifest_path.is_file():
-            with open(manifest_path, encoding="utf-8") as handle:
-                manifest = read_manifest_records(json.load(handle), str(manifest_path))
-        shards = []
-        for path in paths:
-            entry = manifest.get(path.name, {})
-            records = entry.get("records")
-            if records is None and path.suffix == ".atp":
-                records = _atp_record_count(path)
-            digest = entry.get("sha256")
-            if checksums:
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            shards.append(
-                ShardInfo(
-                    name=path.name,
-                    size=path.stat().st_size,
-                    sha256=digest,
-                    records=records,
-                    location=str(path),
-                )
-            )
-        self._shards = tuple(shards)
+            self.backend = url
+        # a failed listing raises the backend's error (the transport family; the Hub's
+        # for hf://): it names the URL, and no shard yet
+        files = self.backend.list(suffixes)
+        relative = getattr(self.backend, "relative", lambda file: file.name)
+        self._shards = tuple(
+            ShardInfo(file, self.backend.manifest.get(relative(file), {}).get("records"),
+                      name=relative(file)) for file in files)
+        self._readers: dict[str, Any] = {}
+
+    @property
+    def retry(self) -> Any:
+        """The retry policy of every request (``ShardStreamDataset(retries=)`` sets it)."""
+        return self.backend.retry
+
+    @retry.setter
+    def retry(self, policy: Any) -> None:
+        # a backend of its own, so a shallow copy of this source never changes the original
+        self.backend, self._readers = self.backend.with_retry(policy), {}
 
     def list_shards(self) -> Sequence[ShardInfo]:
-        """Return the shards found at construction, sorted by path."""
+        """Return the shards, in the order they were listed at construction."""
         return self._shards
 
     def fetch(self, shard: ShardInfo, cancel: CancelToken) -> WritableBuffer:
-        """Read one shard in 1 MiB chunks, stopping early when cancelled.
+        """Download one shard into an anonymous memory map of its listed size.
 
         Args:
             shard (ShardInfo): One entry of :meth:`list_shards`.
-            cancel (CancelToken): Checked between chunks.
+            cancel (CancelToken): Stops the transfer, and any backoff wait, when cancelled.
 
         Returns:
-            The file's bytes, in an anonymous memory map of the file's size (see
-            :mod:`pyg_atompack.transport.buffers`).
+            The shard's bytes.
 
         Raises:
-            ShardFetchError: The file cannot be read (the message names shard and path).
-            StreamCancelled: ``cancel`` was cancelled during the read.
+            ShardFetchError: A permanent error, or transient errors outlasting every
+                retry (the message names the shard and the URL).
+            StreamCancelled: ``cancel`` was cancelled during the transfer.
         """
         try:
-            with open(shard.location, "rb") as handle:
-                buffer = ShardBuffer(shard.name)
-                buffer.restart(os.fstat(handle.fileno()).st_size)
-                while chunk := handle.read(1 << 20):
-                    cancel.raise_if_cancelled()
-                    buffer.append(chunk)
-                return buffer.take()
-        except OSError as error:
-            raise ShardFetchError(
-                f"shard {shard.name}: cannot read {shard.location}: {error}"
-            ) from error
+            return self.backend.read_all(shard.file, cancel)
+        except TransportError as error:
+            raise shard_error(shard.name, error) from error
+        except OSError as error:  # a local file
+            raise ShardFetchError(f"shard {shard.name}: cannot read {shard.file.url}: "
+                                  f"{error}") from error
+
+    def _allocate(self, shard: ShardInfo) -> WritableBuffer:
+        where = shard.file.describe()
+        if shard.size is None:
+            raise ShardFetchError(f"shard {shard.name}: {where} has no known size (the server "
+                                  f"told none)", url=where)
+        try:
+            return allocate(shard.size)
+        except (OverflowError, MemoryError, ValueError, OSError) as error:
+            too_large = RemoteTooLargeError(f"{where}: {shard.size} bytes cannot be held in "
+                                            f"memory ({error})", url=where)
+            raise shard_error(shard.name, too_large) from too_large
+
+    def _read(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
+              cancel: CancelToken, progress: Callable[[int], None] | None = None,
+              pin: Any = None) -> None:
+        view = memoryview(buffer).cast("B")[start:end]
+        try:
+            self.backend.read_into(shard.file, view, start, cancel, progress, pin)
+        except TransportError as error:
+            raise shard_error(shard.name, error) from error
+        except OSError as error:  # a local file
+            raise ShardFetchError(f"shard {shard.name}: cannot read {shard.file.url}: "
+                                  f"{error}") from error
+        finally:
+            view.release()
+
+    def read_into(self, shard: ShardInfo, buffer: WritableBuffer, start: int, end: int,
+                  cancel: CancelToken, progress: Callable[[int], None] | None = None,
+                  pin: Any = None) -> None:
+        """Download bytes ``[start, end)`` of one shard into ``buffer[start:end]``.
+
+        One range request, retried and resumed like :meth:`fetch`; used to hand out the
+        first shard's samples as its bytes arrive
+        (:class:`~pyg_atompack.stream.arriving.ArrivingShard`).
+
+        Args:
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            buffer (WritableBuffer): The whole shard's buffer.
+            start (int): First byte.
+            end (int): One past the last byte.
+            cancel (CancelToken): Stops the transfer, and any backoff wait, when cancelled.
+            progress (Callable[[int], None], optional): Called as bytes land with the offset
+                one past the last byte in. (default: :obj:`None`)
+            pin (VersionPin, optional): Shared by the ranges of one download: a range from
+                another version of the file is refused. (default: :obj:`None`)
+
+        Raises:
+            ShardFetchError: As for :meth:`fetch`.
+            RangeIgnoredError: The server answered with the whole body.
+        """
+        self._read(shard, buffer, start, end, cancel, progress, pin)
+
+    def fetch_in_parts(self, shard: ShardInfo, cancel: CancelToken,
+                       parts: int) -> WritableBuffer:
+        """Download one shard over ``parts`` concurrent range requests into one buffer.
+
+        Used for every shard a download can split over free connections
+        (``ShardStreamDataset(split_shards=)``): servers and stores cap the bandwidth of
+        each connection. Each part resumes on its own; one failed part cancels the others.
+        Parts are at least :data:`~pyg_atompack.transport.http.MIN_PART_BYTES`.
+
+        Args:
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+            cancel (CancelToken): Stops every part when cancelled.
+            parts (int): Concurrent requests.
+
+        Returns:
+            The shard's bytes.
+        """
+        from pyg_atompack.transport.buffers import RangeIgnoredError
+        from pyg_atompack.transport.http import VersionPin, part_count
+
+        parts = 1 if shard.size is None else part_count(shard.size, parts)
+        if parts == 1:
+            return self.fetch(shard, cancel)
+        buffer = self._allocate(shard)
+        bounds = [shard.size * n // parts for n in range(parts + 1)]
+        siblings = CancelToken()
+        unregister = cancel.on_cancel(siblings.cancel)
+        errors: list[BaseException] = []
+        pin = VersionPin()  # the parts come from one version of the file
+
+        def run(number: int) -> None:
+            try:
+                self._read(shard, buffer, bounds[number], bounds[number + 1], siblings,
+                           pin=pin)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the caller
+                errors.append(error)
+                siblings.cancel()
+
+        helpers = [threading.Thread(target=run, args=(n,), daemon=True,
+                                    name=f"pyg_atompack-part-{n}") for n in range(1, parts)]
+        try:
+            for helper in helpers:
+                helper.start()
+            run(0)
+        finally:
+            for helper in helpers:
+                helper.join()
+            unregister()
+        cancel.raise_if_cancelled()
+        failures = [e for e in errors if not isinstance(e, StreamCancelled)]
+        if any(isinstance(error, RangeIgnoredError) for error in failures):
+            return self.fetch(shard, cancel)  # a server that ignores ranges: one download
+        if failures:
+            raise failures[0]
+        return buffer
+
+    def range_reader(self, shard: ShardInfo) -> Any:
+        """Range reads of one shard (record blocks of ``.atp`` shards use them); one reader
+        per shard for the source's life, so the version it learns on first use travels
+        with the source to the workers and to later epochs.
+
+        Args:
+            shard (ShardInfo): One entry of :meth:`list_shards`.
+
+        Returns:
+            The backend's :class:`~pyg_atompack.remote.ranges.RangeReader`, or :obj:`None`
+            for a shard of unknown size.
+        """
+        if shard.size is None:
+            return None
+        if shard.name not in self._readers:
+            self._readers[shard.name] = self.backend.range_reader(shard.file)
+        return self._readers[shard.name]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.pattern!r}, shards={len(self._shards)})"
+        return f"{type(self).__name__}({self.backend!r}, shards={len(self._shards)})"
+
+
+class LocalSource(RemoteSource):
+    """Shards from a local directory (every ``*.pt`` / ``*.atp`` file in it, sorted) or a
+    glob pattern such as ``"shards/train-*.pt"`` (the ``file`` backend).
+
+    Record counts come from a ``manifest.json`` next to the shards when present, and
+    otherwise from the index of ``.atp`` shards. Shards are read whole: a local file has
+    nothing to gain from concurrent ranges or from being handed out as it arrives.
+
+    Args:
+        directory_or_glob (str | os.PathLike): The directory or pattern.
+        checksums (bool, optional): Compute each shard's sha256 while listing (reads every
+            file once). (default: :obj:`False`; sizes are always verified)
+    """
+
+    read_into = None  # type: ignore[assignment]
+    fetch_in_parts = None  # type: ignore[assignment]
+
+    def __init__(self, directory_or_glob: str | os.PathLike, *, checksums: bool = False):
+        from pyg_atompack.remote.http_backend import FileBackend
+
+        super().__init__(FileBackend(os.fspath(directory_or_glob), checksums=checksums))

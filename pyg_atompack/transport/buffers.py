@@ -173,7 +173,7 @@ class ShardPart:
     """Receives bytes ``[start, end)`` of a shard straight into the shard's buffer.
 
     Several parts of one buffer are filled by concurrent range requests
-    (:func:`pyg_atompack.transport.http.fetch_in_parts`); each keeps its own count, so
+    (:meth:`pyg_atompack.stream.RemoteSource.fetch_in_parts`); each keeps its own count, so
     a broken part resumes where it stopped.
 
     Args:

@@ -48,7 +48,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 from urllib.parse import urljoin
 
 from pyg_atompack.transport.buffers import (
@@ -58,7 +58,6 @@ from pyg_atompack.transport.buffers import (
     ShardBuffer,
     ShardPart,
     WritableBuffer,
-    allocate,
 )
 from pyg_atompack.transport.credentials import RequestHeaders, request_headers
 from pyg_atompack.transport.errors import (
@@ -82,7 +81,7 @@ from pyg_atompack.transport.retry import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["DOCUMENT_LIMIT", "MAX_REDIRECTS", "MIN_PART_BYTES", "UNLISTED_LIMIT", "Cancel",
-           "Probe", "fetch", "fetch_in_parts", "fetch_range", "fetch_to_file", "offline",
+           "Probe", "fetch", "fetch_range", "offline",
            "open_response", "part_count", "probe", "request_json", "response_validator",
            "VersionPin"]
 
@@ -604,30 +603,6 @@ def fetch(url: str, *, policy: RetryPolicy, cancel: Cancel = NEVER,
     return buffer.take()
 
 
-def fetch_to_file(url: str, handle: BinaryIO, *, policy: RetryPolicy, cancel: Cancel = NEVER,
-                  headers: RequestHeaders | Mapping[str, str] | None = None,
-                  size: int | None = None) -> int:
-    """Download ``url`` into an open binary file (resumed in place after a drop).
-
-    Args:
-        url (str): The address.
-        handle (BinaryIO): A file opened ``"wb"`` (or ``"w+b"``).
-        policy (RetryPolicy): Retries, timeouts and the deadline.
-        cancel (Cancel, optional): Stops the transfer when cancelled. (default: :obj:`NEVER`)
-        headers (RequestHeaders | Mapping[str, str], optional): Request headers.
-            (default: :obj:`None`)
-        size (int, optional): The listed size: no byte beyond it is written.
-            (default: :data:`UNLISTED_LIMIT` bounds the file)
-
-    Returns:
-        The number of bytes written.
-    """
-    sink = FileSink(handle, limit=size if size is not None else UNLISTED_LIMIT)
-    fill(url, sink, policy=policy, cancel=cancel, headers=headers)
-    sink.flush()
-    return len(sink)
-
-
 def fetch_range(url: str, start: int, length: int, *, policy: RetryPolicy,
                 cancel: Cancel = NEVER,
                 headers: RequestHeaders | Mapping[str, str] | None = None) -> bytes:
@@ -671,88 +646,6 @@ def _prefix(url: str, end: int, *, policy: RetryPolicy, cancel: Cancel,
         raise TransientError(f"body ended after {len(data)} of the {end} bytes wanted")
 
     return with_retries(attempt, url=url, policy=policy, cancel=cancel)
-
-
-def fetch_in_parts(url: str, *, size: int, parts: int, policy: RetryPolicy,
-                   cancel: Any, headers: RequestHeaders | Mapping[str, str] | None = None,
-                   make_token: Callable[[], Any]) -> WritableBuffer:
-    """Download ``url`` as ``parts`` concurrent byte ranges into one buffer.
-
-    Servers and CDNs often cap the bandwidth of each connection; a file fetched over
-    several connections at once then arrives several times faster. Each part retries and
-    resumes on its own; one failed part cancels its siblings. A server that ignores range
-    requests gets one plain download instead.
-
-    Args:
-        url (str): The address.
-        size (int): The body's length in bytes (from the listing).
-        parts (int): Concurrent connections; fewer when parts would be smaller than
-            :data:`MIN_PART_BYTES`.
-        policy (RetryPolicy): Retries and timeouts, for each part.
-        cancel (Any): Stops every part (and any backoff wait) when cancelled.
-        headers (Mapping[str, str], optional): Request headers. (default: :obj:`None`)
-        make_token (Callable[[], Any]): Creates the token shared by the parts (the caller's token
-            class).
-
-    Returns:
-        The body, in an anonymous memory map.
-    """
-    parts = part_count(size, parts)
-    if parts == 1:
-        return fetch(url, policy=policy, cancel=cancel, headers=headers, size=size)
-    try:
-        buffer = allocate(size)
-    except (OverflowError, MemoryError, ValueError, OSError) as error:
-        raise RemoteTooLargeError(f"{redact_url(url)}: {size} bytes cannot be held in memory "
-                                  f"({error})", url=redact_url(url)) from error
-    bounds = [size * number // parts for number in range(parts + 1)]
-    pieces = [ShardPart(buffer, bounds[n], bounds[n + 1], file_size=size)
-              for n in range(parts)]
-    errors: list[BaseException] = []
-    siblings = make_token()
-    unregister = cancel.on_cancel(siblings.cancel)
-    pin = VersionPin()  # the parts come from one version of the file
-
-    def run(piece: ShardPart) -> None:
-        try:
-            fill(url, piece, policy=policy, cancel=siblings, headers=headers, pin=pin)
-        except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller
-            errors.append(error)
-            siblings.cancel()
-
-    helpers = [threading.Thread(target=run, args=(piece,), daemon=True,
-                                name=f"pyg_atompack-part-{number}")
-               for number, piece in enumerate(pieces[1:], start=1)]
-    try:
-        for helper in helpers:
-            helper.start()
-        run(pieces[0])
-    finally:
-        for helper in helpers:
-            helper.join()
-        unregister()
-    cancel.raise_if_cancelled()
-    cancelled = type(_cancelled_error(siblings))
-    failures = [error for error in errors if not isinstance(error, cancelled)]
-    if any(isinstance(error, RangeIgnoredError) for error in failures):
-        logger.info("%s: the server ignores byte ranges; one download instead", redact_url(url))
-        return fetch(url, policy=policy, cancel=cancel, headers=headers, size=size)
-    if failures:
-        raise failures[0]
-    return buffer
-
-
-def _cancelled_error(token: Any) -> BaseException:
-    # the exception class the caller's tokens raise when cancelled
-    try:
-        token.raise_if_cancelled()
-    except BaseException as error:  # noqa: BLE001 - only its type is wanted
-        return error
-    return _NotCancelled()
-
-
-class _NotCancelled(Exception):
-    pass
 
 
 @dataclass(frozen=True)
