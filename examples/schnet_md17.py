@@ -64,7 +64,8 @@ class RunConfig:
         epochs: Passes over the training shards.
         max_shards: Training shards used (the held-out shard is never trained on).
         prefetch: Shards loaded ahead of the one being trained on.
-        concurrency: Downloads in flight.
+        concurrency: Connections in flight; ``None`` lets the stream choose them by
+            measurement (its default), more while downloads are the bottleneck.
         batch_size: Structures per optimisation step.
         lr: Adam learning rate.
         force_weight: Weight of the force MSE in the loss.
@@ -89,7 +90,7 @@ class RunConfig:
     epochs: int = 6
     max_shards: int | None = None
     prefetch: int = 1
-    concurrency: int = 1
+    concurrency: int | None = None
     batch_size: int = 32
     lr: float = 1e-3
     force_weight: float = training.FORCE_WEIGHT
@@ -349,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=defaults.epochs)
     train.add_argument("--max-shards", type=int, default=None)
     train.add_argument("--prefetch", type=int, default=defaults.prefetch)
-    train.add_argument("--concurrency", type=int, default=defaults.concurrency)
+    train.add_argument("--concurrency", type=int, default=defaults.concurrency,
+                       help="connections in flight (default: chosen by measurement)")
     train.add_argument("--batch-size", type=int, default=defaults.batch_size)
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--hidden-channels", type=int, default=defaults.model.hidden_channels,
