@@ -114,9 +114,9 @@ def test_stream_and_atp_list_what_users_need():
         "ShardFetchError", "ShardIntegrityError",
         "ShardDecodeError", "UnsafePayloadError"}
     # reading, writing and checking files, what readers return, the errors and warnings
-    assert {"open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
-            "describe", "verify", "find_shards", "AtpError"} <= set(atp.__all__)
+    assert {"open", "Reader", "ShardedReader", "RecordReader", "Writer", "Molecule", "Header",
+            "FieldInfo", "describe", "verify", "find_shards", "AtpError"} <= set(atp.__all__)
     assert not {name for name in atp.__all__ if not hasattr(atp, name)}
     assert all(name.endswith(("Error", "Warning")) for name in set(atp.__all__) - {
-        "open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
-        "describe", "verify", "find_shards"})
+        "open", "Reader", "ShardedReader", "RecordReader", "Writer", "Molecule", "Header",
+        "FieldInfo", "describe", "verify", "find_shards"})
