@@ -52,8 +52,8 @@ from pyg_atompack.stream.errors import (
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
-from pyg_atompack.transport.http import VersionPin
 from pyg_atompack.transport.integrity import bytes_problem
+from pyg_atompack.transport.transfers import VersionPin
 
 __all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "check_verify_before_use",
            "streams_as_it_arrives"]

@@ -20,8 +20,8 @@ from pyg_atompack.stream.payloads import decode_shard, shard_format
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.buffers import RangeIgnoredError
-from pyg_atompack.transport.http import part_count
 from pyg_atompack.transport.integrity import bytes_problem
+from pyg_atompack.transport.transfers import part_count
 
 logger = logging.getLogger(__name__)
 
