@@ -15,6 +15,10 @@ It never calls anything: it knows the handful of globals such pickles name (the
 and on shapes it does not index (``HeteroData``, tensors requiring grad, a sample
 referenced twice). What its columns become is :mod:`.pt_index`'s job (samples over a
 whole archive) and :mod:`.pt_arriving`'s (samples over an archive still arriving).
+
+Why one module of ~630 lines: the opcode loop, the memo that forgets finished samples and
+the columns it fills are one machine (PyTorch's own ``_weights_only_unpickler.py`` is one
+file of the same size); split, each part would only be read with the others.
 """
 
 from __future__ import annotations
