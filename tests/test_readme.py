@@ -47,6 +47,7 @@ EXPECTED_OUTPUT = {
     "docs/guides/resuming.md": ["molecules left in the epoch", "molecules left on a new grid"],
     "docs/guides/training-at-scale.md": ["atoms at most"],
     "docs/guides/groups.md": ["groups: 4"],
+    "docs/guides/remote-data.md": ["structures streamed over HTTP"],
 }
 
 
