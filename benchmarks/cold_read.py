@@ -66,6 +66,7 @@ OPERATIONS: dict[str, tuple[Callable, Callable]] = {
     "read_batch(32)": _batches_of(32),
     "read_batch(256)": _batches_of(256),
 }
+BATCH = {"read_batch(32)": 32, "read_batch(256)": 256}
 ALL_REGIMES = ("cold", "first", "hot", "epoch", "cold-epoch", "budget")
 EPOCHS = ("epoch", "cold-epoch")  # a run reads every record once, shuffled
 CHUNK = 16  # records between two residency checks of the budget regime (16 read-around
@@ -97,12 +98,14 @@ def budget_paired(path: Path, operation: str, works: list[list[int]],
                   share: float) -> dict[str, float]:
     """Median rate of each arm over rounds, the file kept under ``share`` resident.
 
-    Every ``CHUNK`` records the clock stops, the resident share is measured
-    (``mincore``) and, above ``share``, the reader is closed, the file dropped and a
-    fresh reader opened. Each run starts from an evicted file.
+    Every ``CHUNK`` records (every batch, for batches) the clock stops, the resident
+    share is measured (``mincore``) and, above ``share``, the reader is closed, the file
+    dropped and a fresh reader opened. Each run starts from an evicted file.
     """
     contenders = arms(path, operation)
     run = OPERATIONS[operation][0]
+    # a batch is one call: its reads cannot be interrupted by a check
+    chunk = max(CHUNK, BATCH.get(operation, 1))
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for number, work in enumerate(works):
         names = list(contenders) if number % 2 == 0 else list(contenders)[::-1]
@@ -111,9 +114,9 @@ def budget_paired(path: Path, operation: str, works: list[list[int]],
             regimes.evict(path)
             handle = arm.open()
             elapsed = 0.0
-            for start in range(0, len(work), CHUNK):
+            for start in range(0, len(work), chunk):
                 begin = time.perf_counter()
-                run(handle, work[start:start + CHUNK])
+                run(handle, work[start:start + chunk])
                 elapsed += time.perf_counter() - begin
                 if regimes.resident_fraction(path) > share:
                     arm.close(handle)

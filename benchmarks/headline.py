@@ -5,7 +5,7 @@ Usage::
     python benchmarks/headline.py --quick      # make bench-quick (<= 15 min on 2 cores)
     python benchmarks/headline.py              # the full runs of the same scripts
     python benchmarks/headline.py --reprint    # the table of the last run, nothing run
-    python benchmarks/headline.py --quick --readme README.md   # also rewrite the README's table
+    python benchmarks/headline.py --reprint --readme README.md docs/benchmarks.md
 
 Every row names the script that measures it; this script runs those scripts (their
 quick variants with ``--quick``), collects their figures into
@@ -91,9 +91,9 @@ ROWS = (
         "1/8 of the file), random reads", _ratios("budget")),
     Row("reads", "benchmarks/cold_read.py", "same file not in the page cache, a whole first "
         "epoch read from the disk (the file fits in memory)", _ratios("cold-epoch")),
-    Row("loader", "benchmarks/headline.py", "`AtompackLoader` vs PyG "
+    Row("loader", "benchmarks/bench_dataset.py", "`AtompackLoader` vs PyG "
         "`DataLoader(AtompackDataset)`, shuffled batches of 32, 20,000 × 64 atoms in the page "
-        "cache (the arms of `benchmarks/bench_dataset.py`)", _loader),
+        "cache", _loader),
     Row("schnet", "benchmarks/paired_schnet.py", "SchNet trained on `.pt` shards streamed from "
         "a throttled loopback server, `ShardStreamDataset` prefetch vs sequential", _schnet),
     Row("peers", "benchmarks/peers.py", "`ShardStreamDataset` vs LitData / MosaicML streaming / "
@@ -218,12 +218,25 @@ def build_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_between_markers(text: str, table: str) -> str:
-    """``text`` with everything between the headline markers replaced by ``table``."""
+README_INTRO = ("Ours ÷ the reference or the strongest peer, on a shared 2-core CPU machine; each "
+                "row names the script that measures it; what each figure means, the protocols "
+                "and every other figure are on the [benchmarks page](docs/benchmarks.md).\n\n")
+
+
+def replace_between_markers(text: str, table: str, name: str) -> str:
+    """``text`` with everything between the headline markers replaced by ``table``.
+
+    Args:
+        text (str): The page.
+        table (str): The table of :func:`build_table`.
+        name (str): The page's file name, for the error and the README's link line.
+    """
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the markers {START} ... {END} were not found (in this order)")
-    return text[:start + len(START)] + "\n" + table + text[end:]
+        raise ValueError(f"{name}: the markers {START} ... {END} were not found (in this "
+                         "order)")
+    intro = README_INTRO if name == "README.md" else ""
+    return text[:start + len(START)] + "\n" + intro + table + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sources not to run")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="JSON of the figures (written, or read with --reprint)")
-    parser.add_argument("--readme", type=Path, default=None,
-                        help="also write the table between the headline markers of this file")
+    parser.add_argument("--readme", type=Path, nargs="*", default=[],
+                        help="also write the table between the headline markers of these "
+                             "files (README.md, docs/benchmarks.md)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))  # the benchmark modules import each other by name
     if args.reprint:
@@ -268,10 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         args.results.write_text(json.dumps(results, indent=1), encoding="utf-8")
     table = build_table(results)
     print(table)
-    if args.readme is not None:
-        args.readme.write_text(replace_between_markers(
-            args.readme.read_text(encoding="utf-8"), table), encoding="utf-8")
-        print(f"wrote the table into {args.readme}", file=sys.stderr)
+    for page in args.readme:
+        try:
+            text = replace_between_markers(page.read_text(encoding="utf-8"), table, page.name)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        page.write_text(text, encoding="utf-8")
+        print(f"wrote the table into {page}", file=sys.stderr)
     return 0
 
 

@@ -49,7 +49,9 @@ def test_tiny_run_fills_the_rows_and_rewrites_only_the_marked_table(tmp_path):
     assert saved["meta"]["mode"] == "tiny" and saved["meta"]["versions"]["atompack-db"]
 
     text = readme.read_text(encoding="utf-8")
-    assert text.startswith("# title\n\nbefore\n<!-- headline:start -->\n| what |")
+    # the README gets a line pointing to the benchmark page above the table
+    assert text.startswith("# title\n\nbefore\n<!-- headline:start -->\nOurs ÷ the reference")
+    assert "(docs/benchmarks.md)" in text
     assert text.endswith("<!-- headline:end -->\nafter\n") and "old table" not in text
     assert run.stdout.strip() in text
 
@@ -68,6 +70,6 @@ def test_a_readme_without_markers_is_refused_by_name(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--reprint", "--results", str(results),
                           "--readme", str(readme)], capture_output=True, text=True, timeout=120,
                          check=False)
-    assert run.returncode != 0
-    assert "headline:start" in run.stderr
+    assert run.returncode == 2
+    assert "README.md: the markers <!-- headline:start -->" in run.stderr
     assert readme.read_text(encoding="utf-8") == "no markers here\n"
