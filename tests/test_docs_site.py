@@ -226,6 +226,26 @@ def test_a_tutorial_shows_the_executed_copy_only_while_it_is_current(tmp_path: P
     assert hooks.notebook_to_show(name, tmp_path) == source
 
 
+def test_a_tutorial_page_gets_its_headings_ids_and_titles_in_its_contents():
+    def entry(anchor: str, title: str, *children) -> types.SimpleNamespace:
+        return types.SimpleNamespace(id=anchor, title=title, children=list(children))
+
+    # what mkdocs-jupyter slugs from the Markdown: the code span of a title is lost
+    toc = [entry("quick-start", "Quick start", entry("2-write-an-file", "2. Write an  file"))]
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="tutorials/01_q.ipynb"),
+                                 toc=toc)
+    html = ('<h1 id="quick-start">Quick start<a class="anchor-link" href="#quick-start">¶</a>'
+            '</h1><h2 id="2-write-an-atp-file">2. Write an <code>.atp</code> file'
+            '<a class="anchor-link" href="#2-write-an-atp-file">¶</a></h2><p>text</p>')
+    out = hooks.on_page_content(html, page)
+    child = toc[0].children[0]
+    assert (child.id, child.title) == ("2-write-an-atp-file", "2. Write an .atp file")
+    # the download link and the origin of the outputs sit below the title
+    assert out.index("</h1>") < out.index('href="01_q.ipynb" download') < out.index("<h2")
+    other = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="guides/gpu.md"), toc=[])
+    assert hooks.on_page_content(html, other) == html
+
+
 def test_links_to_repository_files_point_at_their_published_copies(tmp_path: Path):
     (tmp_path / "docs" / "guides").mkdir(parents=True)
     (tmp_path / "benchmarks" / "figures").mkdir(parents=True)
