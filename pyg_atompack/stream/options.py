@@ -159,7 +159,7 @@ class SourceOptions:
             layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
         trim_memory (bool, optional): Hand freed heap memory back to the operating system (glibc
             ``malloc_trim``; a no-op elsewhere) after a consumed shard, once at least
-            :data:`~pyg_atompack.stream.dataset.TRIM_AFTER_BYTES` of shards were consumed
+            :data:`~pyg_atompack.stream.iteration.TRIM_AFTER_BYTES` of shards were consumed
             since the last trim. Without it the resident set keeps the high-water mark of
             the prefetch threads' malloc arenas, several shards above what is alive; see
             :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
