@@ -119,15 +119,16 @@ class ShardStreamDataset(IterableDataset):
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
         concurrency (int, optional): Connections open at once (a shard's byte ranges, see
-            ``split_shards``, or downloads of up to ``prefetch`` shards), per rank like
-            ``prefetch`` (each worker gets at least one connection). :obj:`None`: chosen
-            while the stream runs from measured download and consumption times, more
-            while downloads are the bottleneck, one when the consumer is (up to
+            ``SourceOptions.split_shards``, or downloads of up to ``prefetch`` shards),
+            per rank like ``prefetch`` (each worker gets at least one connection).
+            :obj:`None`: chosen while the stream runs from measured download and
+            consumption times, more while downloads are the bottleneck, one when the
+            consumer is (up to
             :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
             one of them on the first shard). ``prefetch`` stays as given, so memory stays
             within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
             ``autotune``. ``prefetch=0`` (the sequential baseline) and record blocks
-            (``blocks``) use one.
+            (``SourceOptions.blocks``) use one.
             (default: :obj:`None`)
         memory_budget (int, optional): Bytes this rank's live shards may take; turns on
             tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
