@@ -71,6 +71,8 @@ def test_names_are_checked_and_rename_is_an_owned_copy():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.retries = 3  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(options)) == options  # travels into workers
+    assert hash(options) == hash(SourceOptions(rename={"forces": "force"}))
+    assert len({options, SourceOptions(rename={"forces": "force"}), SourceOptions()}) == 2
 
 
 def test_options_given_with_a_url_reach_the_stream(server):
