@@ -93,6 +93,8 @@ def test_a_source_carrying_options_keeps_them_and_refuses_others(server, tmp_pat
         ShardStreamDataset(local, options=SourceOptions(verify=False))
     with pytest.raises(ValueError, match="already a source"):
         open_source(local, SourceOptions())
+    with pytest.raises(ValueError, match="already a source"):
+        open_source(local, retry=NO_RETRY)  # storage options belong to it as well
     assert open_source(local) is local
 
 
