@@ -26,6 +26,7 @@ from pyg_atompack.pyg import resolve_names
 from pyg_atompack.pyg.budget import check_budget
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
+from pyg_atompack.pyg.ranks import resolve_rank
 from pyg_atompack.stream.autotune import check_memory_budget
 from pyg_atompack.stream.blocks import (
     BlockPlan,
@@ -60,12 +61,6 @@ def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
     # forked DataLoader workers inherit this finaliser; only the creating process cleans up
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class ShardStreamDataset(IterableDataset):
@@ -265,10 +260,7 @@ class ShardStreamDataset(IterableDataset):
             The slot from ``rank`` / ``world_size`` (or :mod:`torch.distributed`) and
             the current DataLoader worker, if any.
         """
-        if self.rank is not None:
-            rank, world_size = self.rank, self.world_size
-        else:
-            rank, world_size = _distributed_rank_world()
+        rank, world_size = resolve_rank(self.rank, self.world_size)
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return StreamSlot(rank, world_size, worker, num_workers)
