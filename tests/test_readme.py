@@ -80,7 +80,7 @@ def _run(page: Path, cwd: Path) -> subprocess.CompletedProcess:
     script = cwd / f"_{page.stem}_examples.py"
     script.write_text("\n\n".join(code), encoding="utf-8")
     result = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=240)
     assert result.returncode == 0, (f"{_name(page)}:\n" + result.stdout[-3000:]
                                     + result.stderr[-3000:])
     for expected in EXPECTED_OUTPUT.get(_name(page), []):
@@ -160,3 +160,19 @@ def test_examples_use_only_keywords_that_exist(page):
             unknown = keywords - names
             assert not unknown, (f"{_name(page)}: {callee} has no keyword {sorted(unknown)} "
                                  f"in\n{code}")
+
+
+def test_streaming_guide_names_every_option_and_parameter():
+    # the guide's SourceOptions table and its list of the dataset's own parameters stay
+    # complete when a field or parameter is added
+    from pyg_atompack import stream
+
+    text = (DOCS / "guides" / "streaming.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    tabled = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    fields = {f.name for f in dataclasses.fields(stream.SourceOptions)}
+    assert fields <= tabled, f"SourceOptions fields missing from the table: {fields - tabled}"
+    section = text.split("## A stream in a few lines", 1)[1].split("\n## ", 1)[0]
+    parameters = set(inspect.signature(stream.ShardStreamDataset).parameters) - {"source"}
+    named = set(re.findall(r"`(\w+)=?`", section))
+    assert parameters <= named, f"parameters the guide does not name: {parameters - named}"
