@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import inspect
 import re
 import shutil
@@ -176,3 +177,22 @@ def test_streaming_guide_names_every_option_and_parameter():
     parameters = set(inspect.signature(stream.ShardStreamDataset).parameters) - {"source"}
     named = set(re.findall(r"`(\w+)=?`", section))
     assert parameters <= named, f"parameters the guide does not name: {parameters - named}"
+
+
+def test_guarantees_name_tests_that_exist():
+    # each promise names the test that proves it: a renamed or deleted test must take
+    # the page with it. A bare `::name` belongs to the file named last before it.
+    text = (DOCS / "guarantees.md").read_text(encoding="utf-8")
+    current, checked = None, 0
+    for path, name in re.findall(r"`(?:((?:tests|benchmarks)/[\w/.]+))?(?:::([\w*]+))?`", text):
+        if path:
+            assert (ROOT / path).exists(), f"docs/guarantees.md names {path}, which is gone"
+            current = ROOT / path
+        if name:
+            assert current is not None and current.suffix == ".py", name
+            defined = re.findall(r"^\s*def (test_\w+)", current.read_text(encoding="utf-8"),
+                                 re.MULTILINE)
+            assert fnmatch.filter(defined, name), (
+                f"docs/guarantees.md names {current.relative_to(ROOT)}::{name}, which is gone")
+            checked += 1
+    assert checked >= 30
