@@ -38,7 +38,7 @@ HF_VENVS := build/hf
 HF_PINS_0.36.2 := httpx==0.28.1
 HF_STAMPS := $(HF_RELEASES:%=$(HF_VENVS)/%/.installed)
 
-.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench docs clean
+.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick docs clean
 
 # The Python environment and Azurite install side by side: both mostly wait on
 # registries, so a fresh `make test` pays for the longer of the two, not their sum.
@@ -117,6 +117,11 @@ fuzz: $(STAMP)
 # Streaming soak test against the fault-injecting loopback server (not in CI).
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
+
+# The headline table of README.md and docs/benchmarks.md, reprinted from quick runs of
+# the scripts behind it (about 12 minutes on the 2-core VM; not part of `make test`).
+bench-quick: $(STAMP)
+	$(PY) benchmarks/headline.py --quick
 
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)
