@@ -196,3 +196,22 @@ def test_guarantees_name_tests_that_exist():
                 f"docs/guarantees.md names {current.relative_to(ROOT)}::{name}, which is gone")
             checked += 1
     assert checked >= 30
+
+
+def _slug(heading: str) -> str:
+    # GitHub's and MkDocs' anchors of plain headings: lower case, punctuation dropped
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_point_at_pages_and_headings_that_exist():
+    # the front page is mostly links into the site; the site's own build checks its links
+    text = README.read_text(encoding="utf-8")
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in link]
+    assert len(links) >= 15
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links {link}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"README links {link}: no such heading"
