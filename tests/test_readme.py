@@ -124,7 +124,12 @@ def test_getting_started_writes_the_files_the_guides_use(started):
     assert (started / "water_shards" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("page", [p for p in pages() if p not in (README, GETTING_STARTED)],
+def _runnable(page: Path) -> bool:
+    return any(mode == "run" for _, mode in python_blocks(page.read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("page", [p for p in pages()
+                                  if p not in (README, GETTING_STARTED) and _runnable(p)],
                          ids=_name)
 def test_page_examples_run_in_order(page, started, tmp_path):
     for name in SHARED_FILES:
