@@ -38,7 +38,7 @@ HF_VENVS := build/hf
 HF_PINS_0.36.2 := httpx==0.28.1
 HF_STAMPS := $(HF_RELEASES:%=$(HF_VENVS)/%/.installed)
 
-.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick docs clean
+.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick clean
 
 # The Python environment and Azurite install side by side: both mostly wait on
 # registries, so a fresh `make test` pays for the longer of the two, not their sum.
@@ -105,6 +105,7 @@ test-hf-releases: $(HF_STAMPS)
 # builds it too and checks its links (tests/test_docs_site.py). After `make test` the
 # tutorials show the outputs of the notebooks it executed (docs/hooks.py). The variable
 # silences Material's notice about its end of life, printed on every build.
+.PHONY: docs
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 	@echo "open build/site/index.html, or: $(PY) -m http.server -d build/site"
