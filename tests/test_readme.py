@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import inspect
 import re
 import shutil
@@ -80,7 +81,7 @@ def _run(page: Path, cwd: Path) -> subprocess.CompletedProcess:
     script = cwd / f"_{page.stem}_examples.py"
     script.write_text("\n\n".join(code), encoding="utf-8")
     result = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=240)
     assert result.returncode == 0, (f"{_name(page)}:\n" + result.stdout[-3000:]
                                     + result.stderr[-3000:])
     for expected in EXPECTED_OUTPUT.get(_name(page), []):
@@ -123,7 +124,12 @@ def test_getting_started_writes_the_files_the_guides_use(started):
     assert (started / "water_shards" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("page", [p for p in pages() if p not in (README, GETTING_STARTED)],
+def _runnable(page: Path) -> bool:
+    return any(mode == "run" for _, mode in python_blocks(page.read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("page", [p for p in pages()
+                                  if p not in (README, GETTING_STARTED) and _runnable(p)],
                          ids=_name)
 def test_page_examples_run_in_order(page, started, tmp_path):
     for name in SHARED_FILES:
@@ -160,3 +166,57 @@ def test_examples_use_only_keywords_that_exist(page):
             unknown = keywords - names
             assert not unknown, (f"{_name(page)}: {callee} has no keyword {sorted(unknown)} "
                                  f"in\n{code}")
+
+
+def test_streaming_guide_names_every_option_and_parameter():
+    # the guide's SourceOptions table and its list of the dataset's own parameters stay
+    # complete when a field or parameter is added
+    from pyg_atompack import stream
+
+    text = (DOCS / "guides" / "streaming.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    tabled = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    fields = {f.name for f in dataclasses.fields(stream.SourceOptions)}
+    assert fields <= tabled, f"SourceOptions fields missing from the table: {fields - tabled}"
+    section = text.split("## A stream in a few lines", 1)[1].split("\n## ", 1)[0]
+    parameters = set(inspect.signature(stream.ShardStreamDataset).parameters) - {"source"}
+    named = set(re.findall(r"`(\w+)=?`", section))
+    assert parameters <= named, f"parameters the guide does not name: {parameters - named}"
+
+
+def test_guarantees_name_tests_that_exist():
+    # each promise names the test that proves it: a renamed or deleted test must take
+    # the page with it. A bare `::name` belongs to the file named last before it.
+    text = (DOCS / "guarantees.md").read_text(encoding="utf-8")
+    current, checked = None, 0
+    for path, name in re.findall(r"`(?:((?:tests|benchmarks)/[\w/.]+))?(?:::([\w*]+))?`", text):
+        if path:
+            assert (ROOT / path).exists(), f"docs/guarantees.md names {path}, which is gone"
+            current = ROOT / path
+        if name:
+            assert current is not None and current.suffix == ".py", name
+            defined = re.findall(r"^\s*def (test_\w+)", current.read_text(encoding="utf-8"),
+                                 re.MULTILINE)
+            assert fnmatch.filter(defined, name), (
+                f"docs/guarantees.md names {current.relative_to(ROOT)}::{name}, which is gone")
+            checked += 1
+    assert checked >= 30
+
+
+def _slug(heading: str) -> str:
+    # GitHub's and MkDocs' anchors of plain headings: lower case, punctuation dropped
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_point_at_pages_and_headings_that_exist():
+    # the front page is mostly links into the site; the site's own build checks its links
+    text = README.read_text(encoding="utf-8")
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in link]
+    assert len(links) >= 15
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links {link}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"README links {link}: no such heading"
