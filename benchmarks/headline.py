@@ -212,7 +212,10 @@ def build_table(results: dict) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
     lines += ["", f"`python benchmarks/headline.py {meta['mode_flag']}`".replace(" `", "`")
               + f" ({meta['mode']} runs), {meta['date']}, {meta['machine']}, load "
-              f"{meta['load']} at the start, {meta['minutes']:.1f} min; {versions}. "
+              f"{meta['load']} at the start, {meta['minutes']:.1f} min"
+              + "".join(f" ({source}: run of {date})" for source, date in
+                        meta.get("kept", {}).items())
+              + f"; {versions}. "
               "More than 1×: ours is faster. The machine is shared with other work: "
               "the figures are provisional and move by ±20% between runs."]
     return "\n".join(lines) + "\n"
@@ -248,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="print the table of --results without running anything")
     parser.add_argument("--skip", nargs="*", default=[], choices=SOURCES,
                         help="sources not to run")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the figures of --results for the sources not run now "
+                             "(e.g. --keep --skip reads loader schnet: rerun only peers)")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="JSON of the figures (written, or read with --reprint)")
     parser.add_argument("--readme", type=Path, nargs="*", default=[],
@@ -277,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
                     figures[source] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                 log(f"[{source}: {time.perf_counter() - started:.0f} s]")
         meta["minutes"] = (time.perf_counter() - began) / 60
+        if args.keep and args.results.exists():
+            kept = json.loads(args.results.read_text(encoding="utf-8"))
+            figures = {**kept["figures"], **figures}
+            # the sources kept keep the date of their own run
+            meta["kept"] = {source: kept["meta"]["date"] for source in kept["figures"]
+                            if source in args.skip}
         results = {"meta": meta, "figures": figures}
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1), encoding="utf-8")
