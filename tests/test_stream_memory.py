@@ -9,7 +9,7 @@ import torch
 from servers.http_server import write_pt_shards
 from torch_geometric.data import Data
 
-from pyg_atompack.stream import LocalSource, ShardStreamDataset
+from pyg_atompack.stream import LocalSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream import dataset as stream_dataset
 from pyg_atompack.stream.memory import release_free_memory
 
@@ -29,8 +29,9 @@ def test_memory_is_trimmed_once_per_consumed_shard(tmp_path, monkeypatch, prefet
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
     # threads: the trims are counted in this process
-    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=prefetch,
-                                      retrieval="threads"))
+    samples = list(ShardStreamDataset(LocalSource(tmp_path),
+                                      options=SourceOptions(retrieval="threads"),
+                                      prefetch=prefetch))
     assert len(samples) == sum(SIZES)
     # after every shard but the last, the next sample pulled has released it
     assert len(calls) == len(SIZES) - 1
@@ -40,7 +41,7 @@ def test_trimming_can_be_switched_off(tmp_path, monkeypatch):
     write_pt_shards(tmp_path, SIZES)
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
-    list(ShardStreamDataset(LocalSource(tmp_path), trim_memory=False))
+    list(ShardStreamDataset(LocalSource(tmp_path), options=SourceOptions(trim_memory=False)))
     assert calls == []
 
 
@@ -77,8 +78,8 @@ def test_small_shards_are_trimmed_after_enough_bytes_not_after_each(tmp_path, mo
     monkeypatch.setattr(stream_dataset, "TRIM_AFTER_BYTES", int(2.5 * smallest))
     calls = []
     monkeypatch.setattr(stream_dataset, "release_free_memory", lambda: calls.append(1) or True)
-    samples = list(ShardStreamDataset(LocalSource(tmp_path), prefetch=1,
-                                      retrieval="threads"))  # trims counted here
+    samples = list(ShardStreamDataset(LocalSource(tmp_path),  # trims counted here
+                                      options=SourceOptions(retrieval="threads"), prefetch=1))
     assert len(samples) == sum(sizes)
     # due after shards 3 and 6 (and run when the next sample is pulled); not after 7
     assert len(calls) == 2
