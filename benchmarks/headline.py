@@ -156,8 +156,24 @@ def measure_schnet(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
             "ci": list(summary["speedup_ci"]), "d_over_c": result["d_over_c"]}
 
 
+PEERS_JSON: Path | None = None  # --peers-json: figures of a peers.py run made apart
+
+
+def peers_figures(details: dict) -> dict:
+    """Ours ÷ each peer at D/C = 1 from ``peers.py``'s JSON (as its last line says them)."""
+    one = details["streaming"]["1.0"]["ours_pt_vs"]
+    keys = {"litdata": "litdata", "mosaic": "mosaic", "webdataset": "webdataset_w2",
+            "foldpipe": "foldpipe", "datasets": "hf_datasets"}
+    return {name: round(one[key]["speedup_geomean"], 3) if key in one else None
+            for name, key in keys.items()}
+
+
 def measure_peers(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
     """``peers.py``: its last line is ours ÷ each peer at D/C = 1."""
+    if PEERS_JSON is not None:  # a long peers run is not repeated here
+        log(f"peers: figures of {PEERS_JSON}")
+        return {**peers_figures(json.loads(PEERS_JSON.read_text(encoding="utf-8"))),
+                "from": str(PEERS_JSON.name)}
     command = [sys.executable, str(HERE / "peers.py")]
     if mode != "full":
         command += ["--quick", "--no-mixed", "--no-workers"]
@@ -259,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, nargs="*", default=[],
                         help="also write the table between the headline markers of these "
                              "files (README.md, docs/benchmarks.md)")
+    parser.add_argument("--peers-json", type=Path, default=None,
+                        help="take the peers row from this peers.py JSON instead of running it")
     args = parser.parse_args(argv)
+    global PEERS_JSON
+    PEERS_JSON = args.peers_json
     sys.path.insert(0, str(HERE))  # the benchmark modules import each other by name
     if args.reprint:
         results = json.loads(args.results.read_text(encoding="utf-8"))
@@ -278,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 try:
                     figures[source] = MEASURES[source](name, folder, log)
-                except (subprocess.CalledProcessError, OSError, ValueError, KeyError) as exc:
+                except subprocess.CalledProcessError as exc:
                     # recorded in the table, never dropped: the other rows still stand
+                    sys.stderr.write(exc.stdout or "")
+                    figures[source] = {"error": f"{Path(exc.cmd[1]).name} exited with "
+                                                f"{exc.returncode}"}
+                except (OSError, ValueError, KeyError) as exc:
                     figures[source] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                 log(f"[{source}: {time.perf_counter() - started:.0f} s]")
         meta["minutes"] = (time.perf_counter() - began) / 60
