@@ -149,14 +149,20 @@ def measure_schnet(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
                "--out", str(folder), "--figure", str(folder / "schnet.png")]
     if mode == "tiny":
         command += ["--hidden-channels", "16", "--num-interactions", "1", "--max-shards", "2"]
-    sys.stderr.write(_run(command, log))
-    result = json.loads((folder / "schnet.json").read_text(encoding="utf-8"))
+    if "schnet" in FROM:
+        log(f"schnet: figures of {FROM['schnet']}")
+        result = json.loads(FROM["schnet"].read_text(encoding="utf-8"))
+    else:
+        sys.stderr.write(_run(command, log))
+        result = json.loads((folder / "schnet.json").read_text(encoding="utf-8"))
     summary = result["summary"]
     return {"pairs": len(result["pairs"]), "speedup": summary["speedup_geomean"],
             "ci": list(summary["speedup_ci"]), "d_over_c": result["d_over_c"]}
 
 
-PEERS_JSON: Path | None = None  # --peers-json: figures of a peers.py run made apart
+# --from: the JSON a script wrote in a run made apart (a long or already-recorded run),
+# read instead of running the script again; the table says which file
+FROM: dict[str, Path] = {}
 
 
 def peers_figures(details: dict) -> dict:
@@ -170,10 +176,9 @@ def peers_figures(details: dict) -> dict:
 
 def measure_peers(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
     """``peers.py``: its last line is ours ÷ each peer at D/C = 1."""
-    if PEERS_JSON is not None:  # a long peers run is not repeated here
-        log(f"peers: figures of {PEERS_JSON}")
-        return {**peers_figures(json.loads(PEERS_JSON.read_text(encoding="utf-8"))),
-                "from": str(PEERS_JSON.name)}
+    if "peers" in FROM:
+        log(f"peers: figures of {FROM['peers']}")
+        return peers_figures(json.loads(FROM["peers"].read_text(encoding="utf-8")))
     command = [sys.executable, str(HERE / "peers.py")]
     if mode != "full":
         command += ["--quick", "--no-mixed", "--no-workers"]
@@ -226,14 +231,19 @@ def build_table(results: dict) -> str:
             cell = row.cells(found)
         lines.append(f"| {row.what} | {cell} | `{row.script}` |")
     versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
-    lines += ["", f"`python benchmarks/headline.py {meta['mode_flag']}`".replace(" `", "`")
-              + f" ({meta['mode']} runs), {meta['date']}, {meta['machine']}, load "
-              f"{meta['load']} at the start, {meta['minutes']:.1f} min"
-              + "".join(f" ({source}: run of {date})" for source, date in
-                        meta.get("kept", {}).items())
-              + f"; {versions}. "
-              "More than 1×: ours is faster. The machine is shared with other work: "
-              "the figures are provisional and move by ±20% between runs."]
+    kept, taken = meta.get("kept", {}), meta.get("from", {})
+    measured = [source for source in figures if source not in kept and source not in taken]
+    parts = []
+    if measured:
+        parts.append(f"{', '.join(measured)}: `python benchmarks/headline.py "
+                     f"{meta['mode_flag']}`".replace(" `", "`") + f" ({meta['mode']} runs), "
+                     f"{meta['date']}, {meta['minutes']:.1f} min, load {meta['load']} at the "
+                     "start")
+    parts += [f"{source}: {when}" for source, when in kept.items()]
+    parts += [f"{source}: from `{path}` (not rerun)" for source, path in taken.items()]
+    lines += ["", "; ".join(parts) + f". {meta['machine']}; {versions}. More than 1×: ours "
+              "is faster. The machine is shared with other work: the figures are provisional "
+              "and move by ±20% between runs."]
     return "\n".join(lines) + "\n"
 
 
@@ -275,11 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, nargs="*", default=[],
                         help="also write the table between the headline markers of these "
                              "files (README.md, docs/benchmarks.md)")
-    parser.add_argument("--peers-json", type=Path, default=None,
-                        help="take the peers row from this peers.py JSON instead of running it")
+    parser.add_argument("--from", dest="sources_from", nargs="*", default=[],
+                        metavar="SOURCE=JSON",
+                        help="schnet=schnet.json or peers=peers.json: read the figures of "
+                             "a run made apart instead of running the script")
     args = parser.parse_args(argv)
-    global PEERS_JSON
-    PEERS_JSON = args.peers_json
+    for item in args.sources_from:
+        source, _, path = item.partition("=")
+        if source not in ("schnet", "peers") or not path:
+            parser.error(f"--from {item}: expected schnet=PATH or peers=PATH")
+        FROM[source] = Path(path)
     sys.path.insert(0, str(HERE))  # the benchmark modules import each other by name
     if args.reprint:
         results = json.loads(args.results.read_text(encoding="utf-8"))
@@ -287,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "quick" if args.quick else "tiny" if args.tiny else "full"
         log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
         began = time.perf_counter()
-        meta = {**describe(), "mode": name, "mode_flag": "" if name == "full" else f"--{name}"}
+        meta = {**describe(), "mode": name, "mode_flag": "" if name == "full" else f"--{name}",
+                "from": {source: str(path) for source, path in FROM.items()}}
         figures = {}
         with tempfile.TemporaryDirectory(prefix="headline-") as tmp:
             for source in SOURCES:
@@ -311,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             kept = json.loads(args.results.read_text(encoding="utf-8"))
             figures = {**kept["figures"], **figures}
             # the sources kept keep the date of their own run
-            meta["kept"] = {source: kept["meta"]["date"] for source in kept["figures"]
-                            if source in args.skip}
+            old = kept["meta"]
+            when = (f"the `{old['mode_flag'] or 'full'}` run of {old['date']} (load "
+                    f"{old['load']})" if "mode_flag" in old else f"the run of {old['date']}")
+            meta["kept"] = {source: old.get("kept", {}).get(source, when)
+                            for source in kept["figures"] if source in args.skip}
         results = {"meta": meta, "figures": figures}
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1), encoding="utf-8")

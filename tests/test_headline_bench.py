@@ -88,4 +88,4 @@ def test_keep_carries_the_figures_of_sources_not_rerun(tmp_path):
     assert rows[4][1] == "12.3×"  # kept from the earlier run
     assert rows[5][1] == "failed: CalledProcessError: boom"  # a failure is shown, not hidden
     assert rows[0][1] == "not run" and rows[6][1] == "not run"
-    assert "(loader: run of 2026-01-01 00:00 UTC)" in run.stdout
+    assert "loader: the run of 2026-01-01 00:00 UTC" in run.stdout
