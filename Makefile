@@ -105,6 +105,7 @@ test-hf-releases: $(HF_STAMPS)
 # builds it too and checks its links (tests/test_docs_site.py). After `make test` the
 # tutorials show the outputs of the notebooks it executed (docs/hooks.py). The variable
 # silences Material's notice about its end of life, printed on every build.
+.PHONY: docs
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 	@echo "open build/site/index.html, or: $(PY) -m http.server -d build/site"

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_the_site_builds_strictly_with_every_page_of_the_nav(site: Path):
                  *(f"tutorials/{Path(name).stem}/index.html" for name in NOTEBOOKS)]:
         assert (site / page).is_file(), page
     # the tools kept in docs/ are not published
-    assert not list(site.rglob("*.py"))
+    assert not list(site.glob("*.py"))
 
 
 def test_internal_links_and_anchors_resolve(site: Path):
@@ -204,6 +205,8 @@ def test_each_notebook_is_a_tutorial_page(site: Path, name: str):
     words = [w for w in first_line.replace("(", " ").split() if w.isidentifier()]
     assert words and all(word in page for word in words), (name, first_line)
     assert 'class="jp-Notebook' in page or "jupyter-wrapper" in page
+    # built from the repository's notebook: the page says so and links it for download
+    assert "Shown without outputs" in page and f'href="{name}" download' in page
 
 
 def test_a_tutorial_shows_the_executed_copy_only_while_it_is_current(tmp_path: Path):
@@ -221,6 +224,45 @@ def test_a_tutorial_shows_the_executed_copy_only_while_it_is_current(tmp_path: P
     assert hooks.notebook_to_show(name, tmp_path) == source
     (tmp_path / name).write_text('{"cells": [', encoding="utf-8")  # half written
     assert hooks.notebook_to_show(name, tmp_path) == source
+
+
+def test_a_tutorial_page_gets_its_headings_ids_and_titles_in_its_contents():
+    def entry(anchor: str, title: str, *children) -> types.SimpleNamespace:
+        return types.SimpleNamespace(id=anchor, title=title, children=list(children))
+
+    # what mkdocs-jupyter slugs from the Markdown: the code span of a title is lost
+    toc = [entry("quick-start", "Quick start", entry("2-write-an-file", "2. Write an  file"))]
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="tutorials/01_q.ipynb"),
+                                 toc=toc)
+    html = ('<h1 id="quick-start">Quick start<a class="anchor-link" href="#quick-start">¶</a>'
+            '</h1><h2 id="2-write-an-atp-file">2. Write an <code>.atp</code> file'
+            '<a class="anchor-link" href="#2-write-an-atp-file">¶</a></h2><p>text</p>')
+    out = hooks.on_page_content(html, page)
+    child = toc[0].children[0]
+    assert (child.id, child.title) == ("2-write-an-atp-file", "2. Write an .atp file")
+    # the download link and the origin of the outputs sit below the title
+    assert out.index("</h1>") < out.index('href="01_q.ipynb" download') < out.index("<h2")
+    other = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="guides/gpu.md"), toc=[])
+    assert hooks.on_page_content(html, other) == html
+
+
+def test_links_to_repository_files_point_at_their_published_copies(tmp_path: Path):
+    (tmp_path / "docs" / "guides").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "figures").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "figures" / "peers.png").write_bytes(b"png")
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("# results")
+    docs = tmp_path / "docs"
+    found = hooks.repository_file("guides/gpu.md", "../../benchmarks/figures/peers.png", docs,
+                                  tmp_path)
+    assert found == "benchmarks/figures/peers.png"
+    # a Markdown page, a missing file, a file in docs/ and one outside the repository stay
+    for target in ("../../benchmarks/RESULTS.md", "../../benchmarks/gone.png",
+                   "../index.md", "../../../elsewhere.png"):
+        assert hooks.repository_file("guides/gpu.md", target, docs, tmp_path) is None
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="benchmarks.md"))
+    text = "see [the CLI](../pyg_atompack/cli.py) and [x](../gone.py)"
+    assert hooks.on_page_markdown(text, page, {"docs_dir": str(ROOT / "docs")}) == (
+        "see [the CLI](repo/pyg_atompack/cli.py) and [x](../gone.py)")
 
 
 def test_sphinx_roles_and_literal_blocks_become_markdown():

@@ -3,13 +3,12 @@
 Sources (:class:`RemoteSource` over the backend a URL's scheme names: ``http(s)://``,
 ``hf://``, ``s3://`` / ``gs://`` / ``az://``, schemes other packages register;
 :class:`LocalSource`; or your own :class:`Source`; :func:`open_source` picks one from a
-URL) list shards once and fetch their bytes;
-:class:`SourceOptions` say how one source's shards are fetched, checked and decoded;
-:class:`ShardStreamDataset`
+URL) list shards once and fetch their bytes; :class:`SourceOptions` say how one
+source's shards are fetched, checked and decoded; :class:`ShardStreamDataset`
 prefetches and decodes them with a bounded working set (in a child process that hands
-items over through shared memory, or on background threads: ``retrieval=``), splits
-them across DataLoader workers and DDP ranks, resumes from a ``state_dict`` and records
-per-shard traces.
+items over through shared memory, or on background threads:
+``SourceOptions(retrieval=)``), splits them across DataLoader workers and DDP ranks,
+resumes from a ``state_dict`` and records per-shard traces.
 
 Example::
 

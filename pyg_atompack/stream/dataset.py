@@ -1,4 +1,10 @@
-"""ShardStreamDataset: stream remote shards into PyG training with bounded prefetch."""
+"""ShardStreamDataset: stream remote shards into PyG training with bounded prefetch.
+
+This module holds what a stream *is*: its source and :class:`SourceOptions`, the
+iteration settings, the epoch's plan for each (rank, worker) stream, the resume state
+and the traces. What one pass *does* (the prefetcher, ordering, batching and the loop
+that hands items out) is :mod:`pyg_atompack.stream.iteration`.
+"""
 
 from __future__ import annotations
 
@@ -12,41 +18,36 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
-from pyg_atompack.pyg import names_transform, resolve_names
-from pyg_atompack.pyg.budget import check_budget, group_by_atoms
+from pyg_atompack.pyg import resolve_names
+from pyg_atompack.pyg.budget import check_budget
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
-from pyg_atompack.stream.autotune import attach, check_memory_budget, stream_tuner
+from pyg_atompack.pyg.ranks import resolve_rank
+from pyg_atompack.stream.autotune import check_memory_budget
 from pyg_atompack.stream.blocks import (
-    BlockLoader,
     BlockPlan,
     plan_block_stream,
     plan_source_blocks,
     wants_blocks,
 )
 from pyg_atompack.stream.errors import ShardFetchError
-from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
-from pyg_atompack.stream.memory import release_free_memory
+from pyg_atompack.stream.iteration import hand_out, start_prefetcher
+from pyg_atompack.stream.loading import check_on_error
 from pyg_atompack.stream.offproc import iterate_in_child, use_child_process
 from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.options import SourceOptions, source_options
-from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
-from pyg_atompack.stream.prefetch import Prefetcher
 from pyg_atompack.stream.progress import (
     EpochConsumed,
     StreamProgress,
     merge_stream_states,
     plan_units,
 )
-from pyg_atompack.stream.readahead import ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
-from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
+from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream
 from pyg_atompack.stream.trace import (
     StepWaitMeter,
     TraceRecorder,
@@ -60,25 +61,6 @@ def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
     # forked DataLoader workers inherit this finaliser; only the creating process cleans up
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _download_ended(shard: LoadedShard) -> None:
-    # a shard handed out as it arrives gives its connections back once its download ends
-    if shard.arriving is not None:
-        shard.arriving.wait_done()
-
-
-#: Shard bytes to consume between two ``malloc_trim`` calls. A trim also returns the
-#: training loop's own freed heap, which the next steps then fault back in: measured on
-#: CPU SchNet training with 0.26 MB shards, trimming after every shard cost 4% of the
-#: pass. Shards this large are worth it; small shards are trimmed after several.
-TRIM_AFTER_BYTES = 8 << 20
 
 
 class ShardStreamDataset(IterableDataset):
@@ -132,15 +114,16 @@ class ShardStreamDataset(IterableDataset):
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
         concurrency (int, optional): Connections open at once (a shard's byte ranges, see
-            ``split_shards``, or downloads of up to ``prefetch`` shards), per rank like
-            ``prefetch`` (each worker gets at least one connection). :obj:`None`: chosen
-            while the stream runs from measured download and consumption times, more
-            while downloads are the bottleneck, one when the consumer is (up to
+            ``SourceOptions.split_shards``, or downloads of up to ``prefetch`` shards),
+            per rank like ``prefetch`` (each worker gets at least one connection).
+            :obj:`None`: chosen while the stream runs from measured download and
+            consumption times, more while downloads are the bottleneck, one when the
+            consumer is (up to
             :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
             one of them on the first shard). ``prefetch`` stays as given, so memory stays
             within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
             ``autotune``. ``prefetch=0`` (the sequential baseline) and record blocks
-            (``blocks``) use one.
+            (``SourceOptions.blocks``) use one.
             (default: :obj:`None`)
         memory_budget (int, optional): Bytes this rank's live shards may take; turns on
             tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
@@ -277,10 +260,7 @@ class ShardStreamDataset(IterableDataset):
             The slot from ``rank`` / ``world_size`` (or :mod:`torch.distributed`) and
             the current DataLoader worker, if any.
         """
-        if self.rank is not None:
-            rank, world_size = self.rank, self.world_size
-        else:
-            rank, world_size = _distributed_rank_world()
+        rank, world_size = resolve_rank(self.rank, self.world_size)
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return StreamSlot(rank, world_size, worker, num_workers)
@@ -432,168 +412,13 @@ class ShardStreamDataset(IterableDataset):
         # downloads start here, not at the first next(): a DataLoader worker calls
         # iter() when it starts and next() only once the main process has started every
         # worker and sent the first request (40-60 ms later with 2 workers, measured)
-        prefetcher = self._start_prefetcher(plan, slot, jobs, recorder)
-        samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
+        prefetcher = start_prefetcher(self, plan, slot, jobs, recorder)
+        samples = hand_out(self, plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
         if self.device_feed is not None:
             return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
-
-    def _start_prefetcher(self, plan: StreamPlan | BlockPlan, slot: StreamSlot,
-                          jobs: list[tuple[int, int]], recorder: TraceRecorder) -> Prefetcher:
-        if isinstance(plan, BlockPlan):
-            loader = BlockLoader(self.source, self.shards, plan, cache_dir=self.options.cache_dir,
-                                 on_error=self.on_error,
-                                 block_bytes=self.options.block_bytes)
-        else:
-            loader = ShardLoader(self.source, self.shards, trusted=self.options.trusted,
-                                 verify=self.options.verify, on_error=self.on_error,
-                                 lazy_decode=self.options.lazy_decode,
-                                 verify_before_use=self.options.verify_before_use)
-        # prefetch and concurrency are per rank: this worker gets its share of both
-        prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
-        concurrency = worker_share(self.concurrency or 1, slot)
-        blocks = isinstance(plan, BlockPlan)
-        tuner = recorder.tuner = stream_tuner(
-            self.memory_budget, [self.options.block_bytes] if blocks
-            else [self.shards[number].size for number in plan.shards], slot.num_workers,
-            # record blocks fix their ranges per block when iteration starts and each
-            # connection holds a block: the default keeps them at one (memory as given)
-            concurrency=1 if blocks and self.concurrency is None else self.concurrency,
-            prefetch=prefetch)
-        if tuner is not None:  # settings chosen by measurement from here on
-            prefetch, concurrency = tuner.start()
-        # a download takes the free connections it can use (Prefetcher)
-        budget = concurrency if self.options.split_shards else 1
-        first = jobs[0] if jobs else None
-        if isinstance(plan, BlockPlan):
-            block_parts = loader.connections(budget)
-            return attach(tuner, Prefetcher(
-                jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
-                                                             parts=lease.connections,
-                                                             downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts))
-        # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
-        # one, or all; a download keeps its connections until it ends. "First" is the
-        # epoch's first shard of this slot, not the first left after a resume: whether a
-        # shard arrives decides its sample order, which a resumed epoch must repeat
-        every = self.options.stream_shards == "all" and prefetch > 0
-        opening = first if first is not None and first[0] == 0 else None
-        arriving = (self.options.stream_shards != "none" and prefetch > 0 and opening is not None
-                    and loader.streams_as_it_arrives(opening[1]))
-
-        def connections(job: tuple[int, int]) -> int:
-            # a first shard handed out as it arrives downloads alone (over at most
-            # ``budget`` ranges): nothing else takes its bandwidth while the consumer
-            # waits on its bytes
-            if arriving and job is opening:
-                return concurrency
-            return loader.connections(job[1], budget)
-
-        return attach(tuner, Prefetcher(
-            jobs, lambda job, cancel, lease: loader.load(
-                *job, cancel, recorder, parts=min(lease.connections, budget),
-                arriving=every or (arriving and job is opening), downloaded=lease.release),
-            depth=prefetch, concurrency=concurrency, connections=connections,
-            settled=_download_ended if arriving or every else None,
-        ))
-
-    def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
-                  recorder: TraceRecorder, prefetcher: Prefetcher,
-                  quota: int | None) -> Iterator[BaseData]:
-        # this body runs when the consumer first calls next(): its first wait starts
-        meter = recorder.meter
-        if meter is not None:
-            meter.asked()
-        # samples are built ahead in the background only where shards are fetched there
-        ahead = ReadAhead(self.options.read_ahead if prefetcher.depth > 0 else 0)
-        pending: dict[int, int] = {}  # samples of each started shard not yet handed out
-        started: set[int] = set()  # positions whose consume_start_s is set
-        handed = 0
-        try:
-            mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
-            items = interleave_shards(iter(prefetcher), self.options.interleave, mixing, progress,
-                                      pending, shuffle=self.shuffle, seed=self.seed,
-                                      epoch=self.epoch,
-                                      transform=names_transform(self._names, self.transform),
-                                      detach=self.shuffle_buffer > 0, ahead=ahead)
-            items = mix_across_shards(items, self.shuffle_buffer, mixing)
-            trim_due = False
-            untrimmed_bytes = 0  # shard bytes consumed since the last trim
-            for unit in (group_items(items, self.batch_size) if self.max_atoms is None
-                         else self._atom_batches(items, plan, quota)):
-                if trim_due:
-                    # the shard finished last time has been dropped by now (pulling this
-                    # unit advanced past it): give its memory back to the OS
-                    release_free_memory()
-                    trim_due = False
-                if quota is not None and handed + len(unit) > quota:
-                    break
-                finishing = []
-                # (no loop variable may keep a sample alive: a sample cut from a collated
-                # shard is a view that pins the whole shard's storage)
-                for position, index in [(position, index) for position, index, _ in unit]:
-                    if position not in started:  # its first sample: consuming it starts
-                        started.add(position)
-                        record = recorder.record(position, plan.shards[position], "")
-                        if record.consume_start_s is None:
-                            record.consume_start_s = recorder.now()
-                    progress.mark_sample(position, index)
-                    pending[position] -= 1
-                    if pending[position] == 0:
-                        finishing.append(position)
-                        progress.mark_complete(position)
-                handed += len(unit)
-                samples = [sample for _, _, sample in unit]
-                last_shard = unit[-1][0]  # a step waits, if at all, on its last sample
-                del unit
-                item = (samples[0] if self.batch_size is None and self.max_atoms is None
-                        else Batch.from_data_list(samples))
-                del samples
-                if meter is not None:
-                    meter.received(last_shard)
-                yield item
-                del item
-                if meter is not None:  # the consumer asks for the next item
-                    meter.asked()
-                now = recorder.now() if finishing else 0.0  # the consumer is back: it
-                for position in finishing:  # is done with the shards in `finishing`
-                    record = recorder.record(position, plan.shards[position], "")
-                    record.consume_finish_s = now
-                    untrimmed_bytes += record.bytes or 0
-                if self.options.trim_memory and untrimmed_bytes >= TRIM_AFTER_BYTES:
-                    trim_due, untrimmed_bytes = True, 0
-                if quota is not None and handed >= quota:
-                    break  # do not pull (and download) anything past the quota
-            progress.finished = True
-        finally:
-            prefetcher.close()
-            ahead.close()
-            recorder.wait_s = prefetcher.wait_s
-            now = recorder.now()
-            for position in pending:  # shards cut short by a quota, break or error
-                record = recorder.record(position, plan.shards[position], "")
-                if record.consume_start_s is not None and record.consume_finish_s is None:
-                    record.consume_finish_s = now
-            self._progress = progress
-            if get_worker_info() is not None:
-                name = f"epoch{self.epoch:06d}-rank{slot.rank}-worker{slot.worker}.json"
-                recorder.write(self.trace_dir / name)
-
-    def _atom_batches(self, items: Iterator, plan: StreamPlan | BlockPlan,
-                      quota: int | None) -> Iterator[list]:
-        # max_atoms: the batching lives in pyg.budget; a batch never crosses the quota
-        def describe(item: tuple) -> str:
-            position, index = item[0], item[1]
-            if isinstance(plan, BlockPlan):
-                block = plan.blocks[position]
-                return f"record {block.first + index} of shard {self.shards[block.shard].name}"
-            return f"sample {index} of shard {self.shards[plan.shards[position]].name}"
-
-        return group_by_atoms(items, self.max_atoms, lambda item: item[2].num_nodes,
-                              window=self.shuffle_buffer, limit=quota,
-                              oversize=self.oversize, describe=describe)
 
     # ----------------------------------------------------------------- traces
     def _snapshots(self) -> list[dict]:

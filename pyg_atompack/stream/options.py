@@ -159,7 +159,7 @@ class SourceOptions:
             layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
         trim_memory (bool, optional): Hand freed heap memory back to the operating system (glibc
             ``malloc_trim``; a no-op elsewhere) after a consumed shard, once at least
-            :data:`~pyg_atompack.stream.dataset.TRIM_AFTER_BYTES` of shards were consumed
+            :data:`~pyg_atompack.stream.iteration.TRIM_AFTER_BYTES` of shards were consumed
             since the last trim. Without it the resident set keeps the high-water mark of
             the prefetch threads' malloc arenas, several shards above what is alive; see
             :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
@@ -207,6 +207,12 @@ class SourceOptions:
             # an owned copy: a caller's dict changed later must not change the options
             object.__setattr__(self, "rename", dict(self.rename))
         resolve_names(self.rename, self.names)  # an unknown preset fails here, not later
+
+    def __hash__(self) -> int:
+        # frozen options are values: hashable although ``rename`` is held as a dict
+        values = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return hash(tuple(tuple(sorted(value.items())) if isinstance(value, dict) else value
+                          for value in values))
 
 
 def source_options(source: Any, options: SourceOptions | None) -> SourceOptions:
