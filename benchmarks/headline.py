@@ -90,7 +90,8 @@ ROWS = (
     Row("reads", "benchmarks/cold_read.py", "same file, larger than memory (page cache held to "
         "1/8 of the file), random reads", _ratios("budget")),
     Row("reads", "benchmarks/cold_read.py", "same file not in the page cache, a whole first "
-        "epoch read from the disk (the file fits in memory)", _ratios("cold-epoch")),
+        "epoch read from the disk (the file fits in memory; quick runs: batches of 256 only)",
+        _ratios("cold-epoch")),
     Row("loader", "benchmarks/bench_dataset.py", "`AtompackLoader` vs PyG "
         "`DataLoader(AtompackDataset)`, shuffled batches of 32, 20,000 × 64 atoms in the page "
         "cache", _loader),
