@@ -38,7 +38,7 @@ HF_VENVS := build/hf
 HF_PINS_0.36.2 := httpx==0.28.1
 HF_STAMPS := $(HF_RELEASES:%=$(HF_VENVS)/%/.installed)
 
-.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick clean
+.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick docs clean
 
 # The Python environment and Azurite install side by side: both mostly wait on
 # registries, so a fresh `make test` pays for the longer of the two, not their sum.

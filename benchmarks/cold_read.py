@@ -28,14 +28,16 @@ Regimes (``--regimes``):
 * ``cold-epoch``: as ``cold``, but a run reads every record once, shuffled: the first
   epoch of a data set that fits in memory and was not in the page cache.
 * ``budget``: a data set larger than memory, emulated: a run of ``--budget-records``
-  records during which, every 16 records, the file is dropped from the page cache
+  records during which, every 16 records (or batch), the file is dropped from the page cache
   (reader closed and reopened, clock paused) once more than ``--budget-share`` of it
   is resident. A read-around window is then rarely read again before it is dropped.
 
 Run::
 
-    python benchmarks/cold_read.py            # every regime, ~15 min on the shared 2-core VM
-    python benchmarks/cold_read.py --quick    # for make bench-quick, ~4 min
+    python benchmarks/cold_read.py            # every regime, 5 rounds: ~40 min here
+    python benchmarks/cold_read.py --rounds 3 --cold-epoch-rounds 1 --budget-records 1024
+                                              # the recorded run: 21 min at load 12-17
+    python benchmarks/cold_read.py --quick    # for make bench-quick: ~3 min
 
 Writes ``benchmarks/results/cold_read.md`` and ``.json`` (or ``--output``).
 """

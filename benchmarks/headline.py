@@ -90,7 +90,8 @@ ROWS = (
     Row("reads", "benchmarks/cold_read.py", "same file, larger than memory (page cache held to "
         "1/8 of the file), random reads", _ratios("budget")),
     Row("reads", "benchmarks/cold_read.py", "same file not in the page cache, a whole first "
-        "epoch read from the disk (the file fits in memory)", _ratios("cold-epoch")),
+        "epoch read from the disk (the file fits in memory; quick runs: batches of 256 only)",
+        _ratios("cold-epoch")),
     Row("loader", "benchmarks/bench_dataset.py", "`AtompackLoader` vs PyG "
         "`DataLoader(AtompackDataset)`, shuffled batches of 32, 20,000 × 64 atoms in the page "
         "cache", _loader),
@@ -149,15 +150,36 @@ def measure_schnet(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
                "--out", str(folder), "--figure", str(folder / "schnet.png")]
     if mode == "tiny":
         command += ["--hidden-channels", "16", "--num-interactions", "1", "--max-shards", "2"]
-    sys.stderr.write(_run(command, log))
-    result = json.loads((folder / "schnet.json").read_text(encoding="utf-8"))
+    if "schnet" in FROM:
+        log(f"schnet: figures of {FROM['schnet']}")
+        result = json.loads(FROM["schnet"].read_text(encoding="utf-8"))
+    else:
+        sys.stderr.write(_run(command, log))
+        result = json.loads((folder / "schnet.json").read_text(encoding="utf-8"))
     summary = result["summary"]
     return {"pairs": len(result["pairs"]), "speedup": summary["speedup_geomean"],
             "ci": list(summary["speedup_ci"]), "d_over_c": result["d_over_c"]}
 
 
+# --from: the JSON a script wrote in a run made apart (a long or already-recorded run),
+# read instead of running the script again; the table says which file
+FROM: dict[str, Path] = {}
+
+
+def peers_figures(details: dict) -> dict:
+    """Ours ÷ each peer at D/C = 1 from ``peers.py``'s JSON (as its last line says them)."""
+    one = details["streaming"]["1.0"]["ours_pt_vs"]
+    keys = {"litdata": "litdata", "mosaic": "mosaic", "webdataset": "webdataset_w2",
+            "foldpipe": "foldpipe", "datasets": "hf_datasets"}
+    return {name: round(one[key]["speedup_geomean"], 3) if key in one else None
+            for name, key in keys.items()}
+
+
 def measure_peers(mode: str, folder: Path, log: Callable[[str], None]) -> dict:
     """``peers.py``: its last line is ours ÷ each peer at D/C = 1."""
+    if "peers" in FROM:
+        log(f"peers: figures of {FROM['peers']}")
+        return peers_figures(json.loads(FROM["peers"].read_text(encoding="utf-8")))
     command = [sys.executable, str(HERE / "peers.py")]
     if mode != "full":
         command += ["--quick", "--no-mixed", "--no-workers"]
@@ -210,11 +232,19 @@ def build_table(results: dict) -> str:
             cell = row.cells(found)
         lines.append(f"| {row.what} | {cell} | `{row.script}` |")
     versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
-    lines += ["", f"`python benchmarks/headline.py {meta['mode_flag']}`".replace(" `", "`")
-              + f" ({meta['mode']} runs), {meta['date']}, {meta['machine']}, load "
-              f"{meta['load']} at the start, {meta['minutes']:.1f} min; {versions}. "
-              "More than 1×: ours is faster. The machine is shared with other work: "
-              "the figures are provisional and move by ±20% between runs."]
+    kept, taken = meta.get("kept", {}), meta.get("from", {})
+    measured = [source for source in figures if source not in kept and source not in taken]
+    parts = []
+    if measured:
+        parts.append(f"{', '.join(measured)}: `python benchmarks/headline.py "
+                     f"{meta['mode_flag']}`".replace(" `", "`") + f" ({meta['mode']} runs), "
+                     f"{meta['date']}, {meta['minutes']:.1f} min, load {meta['load']} at the "
+                     "start")
+    parts += [f"{source}: {when}" for source, when in kept.items()]
+    parts += [f"{source}: from `{path}` (not rerun)" for source, path in taken.items()]
+    lines += ["", "; ".join(parts) + f". {meta['machine']}; {versions}. More than 1×: ours "
+              "is faster. The machine is shared with other work: the figures are provisional "
+              "and move by ±20% between runs."]
     return "\n".join(lines) + "\n"
 
 
@@ -248,12 +278,24 @@ def main(argv: list[str] | None = None) -> int:
                       help="print the table of --results without running anything")
     parser.add_argument("--skip", nargs="*", default=[], choices=SOURCES,
                         help="sources not to run")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the figures of --results for the sources not run now "
+                             "(e.g. --keep --skip reads loader schnet: rerun only peers)")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="JSON of the figures (written, or read with --reprint)")
     parser.add_argument("--readme", type=Path, nargs="*", default=[],
                         help="also write the table between the headline markers of these "
                              "files (README.md, docs/benchmarks.md)")
+    parser.add_argument("--from", dest="sources_from", nargs="*", default=[],
+                        metavar="SOURCE=JSON",
+                        help="schnet=schnet.json or peers=peers.json: read the figures of "
+                             "a run made apart instead of running the script")
     args = parser.parse_args(argv)
+    for item in args.sources_from:
+        source, _, path = item.partition("=")
+        if source not in ("schnet", "peers") or not path:
+            parser.error(f"--from {item}: expected schnet=PATH or peers=PATH")
+        FROM[source] = Path(path)
     sys.path.insert(0, str(HERE))  # the benchmark modules import each other by name
     if args.reprint:
         results = json.loads(args.results.read_text(encoding="utf-8"))
@@ -261,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "quick" if args.quick else "tiny" if args.tiny else "full"
         log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
         began = time.perf_counter()
-        meta = {**describe(), "mode": name, "mode_flag": "" if name == "full" else f"--{name}"}
+        meta = {**describe(), "mode": name, "mode_flag": "" if name == "full" else f"--{name}",
+                "from": {source: str(path) for source, path in FROM.items()}}
         figures = {}
         with tempfile.TemporaryDirectory(prefix="headline-") as tmp:
             for source in SOURCES:
@@ -272,11 +315,24 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 try:
                     figures[source] = MEASURES[source](name, folder, log)
-                except (subprocess.CalledProcessError, OSError, ValueError, KeyError) as exc:
+                except subprocess.CalledProcessError as exc:
                     # recorded in the table, never dropped: the other rows still stand
+                    sys.stderr.write(exc.stdout or "")
+                    figures[source] = {"error": f"{Path(exc.cmd[1]).name} exited with "
+                                                f"{exc.returncode}"}
+                except (OSError, ValueError, KeyError) as exc:
                     figures[source] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                 log(f"[{source}: {time.perf_counter() - started:.0f} s]")
         meta["minutes"] = (time.perf_counter() - began) / 60
+        if args.keep and args.results.exists():
+            kept = json.loads(args.results.read_text(encoding="utf-8"))
+            figures = {**kept["figures"], **figures}
+            # the sources kept keep the date of their own run
+            old = kept["meta"]
+            when = (f"the `{old['mode_flag'] or 'full'}` run of {old['date']} (load "
+                    f"{old['load']})" if "mode_flag" in old else f"the run of {old['date']}")
+            meta["kept"] = {source: old.get("kept", {}).get(source, when)
+                            for source in kept["figures"] if source in args.skip}
         results = {"meta": meta, "figures": figures}
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1), encoding="utf-8")

@@ -73,3 +73,19 @@ def test_a_readme_without_markers_is_refused_by_name(tmp_path):
     assert run.returncode == 2
     assert "README.md: the markers <!-- headline:start -->" in run.stderr
     assert readme.read_text(encoding="utf-8") == "no markers here\n"
+
+
+def test_keep_carries_the_figures_of_sources_not_rerun(tmp_path):
+    results = tmp_path / "headline.json"
+    results.write_text(json.dumps({"meta": {"date": "2026-01-01 00:00 UTC"}, "figures": {
+        "loader": {"ratio": 12.345}, "schnet": {"error": "CalledProcessError: boom"}}}),
+        encoding="utf-8")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--keep", "--skip", "reads",
+                          "loader", "schnet", "peers", "--results", str(results)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _rows(run.stdout)
+    assert rows[4][1] == "12.3×"  # kept from the earlier run
+    assert rows[5][1] == "failed: CalledProcessError: boom"  # a failure is shown, not hidden
+    assert rows[0][1] == "not run" and rows[6][1] == "not run"
+    assert "loader: the run of 2026-01-01 00:00 UTC" in run.stdout
