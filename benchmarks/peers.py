@@ -92,7 +92,7 @@ from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
 from torch_geometric.data import Batch, Data  # noqa: E402
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions  # noqa: E402
 
 WORK = HERE / "_work"
 #: Stores of part 1 (every format of a structure set), kept between runs.
@@ -415,22 +415,22 @@ def ours(base_url: str, kind: str, prefetch: int | None, concurrency: int | None
     DataLoader workers: PyG's ``DataLoader`` collating samples, or with
     ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``.
     ``prefetch`` / ``concurrency`` :obj:`None`: the library's defaults (not passed).
-    ``options`` go to ``ShardStreamDataset`` (e.g. ``verify_before_use=False``)."""
+    ``options`` are :class:`SourceOptions` fields (e.g. ``verify_before_use=False``), given
+    to the source."""
     tuned = {k: v for k, v in (("prefetch", prefetch), ("concurrency", concurrency))
              if v is not None}
+    source_options = SourceOptions(**options) if options else None
 
     def build():
-        source = RemoteSource(f"{base_url}/{kind}/manifest.json")
+        source = RemoteSource(f"{base_url}/{kind}/manifest.json", options=source_options)
         if workers == 0:
-            return ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned,
-                                      **options)
+            return ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned)
         from torch_geometric.loader import DataLoader
 
         if dataset_batches:
-            dataset = ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned,
-                                         **options)
+            dataset = ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned)
             return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
-        dataset = ShardStreamDataset(source, shuffle=True, **tuned, **options)
+        dataset = ShardStreamDataset(source, shuffle=True, **tuned)
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return build
 
