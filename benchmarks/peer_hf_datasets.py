@@ -21,8 +21,11 @@ shuffle run dry (its reader threads' shutdown, apache/arrow#45214): with a buffe
 batch when the data is smaller than the buffer. ``shutdown_sleep=0`` sets that value
 to 0 for one arm, to show what the sleep costs.
 
-Imports only numpy and torch at module level, so ``peers.py`` imports it even when
-``datasets`` is not installed (the arm then says so and is left out).
+Run alone (``python benchmarks/peer_hf_datasets.py``) it times the same pipeline over
+local Parquet files, no network and no consumer, to show where the arm's time goes
+(:func:`main`). Imports nothing outside the standard library at module level, so
+``peers.py`` imports it even when ``datasets`` is not installed (that run then writes
+no Parquet shards and its tables say the arms did not run).
 """
 
 from __future__ import annotations
@@ -107,3 +110,54 @@ def hf_datasets_arm(base_url: str, names: list[str], batch_size: int, workers: i
         return torch.utils.data.DataLoader(stream, batch_size=batch_size,
                                            num_workers=workers, collate_fn=collate_fn)
     return build
+
+
+def main() -> None:
+    """``python benchmarks/peer_hf_datasets.py``: where the arm's time goes, without any
+    network: one pass of the same pipeline over Parquet files on the local disk, no
+    consumer, the features ``datasets`` infers against ``Array2D`` ones, and the sleep
+    at the library's value against 0. Prints one JSON line of seconds per pass."""
+    import argparse
+    import json
+    import tempfile
+    import time
+
+    import datasets
+    import torch
+    from peers import make_items  # this file's folder is sys.path[0]
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=12)
+    parser.add_argument("--per-shard", type=int, default=256)
+    parser.add_argument("--atoms", type=int, default=64)
+    args = parser.parse_args()
+    datasets.disable_progress_bars()
+    library_sleep = datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN
+    arrays = datasets.Features({
+        "z": datasets.List(datasets.Value("int64")),
+        "pos": datasets.Array2D(shape=(None, 3), dtype="float32"),
+        "forces": datasets.Array2D(shape=(None, 3), dtype="float32"),
+        "energy": datasets.Value("float32")})
+    parts = [make_items(s, args.per_shard, args.atoms) for s in range(args.shards)]
+    results = {"datasets": datasets.__version__, "structures": args.shards * args.per_shard}
+    with tempfile.TemporaryDirectory(prefix="peer-hf-") as scratch:
+        for label, features in (("inferred", None), ("Array2D", arrays)):
+            files = []
+            for s, items in enumerate(parts):
+                files.append(f"{scratch}/{label}-{s:04d}.parquet")
+                datasets.Dataset.from_list(items, features=features).to_parquet(files[-1])
+            for sleep in (library_sleep, 0):
+                datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = sleep
+                started = time.perf_counter()
+                stream = datasets.load_dataset("parquet", data_files=files, split="train",
+                                               streaming=True)
+                stream = stream.shuffle(seed=0, buffer_size=BUFFER).with_format("torch")
+                seen = sum(len(b["energy"])
+                           for b in torch.utils.data.DataLoader(stream, batch_size=32))
+                assert seen == results["structures"], seen
+                results[f"{label}, sleep {sleep} s"] = round(time.perf_counter() - started, 2)
+    print(json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
