@@ -71,6 +71,8 @@ def test_names_are_checked_and_rename_is_an_owned_copy():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.retries = 3  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(options)) == options  # travels into workers
+    assert hash(options) == hash(SourceOptions(rename={"forces": "force"}))
+    assert len({options, SourceOptions(rename={"forces": "force"}), SourceOptions()}) == 2
 
 
 def test_options_given_with_a_url_reach_the_stream(server):
@@ -91,6 +93,8 @@ def test_a_source_carrying_options_keeps_them_and_refuses_others(server, tmp_pat
         ShardStreamDataset(local, options=SourceOptions(verify=False))
     with pytest.raises(ValueError, match="already a source"):
         open_source(local, SourceOptions())
+    with pytest.raises(ValueError, match="already a source"):
+        open_source(local, retry=NO_RETRY)  # storage options belong to it as well
     assert open_source(local) is local
 
 

@@ -3,13 +3,12 @@
 Sources (:class:`RemoteSource` over the backend a URL's scheme names: ``http(s)://``,
 ``hf://``, ``s3://`` / ``gs://`` / ``az://``, schemes other packages register;
 :class:`LocalSource`; or your own :class:`Source`; :func:`open_source` picks one from a
-URL) list shards once and fetch their bytes;
-:class:`SourceOptions` say how one source's shards are fetched, checked and decoded;
-:class:`ShardStreamDataset`
+URL) list shards once and fetch their bytes; :class:`SourceOptions` say how one
+source's shards are fetched, checked and decoded; :class:`ShardStreamDataset`
 prefetches and decodes them with a bounded working set (in a child process that hands
-items over through shared memory, or on background threads: ``retrieval=``), splits
-them across DataLoader workers and DDP ranks, resumes from a ``state_dict`` and records
-per-shard traces.
+items over through shared memory, or on background threads:
+``SourceOptions(retrieval=)``), splits them across DataLoader workers and DDP ranks,
+resumes from a ``state_dict`` and records per-shard traces.
 
 Example::
 
@@ -36,7 +35,7 @@ from pyg_atompack.stream.errors import (
 )
 from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.options import SourceOptions
-from pyg_atompack.stream.payloads import decode_shard
+from pyg_atompack.stream.payloads import ShardFormat, decode_shard, register_shard_format
 from pyg_atompack.stream.sources import (
     CancelToken,
     LocalSource,
@@ -57,6 +56,8 @@ __all__ = [
     "open_source",
     "ShardBuffer",
     "decode_shard",
+    "ShardFormat",
+    "register_shard_format",
     "StreamError",
     "ShardFetchError",
     "ShardIntegrityError",

@@ -26,6 +26,7 @@ from pyg_atompack.pyg import resolve_names
 from pyg_atompack.pyg.budget import check_budget
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
+from pyg_atompack.pyg.ranks import resolve_rank
 from pyg_atompack.stream.autotune import check_memory_budget
 from pyg_atompack.stream.blocks import (
     BlockPlan,
@@ -60,12 +61,6 @@ def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
     # forked DataLoader workers inherit this finaliser; only the creating process cleans up
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class ShardStreamDataset(IterableDataset):
@@ -119,15 +114,16 @@ class ShardStreamDataset(IterableDataset):
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
         concurrency (int, optional): Connections open at once (a shard's byte ranges, see
-            ``split_shards``, or downloads of up to ``prefetch`` shards), per rank like
-            ``prefetch`` (each worker gets at least one connection). :obj:`None`: chosen
-            while the stream runs from measured download and consumption times, more
-            while downloads are the bottleneck, one when the consumer is (up to
+            ``SourceOptions.split_shards``, or downloads of up to ``prefetch`` shards),
+            per rank like ``prefetch`` (each worker gets at least one connection).
+            :obj:`None`: chosen while the stream runs from measured download and
+            consumption times, more while downloads are the bottleneck, one when the
+            consumer is (up to
             :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
             one of them on the first shard). ``prefetch`` stays as given, so memory stays
             within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
             ``autotune``. ``prefetch=0`` (the sequential baseline) and record blocks
-            (``blocks``) use one.
+            (``SourceOptions.blocks``) use one.
             (default: :obj:`None`)
         memory_budget (int, optional): Bytes this rank's live shards may take; turns on
             tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
@@ -264,10 +260,7 @@ class ShardStreamDataset(IterableDataset):
             The slot from ``rank`` / ``world_size`` (or :mod:`torch.distributed`) and
             the current DataLoader worker, if any.
         """
-        if self.rank is not None:
-            rank, world_size = self.rank, self.world_size
-        else:
-            rank, world_size = _distributed_rank_world()
+        rank, world_size = resolve_rank(self.rank, self.world_size)
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return StreamSlot(rank, world_size, worker, num_workers)

@@ -158,7 +158,7 @@ def hand_out(dataset: ShardStreamDataset, plan: StreamPlan | BlockPlan, slot: St
                                   transform=names_transform(dataset._names, dataset.transform),
                                   detach=dataset.shuffle_buffer > 0, ahead=ahead)
         items = mix_across_shards(items, dataset.shuffle_buffer, mixing)
-        trim_due = False
+        trim, trim_due = dataset.options.trim_memory, False
         untrimmed_bytes = 0  # shard bytes consumed since the last trim
         for unit in (group_items(items, dataset.batch_size) if dataset.max_atoms is None
                      else _atom_batches(dataset, items, plan, quota)):
@@ -201,7 +201,7 @@ def hand_out(dataset: ShardStreamDataset, plan: StreamPlan | BlockPlan, slot: St
                 record = recorder.record(position, plan.shards[position], "")
                 record.consume_finish_s = now
                 untrimmed_bytes += record.bytes or 0
-            if dataset.options.trim_memory and untrimmed_bytes >= TRIM_AFTER_BYTES:
+            if trim and untrimmed_bytes >= TRIM_AFTER_BYTES:
                 trim_due, untrimmed_bytes = True, 0
             if quota is not None and handed >= quota:
                 break  # do not pull (and download) anything past the quota

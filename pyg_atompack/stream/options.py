@@ -208,6 +208,12 @@ class SourceOptions:
             object.__setattr__(self, "rename", dict(self.rename))
         resolve_names(self.rename, self.names)  # an unknown preset fails here, not later
 
+    def __hash__(self) -> int:
+        # frozen options are values: hashable although ``rename`` is held as a dict
+        values = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return hash(tuple(tuple(sorted(value.items())) if isinstance(value, dict) else value
+                          for value in values))
+
 
 def source_options(source: Any, options: SourceOptions | None) -> SourceOptions:
     """The options a stream over ``source`` uses: the source's own, or ``options``.
