@@ -13,7 +13,8 @@ the other arms:
 * ``{"op": "read", "remote": "s3://...", "compute": s, "batch_size": n, "ragged": b,
   "endpoint": url}``: one pass of ``StreamingDataset(remote=..., local=<fresh dir>)`` through a
   ``DataLoader`` (``ragged``: structures of different sizes, atoms concatenated), the
-  consumer sleeping ``compute`` seconds per batch;
+  consumer sleeping ``compute`` seconds per batch; the answer lists the pass's energies
+  (float32, sorted), which the parent checks against the structures written;
 * ``{"op": "quit"}``.
 
 The S3 endpoint comes from ``S3_ENDPOINT_URL``, as streaming's documentation says (a
@@ -98,15 +99,21 @@ def read(remote: str, compute: float, batch_size: int, ragged: bool = False,
             loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size,
                                                  num_workers=0,
                                                  collate_fn=_concat if ragged else None)
-            first, samples = None, 0
+            first, last, samples, energies = None, None, 0, []
             for batch in loader:
+                last = time.perf_counter() - started
                 if first is None:
-                    first = time.perf_counter() - started
+                    first = last
                 samples += len(batch["energy"])
+                energies.append(batch["energy"].numpy().astype("float32"))
                 time.sleep(compute)  # stands in for a training step
             elapsed = time.perf_counter() - started
         del loader, dataset
-        return {"seconds": elapsed, "first_batch_s": first, "samples": samples,
+        import numpy as np
+
+        energy = np.sort(np.concatenate(energies)) if energies else np.zeros(0, "float32")
+        return {"seconds": elapsed, "first_batch_s": first, "last_batch_s": last,
+                "samples": samples, "energies": energy.tolist(),
                 "rss_growth": sampler.peak_rss - sampler.baseline,
                 "disk_peak": sampler.peak_disk}
     finally:

@@ -1,5 +1,5 @@
 """Side by side with what users would pick instead: LitData, MosaicML streaming,
-WebDataset, FoldPipe and PyG's ``OnDiskDataset``.
+WebDataset, FoldPipe, the Hugging Face ``datasets`` library and PyG's ``OnDiskDataset``.
 
 Part 1, streaming from remote storage. The same 64-atom structures are stored in each
 tool's own format and read the way its documentation recommends, all shards behind the
@@ -7,10 +7,12 @@ same per-connection bandwidth limit, by a consumer sleeping a fixed compute time
 batch of 32 (D/C = 0.5, 1, 3, where D is the download time of one ``.pt`` shard at the
 limit and C the compute time of its batches):
 
-* ours: ``ShardStreamDataset(RemoteSource(manifest), prefetch, concurrency, shuffle=True,
-  batch_size=32)`` over the ``.pt`` shards (``ours_pt``, the reference of every ratio) and
-  over ``.atp`` shards of the same structures (``ours_atp``), prefetch and concurrency as
-  in ``stream_overlap.py``; from the throttled HTTP server (``tests/servers/http_server.py``);
+* ours: ``ShardStreamDataset(RemoteSource(manifest), shuffle=True, batch_size=32)`` over
+  the ``.pt`` shards (``ours_pt``, the reference of every ratio) and over ``.atp`` shards
+  of the same structures (``ours_atp``), with the library's defaults (prefetch 1, the
+  connections chosen by measurement), as every peer runs with its own; ``--tuned`` gives
+  ours the per-regime prefetch / concurrency of ``stream_overlap.py`` instead (earlier
+  records); from the throttled HTTP server (``tests/servers/http_server.py``);
 * LitData: ``litdata.optimize`` chunks on an S3 bucket of a ``moto`` server behind the
   paced TCP relay ``tests/servers/tcp_proxy.py`` (``AWS_ENDPOINT_URL``),
   read with ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``;
@@ -19,7 +21,15 @@ limit and C the compute time of its batches):
   run in its own virtual environment (``peer_mosaic.py``, see there why);
 * WebDataset: tar shards on the throttled HTTP server, ``wds.WebDataset(urls,
   shardshuffle=...).shuffle(1000).decode()`` + ``DataLoader``;
-* FoldPipe: ``AsyncFoldPipeLoader`` over the ``.pt`` shards, as in ``stream_overlap.py``.
+* FoldPipe: ``AsyncFoldPipeLoader`` over the ``.pt`` shards, as in ``stream_overlap.py``;
+* Hugging Face ``datasets``: Parquet shards on the same HTTP server,
+  ``load_dataset("parquet", data_files=[urls], streaming=True).shuffle(seed=0)
+  .with_format("torch")`` + ``DataLoader``, in-process and behind 2 workers
+  (``peer_hf_datasets.py``, see there what it does on its own).
+
+Every pass of every arm is checked to yield the structures written: its count, and
+its energies (float32, sorted) against those of the structures (a digest), MosaicML's
+inside its child.
 
 Every pair runs each arm once, the order rotated from pair to pair; ratios are
 ``theirs / ours`` wall time (> 1: ours faster), summarised by the geometric mean and a
@@ -40,6 +50,11 @@ The MosaicML venv is built on first use under ``benchmarks/_work/`` (git-ignored
 so are the stores of part 1 (every format of each structure set, with the conversion
 figures measured when they were written): later runs with the same sizes and versions
 reuse them (``--rebuild`` writes them again). One MosaicML child serves the whole run.
+
+Why one file of ~1,300 lines: it is one protocol (the stores, the pairing, the sample
+check and the report share one result layout that ``--first-shard``, ``--workers-only``
+and ``--random-access`` print parts of); what one peer needs on its own lives beside it,
+``peer_mosaic.py`` (its venv child) and ``peer_hf_datasets.py`` (the datasets arm).
 """
 
 from __future__ import annotations
@@ -70,12 +85,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import PeakSampler, ServerProcess, dir_bytes, serve_http, serve_s3_relay  # noqa: E402
 from paired_stats import summarize_pairs  # noqa: E402
+from peer_hf_datasets import available as hf_datasets_version  # noqa: E402
+from peer_hf_datasets import hf_datasets_arm, write_parquet  # noqa: E402
 from servers.http_server import write_manifest  # noqa: E402
 from stream_overlap import _FoldPipeHTTPSource  # noqa: E402
 from torch_geometric.data import Batch, Data  # noqa: E402
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp  # noqa: E402
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions  # noqa: E402
 
 WORK = HERE / "_work"
 #: Stores of part 1 (every format of a structure set), kept between runs.
@@ -84,7 +101,7 @@ BATCH = 32
 BUCKET = "peers"
 #: The peers' versions this benchmark was written against (also in pyproject's ``bench``).
 PINS = {"litdata": "0.2.76", "webdataset": "1.0.2", "moto": "5.2.5", "foldpipe": "0.3.2",
-        "mosaicml-streaming": "0.13.0"}
+        "mosaicml-streaming": "0.13.0", "datasets": "5.2.0", "pyarrow": "26.0.1"}
 #: The MosaicML venv: streaming without its dependency pins, plus what it imports.
 MOSAIC_REQUIREMENTS = [
     "mosaicml-streaming==0.13.0", "numpy==2.1.3", "brotli==1.1.0", "python-snappy==0.7.3",
@@ -92,7 +109,9 @@ MOSAIC_REQUIREMENTS = [
     "transformers==4.57.1", "huggingface_hub==0.36.0", "tokenizers==0.22.1",
     "safetensors==0.8.0", "regex", "pyyaml", "packaging", "tqdm", "filelock",
 ]
-REGIMES = [(0.5, 2, 2), (1.0, 2, 2), (3.0, 4, 3)]  # (D/C, prefetch, concurrency)
+#: (D/C, prefetch, concurrency): ours with ``--tuned`` (and ``--first-shard``); a run
+#: without it gives ours the library's defaults.
+REGIMES = [(0.5, 2, 2), (1.0, 2, 2), (3.0, 4, 3)]
 #: Atom counts of the mixed-size set, drawn uniformly per structure (mean 64, as the other).
 MIXED_ATOMS = (8, 120)
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -101,13 +120,13 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 
 # ------------------------------------------------------------------ data in every format
 #: Bump when ``write_formats`` changes what it writes, so that kept stores are rebuilt.
-STORES_VERSION = 1
+STORES_VERSION = 2  # 2: Parquet shards for the datasets arm
 
 
 def stores_key() -> str:
     """What kept stores must match: this file's format version and the writers' versions."""
     found = []
-    for name in ("torch", "torch_geometric", "litdata", "webdataset"):
+    for name in ("torch", "torch_geometric", "litdata", "webdataset", "datasets", "pyarrow"):
         try:
             found.append(metadata.version(name))
         except metadata.PackageNotFoundError:
@@ -155,6 +174,18 @@ def make_items(shard: int, count: int, atoms: int | tuple[int, int]) -> list[dic
     return items
 
 
+def energy_digest(energies) -> str:
+    """What every pass is checked against: the energies as float32, sorted, hashed."""
+    values = np.sort(np.asarray(energies, dtype=np.float32).reshape(-1))
+    return hashlib.sha256(values.tobytes()).hexdigest()[:16]
+
+
+def expected_digest(shards: int, per_shard: int, atoms: int | tuple[int, int]) -> str:
+    """The digest of the structures :func:`write_formats` writes (drawn again: seeded)."""
+    return energy_digest([item["energy"] for s in range(shards)
+                          for item in make_items(s, per_shard, atoms)])
+
+
 def item_data(item: dict) -> Data:
     return Data(z=torch.from_numpy(item["z"]), pos=torch.from_numpy(item["pos"]),
                 forces=torch.from_numpy(item["forces"]),
@@ -163,7 +194,7 @@ def item_data(item: dict) -> Data:
 
 def write_formats(www: Path, lit_dir: Path, mds_source: Path, shards: int, per_shard: int,
                   atoms: int | tuple[int, int]) -> tuple[dict, dict]:
-    """Write .pt, .atp, tar and LitData stores and the MDS source (structures as flat
+    """Write .pt, .atp, tar, Parquet and LitData stores and the MDS source (structures as flat
     arrays + offsets, for ``peer_mosaic.py``); returns (names, conversion figures).
 
     ``atoms`` is the atom count of every structure, or a ``(low, high)`` range each
@@ -173,7 +204,7 @@ def write_formats(www: Path, lit_dir: Path, mds_source: Path, shards: int, per_s
     import webdataset as wds
 
     parts = [make_items(s, per_shard, atoms) for s in range(shards)]
-    names = {"pt": [], "atp": [], "tar": []}
+    names = {"pt": [], "atp": [], "tar": [], "parquet": []}
     convert = {}
     started = time.perf_counter()
     for s, items in enumerate(parts):  # the reference: a training set already in .pt
@@ -212,6 +243,12 @@ def write_formats(www: Path, lit_dir: Path, mds_source: Path, shards: int, per_s
         names["tar"].append(name)
     convert["webdataset"] = {"seconds": time.perf_counter() - started,
                              "bytes": dir_bytes(www / "tar")}
+
+    if hf_datasets_version() is not None:  # else the datasets arms say "did not run"
+        started = time.perf_counter()
+        names["parquet"] = write_parquet(www / "parquet", parts)
+        convert["hf datasets (Parquet)"] = {"seconds": time.perf_counter() - started,
+                                            "bytes": dir_bytes(www / "parquet")}
 
     flat = [item for items in parts for item in items]
     started = time.perf_counter()
@@ -328,26 +365,40 @@ def consume(make_batches, compute: float, directory: Path | None = None,
             arrivals: bool = False) -> dict:
     """One pass: ``make_batches()`` builds the loader (timed), the consumer sleeps per batch.
 
-    With ``arrivals``, the result also lists when each batch reached the consumer.
+    The result holds the pass's wall time, when its first and last batches arrived, its
+    sample count and the digest of its energies (:func:`energy_digest`, to check that
+    every arm yields the same structures). With ``arrivals``, it also lists when each
+    batch reached the consumer.
     """
-    times = []
+    times, energies = [], []
     with PeakSampler(directory) as sampler:
         started = time.perf_counter()
-        first, samples = None, 0
+        first, last, samples = None, None, 0
         for batch in make_batches():
-            now = time.perf_counter() - started
+            last = time.perf_counter() - started
             if first is None:
-                first = now
-            times.append(now)
+                first = last
+            times.append(last)
             samples += _batch_len(batch)
+            energies.append(_batch_energy(batch))
             time.sleep(compute)  # stands in for a training step
         elapsed = time.perf_counter() - started
-    result = {"seconds": elapsed, "first_batch_s": first, "samples": samples,
+    result = {"seconds": elapsed, "first_batch_s": first, "last_batch_s": last,
+              "samples": samples, "energy_digest": energy_digest(np.concatenate(energies))
+              if energies else energy_digest([]),
               "rss_growth": sampler.peak_rss - sampler.baseline,
               "disk_peak": sampler.peak_disk}
     if arrivals:
         result["arrivals"] = times
     return result
+
+
+def _batch_energy(batch) -> np.ndarray:
+    """The batch's energies as float32 (a PyG ``Batch`` or a collated dict)."""
+    energy = batch.energy if isinstance(batch, Batch) else batch["energy"]
+    if isinstance(energy, torch.Tensor):
+        energy = energy.detach().numpy()
+    return np.asarray(energy, dtype=np.float32).reshape(-1)
 
 
 def _batch_len(batch) -> int:
@@ -358,25 +409,28 @@ def _batch_len(batch) -> int:
     return len(batch[-1])  # a tuple / list of collated columns
 
 
-def ours(base_url: str, kind: str, prefetch: int, concurrency: int, workers: int = 0,
-         dataset_batches: bool = False, **options):
+def ours(base_url: str, kind: str, prefetch: int | None, concurrency: int | None,
+         workers: int = 0, dataset_batches: bool = False, **options):
     """``ShardStreamDataset`` batching itself (no workers), or behind ``num_workers``
     DataLoader workers: PyG's ``DataLoader`` collating samples, or with
     ``dataset_batches`` the dataset's own batches through ``DataLoader(batch_size=None)``.
-    ``options`` go to ``ShardStreamDataset`` (e.g. ``verify_before_use=False``)."""
+    ``prefetch`` / ``concurrency`` :obj:`None`: the library's defaults (not passed).
+    ``options`` are :class:`SourceOptions` fields (e.g. ``verify_before_use=False``), given
+    to the source."""
+    tuned = {k: v for k, v in (("prefetch", prefetch), ("concurrency", concurrency))
+             if v is not None}
+    source_options = SourceOptions(**options) if options else None
+
     def build():
-        source = RemoteSource(f"{base_url}/{kind}/manifest.json")
+        source = RemoteSource(f"{base_url}/{kind}/manifest.json", options=source_options)
         if workers == 0:
-            return ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                      shuffle=True, batch_size=BATCH, **options)
+            return ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned)
         from torch_geometric.loader import DataLoader
 
         if dataset_batches:
-            dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                         shuffle=True, batch_size=BATCH, **options)
+            dataset = ShardStreamDataset(source, shuffle=True, batch_size=BATCH, **tuned)
             return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
-        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                     shuffle=True, **options)
+        dataset = ShardStreamDataset(source, shuffle=True, **tuned)
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return build
 
@@ -451,20 +505,38 @@ def streaming_arms(base: str, names: dict, cache: Path, mosaic: MosaicArm | None
         "webdataset_w2": lambda: consume(webdataset_arm(base, tar, 2, ragged), compute),
         "foldpipe": lambda: consume(foldpipe_arm(base, names["pt"]), compute),
     }
+    if names.get("parquet"):  # stores written without ``datasets`` installed have none
+        collate = concat_collate if ragged else None
+        arms["hf_datasets"] = lambda: consume(
+            hf_datasets_arm(base, names["parquet"], BATCH, collate_fn=collate), compute)
+        arms["hf_datasets_w2"] = lambda: consume(
+            hf_datasets_arm(base, names["parquet"], BATCH, 2, collate), compute)
+        # what the 5 s sleep at the end of the source costs (peer_hf_datasets.py)
+        arms["hf_datasets_nosleep"] = lambda: consume(
+            hf_datasets_arm(base, names["parquet"], BATCH, collate_fn=collate,
+                            shutdown_sleep=0.0), compute)
     if mosaic is not None:
-        arms["mosaic"] = lambda: mosaic.ask(op="read", remote=f"s3://{BUCKET}/mds",
-                                            compute=compute, batch_size=BATCH, ragged=ragged,
-                                            endpoint=s3_endpoint)
+        def mosaic_pass() -> dict:
+            answer = mosaic.ask(op="read", remote=f"s3://{BUCKET}/mds", compute=compute,
+                                batch_size=BATCH, ragged=ragged, endpoint=s3_endpoint)
+            answer["energy_digest"] = energy_digest(answer.pop("energies"))
+            return answer
+        arms["mosaic"] = mosaic_pass
     return arms
 
 
 def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path,
                    shard_bytes: int, compute_batch: float, regimes, log,
-                   mosaic: MosaicArm | None, ragged: bool = False) -> dict:
+                   mosaic: MosaicArm | None, ragged: bool = False,
+                   digest: str | None = None) -> dict:
     """Part 1 over one structure set: every streaming arm in each regime, paired.
 
     ``mosaic`` is the one MosaicML child of the run (:obj:`None` when its venv failed,
-    which is logged); each regime points it at that regime's relay.
+    which is logged); each regime points it at that regime's relay. ``regimes`` holds
+    (D/C, prefetch, concurrency), ours' two :obj:`None` for the library's defaults.
+    Every pass is checked against the structures written: its count, and ``digest``
+    (:func:`expected_digest`) against its energies'; a mismatch is logged and recorded
+    under ``"mismatches"`` (the report prints it), never dropped.
     """
     compute_shard = compute_batch * args.per_shard / BATCH
     results = {}
@@ -486,21 +558,34 @@ def streaming_part(args, www: Path, names: dict, lit_dir: Path, mosaic_dir: Path
         finally:
             http.stop()
             s3.stop()
-        expected = args.shards * args.per_shard
-        for name, passes in runs.items():
-            counts = {p["samples"] for p in passes}
-            if counts != {expected}:
-                log(f"D/C={ratio} {name}: samples per pass {sorted(counts)} != {expected}")
+        mismatches = check_samples(runs, args.shards * args.per_shard, digest)
+        for line in mismatches:
+            log(f"D/C={ratio} {line}")
         summary = {
             name: summarize_pairs([p["seconds"] for p in passes],
                                   [p["seconds"] for p in runs["ours_pt"]]).to_dict()
             for name, passes in runs.items() if name != "ours_pt"
         }
         results[f"{ratio}"] = {"prefetch": prefetch, "concurrency": concurrency,
-                               "bandwidth_Bps": bandwidth, "runs": runs,
-                               "ours_pt_vs": summary}
+                               "compute": compute_batch, "bandwidth_Bps": bandwidth,
+                               "runs": runs, "ours_pt_vs": summary, "mismatches": mismatches}
         log(f"D/C={ratio}: " + ", ".join(f"{n} {fmt(s)}" for n, s in summary.items()))
     return results
+
+
+def check_samples(runs: dict[str, list], expected: int, digest: str | None) -> list[str]:
+    """Every pass against the structures written: ``expected`` samples, energies whose
+    :func:`energy_digest` is ``digest`` (:obj:`None`: counts only). Returns the
+    mismatches as lines, empty when every pass of every arm yielded the same structures."""
+    lines = []
+    for name, passes in runs.items():
+        counts = sorted({p["samples"] for p in passes})
+        if counts != [expected]:
+            lines.append(f"{name}: samples per pass {counts}, expected {expected}")
+        found = {p.get("energy_digest") for p in passes}
+        if digest is not None and found != {digest}:
+            lines.append(f"{name}: energy digests {sorted(map(str, found))}, expected {digest}")
+    return lines
 
 
 # ------------------------------------------------------------------ part 2
@@ -696,7 +781,7 @@ def median(values) -> float:
 def versions(mosaic_version: str | None) -> dict:
     found = {}
     for name in ("torch", "torch_geometric", "numpy", "litdata", "webdataset", "moto",
-                 "foldpipe", "boto3", "obstore"):
+                 "foldpipe", "boto3", "obstore", "datasets", "pyarrow", "fsspec", "aiohttp"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -710,11 +795,10 @@ def draw(streaming: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ratios = list(streaming)
-    peers = [p for p in ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2",
-                         "foldpipe")
-             if p in streaming[ratios[0]]["ours_pt_vs"]]
+    peers = [p for p in PEER_ARMS if p in streaming[ratios[0]]["ours_pt_vs"]]
     figure, axis = plt.subplots(figsize=(8, 3.4))
     width = 0.8 / len(peers)
     for k, peer in enumerate(peers):
@@ -726,9 +810,11 @@ def draw(streaming: dict, path: Path) -> None:
         axis.bar(np.arange(len(ratios)) + k * width, means, width, yerr=[lows, highs],
                  capsize=2, label=peer)
     axis.axhline(1.0, color="k", lw=0.8)
+    axis.set_yscale("log")  # the datasets arms sit an order of magnitude above the rest
+    axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axis.set_xticks(np.arange(len(ratios)) + width * (len(peers) - 1) / 2)
     axis.set_xticklabels([f"D/C={r}" for r in ratios])
-    axis.set_ylabel("their time / ours (.pt)")
+    axis.set_ylabel("their time / ours (.pt), log scale")
     axis.set_title("ShardStreamDataset (.pt) vs peers: > 1 means ours is faster", fontsize=9)
     axis.legend(fontsize=7, ncol=3)
     figure.tight_layout()
@@ -737,11 +823,40 @@ def draw(streaming: dict, path: Path) -> None:
     plt.close(figure)
 
 
+#: The arms compared with ``ours_pt``, in the tables' column order.
+PEER_ARMS = ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2", "foldpipe",
+             "hf_datasets", "hf_datasets_w2", "hf_datasets_nosleep")
+PEER_TITLES = ("ours .atp (its time / .pt's)", "LitData", "MosaicML", "WebDataset",
+               "WebDataset, 2 workers", "FoldPipe", "HF datasets", "HF datasets, 2 workers",
+               "HF datasets, no 5 s sleep")
+
+
+def knobs(row: dict) -> str:
+    """Ours' prefetch / concurrency in a regime: figures with ``--tuned``, else defaults."""
+    if row["prefetch"] is None:
+        return "defaults"
+    return f"{row['prefetch']} / {row['concurrency']}"
+
+
+def sample_lines(streaming: dict, mixed: dict | None) -> list[str]:
+    """What the sample check found (:func:`check_samples`), as Markdown lines."""
+    found = [f"D/C = {ratio}{' (mixed sizes)' if label else ''}: {line}"
+             for label, part in (("", streaming), ("mixed", mixed or {}))
+             for ratio, row in part.items() if isinstance(row, dict) and "mismatches" in row
+             for line in row["mismatches"]]
+    if not found:
+        return ["Same samples: every pass of every arm yielded the structures written (its "
+                "count, and its energies as float32, sorted, against theirs; MosaicML's "
+                "checked on what its child returned).", ""]
+    return ["**Sample check failed** (these passes did not yield the structures written):",
+            "", *[f"* {line}" for line in found], ""]
+
+
 def report(args, streaming, random_access, workers, convert, shard_sizes, meta, out,
            mixed=None) -> None:
     lines = [
-        "# Peers: LitData, MosaicML streaming, WebDataset, FoldPipe, OnDiskDataset "
-        "(`benchmarks/peers.py`)",
+        "# Peers: LitData, MosaicML streaming, WebDataset, FoldPipe, Hugging Face datasets, "
+        "OnDiskDataset (`benchmarks/peers.py`)",
         "",
         f"Recorded {meta['date']} on {meta['machine']}; load average at start / end "
         f"{meta['load_start']} / {meta['load_end']}, autogroup nice "
@@ -761,23 +876,25 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
         "",
         "## Streaming from remote storage",
         "",
-        "| D/C | k / conc. | ours .atp (its time / .pt's) | LitData | MosaicML | WebDataset "
-        "| WebDataset, 2 workers | FoldPipe |",
-        "|---|---|---|---|---|---|---|---|",
+        "Ours (k / conc.: prefetch / concurrency) runs with "
+        + ("the per-regime figures of `stream_overlap.py` (`--tuned`)" if args.tuned else
+           "the library's defaults (prefetch 1, connections chosen by measurement)")
+        + "; every peer with its documented defaults (see the notes at the end).",
+        "",
+        "| D/C | k / conc. | " + " | ".join(PEER_TITLES) + " |",
+        "|---|---|" + "---|" * len(PEER_TITLES),
     ]
-    peers = ("ours_atp", "litdata", "mosaic", "webdataset", "webdataset_w2", "foldpipe")
+    peers = PEER_ARMS
     for ratio, row in streaming.items():
         cells = [fmt(row["ours_pt_vs"][p]) if p in row["ours_pt_vs"] else "did not run"
                  for p in peers]
-        lines.append(f"| {ratio} | {row['prefetch']} / {row['concurrency']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {ratio} | {knobs(row)} | " + " | ".join(cells) + " |")
+    lines += ["", *sample_lines(streaming, mixed)]
     lines += [
-        "",
         "Median time to first batch (s) / peak RSS growth (MiB) / peak local disk (MiB):",
         "",
-        "| D/C | ours .pt | ours .atp | LitData | MosaicML | WebDataset | WebDataset, 2 "
-        "workers | FoldPipe |",
-        "|---|---|---|---|---|---|---|---|",
+        "| D/C | ours .pt | " + " | ".join(PEER_TITLES) + " |",
+        "|---|---|" + "---|" * len(PEER_TITLES),
     ]
     for ratio, row in streaming.items():
         cells = []
@@ -795,14 +912,15 @@ def report(args, streaming, random_access, workers, convert, shard_sizes, meta, 
         lines += [
             "",
             f"## Mixed sizes: {MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} atoms per structure, "
-            f"D/C = 1 (k {row['prefetch']} / conc. {row['concurrency']})",
+            f"D/C = 1 (ours: {knobs(row)})",
             "",
             "The same pipeline over structures whose atom counts are drawn uniformly from "
             f"{MIXED_ATOMS[0]}-{MIXED_ATOMS[1]} (mean 64; mean `.pt` shard "
             f"{mixed['shard_bytes']['pt'] / 1024:.0f} KiB, {mixed['shards']} shards). The "
             "peers' default collate cannot "
             "stack arrays of different shapes, so they batch with `concat_collate` (atoms "
-            "concatenated, as a graph loader does); ours and FoldPipe batch PyG `Batch`es.",
+            "concatenated, as a graph loader does; HF datasets too, on its torch format); "
+            "ours and FoldPipe batch PyG `Batch`es.",
             "",
             "| arm | their time / ours (.pt) | first batch s / RSS MiB / disk MiB |",
             "|---|---|---|",
@@ -863,7 +981,7 @@ def workers_only(args, meta: dict, log) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="peers-workers-"))
     try:
         www = scratch / "www"
-        for sub in ("pt", "atp", "tar"):
+        for sub in ("pt", "atp", "tar", "parquet"):
             (www / sub).mkdir(parents=True)
         names, _ = write_formats(www, scratch / "litdata", scratch / "mds.npz", args.shards,
                                  args.per_shard, args.atoms)
@@ -935,7 +1053,7 @@ def first_shard_only(args, meta: dict, log) -> None:
     if not marker.exists():  # these arms need no MosaicML store: a full run adds it
         ensure_litdata()
         shutil.rmtree(root, ignore_errors=True)
-        for sub in ("pt", "atp", "tar"):
+        for sub in ("pt", "atp", "tar", "parquet"):
             (root / "www" / sub).mkdir(parents=True)
         names, convert = write_formats(root / "www", root / "litdata", root / "mds.npz",
                                        args.shards, args.per_shard, args.atoms)
@@ -1047,6 +1165,25 @@ NOTES = [
     "`extend(..., batch_size=1000)`.",
     "* Every pass of LitData / MosaicML starts from an empty local cache (else the "
     "second pass would read from disk).",
+    "* **Hugging Face datasets** (`peer_hf_datasets.py`): Parquet shards written with "
+    "`Dataset.from_list(...).to_parquet()`, one per `.pt` shard, on the same HTTP server; "
+    "read with `load_dataset(\"parquet\", data_files=[http URLs], split=\"train\", "
+    "streaming=True).shuffle(seed=0).with_format(\"torch\")` and a torch `DataLoader` "
+    "(in-process, and with `num_workers=2`), all at the library's defaults: plain http:// "
+    "URLs work (fsspec's HTTP filesystem over aiohttp, ranged reads), and the shuffle "
+    "buffer (1,000 samples) is fed from up to 10 shards at once, each on its own thread "
+    "and connection. When a shuffled Parquet stream ends, datasets 5.x sleeps 5 s "
+    "(`datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN`, a workaround for "
+    "apache/arrow#45214) when the shuffle's source runs dry: with a buffer of 1,000 "
+    "samples every epoch stalls 5 s before its last 1,000 samples (before its first "
+    "batch where the data is smaller than the buffer). `hf_datasets` and "
+    "`hf_datasets_w2` keep it (a user waits for it); `hf_datasets_nosleep` sets that "
+    "config value to 0 to show what it costs. The rows are written with the features "
+    "`datasets` infers (`pos`: `List(List(float32))`) and turned into tensors row "
+    "by row by its torch formatter.",
+    "* **Ours** runs with the library's defaults unless the run says `--tuned`; part 3 "
+    "(DataLoader workers) keeps prefetch 2 / concurrency 2 per rank, one connection "
+    "per worker as each WebDataset worker has.",
 ]
 
 
@@ -1081,14 +1218,19 @@ def main() -> None:
                         help="only the arms the first shard decides (ours with and without "
                              "verify_before_use, WebDataset in-process and in 2 workers) at "
                              "D/C = 0.5, 1, 3 over the kept stores (results/peers_first_shard.md)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="give ours the per-regime prefetch / concurrency of "
+                             "stream_overlap.py (earlier records) instead of the defaults")
     parser.add_argument("--rebuild", action="store_true",
                         help="write the stores again even if benchmarks/_work/ has them")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peers.md")
     args = parser.parse_args()
-    regimes, worker_ratios = REGIMES, [1.0, 3.0]
+    # every peer runs with its own defaults, and so does ours unless --tuned
+    regimes = REGIMES if args.tuned else [(ratio, None, None) for ratio, _, _ in REGIMES]
+    worker_ratios = [1.0, 3.0]
     if args.quick:
         args.pairs, args.shards, args.per_shard, args.ra_structures = 2, 6, 128, 1024
-        regimes, worker_ratios = [REGIMES[1]], [1.0]
+        regimes, worker_ratios = [regimes[1]], [1.0]
         args.out = Path(tempfile.mkdtemp(prefix="peers-quick-")) / "peers.md"
     torch.set_num_threads(1)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
@@ -1132,7 +1274,7 @@ def main() -> None:
                 log(f"reusing the stores built {saved['built']} in {root}")
             else:
                 shutil.rmtree(root, ignore_errors=True)
-                for sub in ("pt", "atp", "tar"):
+                for sub in ("pt", "atp", "tar", "parquet"):
                     (www / sub).mkdir(parents=True)
                 names, convert = write_formats(www, lit_dir, root / "mds.npz", shards,
                                                args.per_shard, atoms)
@@ -1148,7 +1290,7 @@ def main() -> None:
                     log(f"MosaicML conversion failed: {exc}")
             stores_built.append(saved["built"])
             sizes = {kind: int(np.mean([(www / kind / n).stat().st_size for n in names[kind]]))
-                     for kind in ("pt", "atp", "tar")}
+                     for kind in ("pt", "atp", "tar", "parquet") if names.get(kind)}
             sizes["litdata"] = max(p.stat().st_size for p in lit_dir.glob("*.bin"))
             if any(mds_dir.glob("*.mds")):
                 sizes["mds"] = max(p.stat().st_size for p in mds_dir.glob("*.mds"))
@@ -1165,14 +1307,17 @@ def main() -> None:
 
         litdata_downloader._OBSTORE_AVAILABLE = False  # see NOTES: obstore refuses http://
         log(f"[{time.perf_counter() - begun:.0f} s] formats written; streaming part")
-        streaming = streaming_part(args, www, names, lit_dir, mds_dir, shard_sizes["pt"],
-                                   args.compute, regimes, log, mosaic)
+        streaming = streaming_part(
+            args, www, names, lit_dir, mds_dir, shard_sizes["pt"], args.compute, regimes, log,
+            mosaic, digest=expected_digest(args.shards, args.per_shard, args.atoms))
         mixed = {}
         if mixed_stores is not None:
             log(f"[{time.perf_counter() - begun:.0f} s] mixed-size streaming part")
             m_www, m_names, _, m_lit, m_mds, m_sizes = mixed_stores
-            mixed = streaming_part(mixed_args, m_www, m_names, m_lit, m_mds, m_sizes["pt"],
-                                   args.compute, [REGIMES[1]], log, mosaic, ragged=True)
+            mixed = streaming_part(
+                mixed_args, m_www, m_names, m_lit, m_mds, m_sizes["pt"], args.compute,
+                [next(r for r in regimes if r[0] == 1.0)], log, mosaic, ragged=True,
+                digest=expected_digest(mixed_args.shards, args.per_shard, MIXED_ATOMS))
             mixed["shard_bytes"], mixed["shards"] = m_sizes, mixed_args.shards
         log(f"[{time.perf_counter() - begun:.0f} s] random-access part")
         random_access = random_access_part(args, scratch, log)
@@ -1196,7 +1341,13 @@ def main() -> None:
                 for name in ("litdata", "mosaic", "foldpipe")}
         # WebDataset as its documentation recommends: behind DataLoader workers
         last["webdataset"] = round(one["webdataset_w2"]["speedup_geomean"], 3)
-        last = {k: last[k] for k in ("litdata", "mosaic", "webdataset", "foldpipe")}
+        # Hugging Face datasets as a user writes it (in-process, its defaults), then in
+        # 2 workers and without its 5 s sleep; ``headline.py`` reads "datasets"
+        for key, name in (("datasets", "hf_datasets"), ("datasets_w2", "hf_datasets_w2"),
+                          ("datasets_nosleep", "hf_datasets_nosleep")):
+            last[key] = round(one[name]["speedup_geomean"], 3) if name in one else None
+        last = {k: last[k] for k in ("litdata", "mosaic", "webdataset", "foldpipe",
+                                     "datasets", "datasets_w2", "datasets_nosleep")}
         last["ondisk"] = round(
             random_access["workers=0"]["ours_vs"]["ondisk"]["speedup_geomean"], 3)
         log(f"[{time.perf_counter() - begun:.0f} s] done")
