@@ -192,7 +192,9 @@ class AtompackLoader(StatefulDataLoader):
     Sampling is the standard PyTorch machinery, so a custom ``sampler`` such as
     :class:`~torch.utils.data.DistributedSampler`, ``num_workers``,
     ``pin_memory``, ``persistent_workers`` and so on behave as usual; each worker
-    reads whole batches. Subsets of the dataset (``index_select``, slicing,
+    reads whole batches, several consecutive ones per item (``batches_per_item``), which
+    the main process receives as views of one shared-memory buffer and hands out one
+    by one. ``len(loader)`` is the number of batches. Subsets of the dataset (``index_select``, slicing,
     ``shuffle()``, ``pre_filter``) are respected.
 
     ``shuffle=True`` samples through a :class:`~pyg_atompack.pyg.resume.ResumableSampler`
@@ -266,6 +268,12 @@ class AtompackLoader(StatefulDataLoader):
         device_transform (Callable, optional): Applied to each batch on the device, on
             the side stream, e.g. ``InteractionGraph.transform()`` to build its
             neighbour graph there. (default: :obj:`None`)
+        batches_per_item (int, optional): With workers, consecutive batches a worker
+            hands over as one DataLoader item (:mod:`pyg_atompack.pyg.bundle`: one
+            message, one shared-memory slab, one ``pin_memory`` copy for all of them);
+            the batches, their order and resuming are unchanged. :obj:`None` picks
+            about 4 MiB of batches (at most 32, at least two items per worker a pass;
+            1 with ``snapshot_every_n_steps`` other than 1). (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
