@@ -2,9 +2,9 @@
 
 ``AtompackLoader`` over one uncompressed ``.atp`` file in the page cache (64-atom
 molecules with positions, forces and energy), batches of ``--batch-size``, nothing done
-with a batch but counting its structures. Arms, interleaved in slices of
-``--seconds`` each, several rounds in rotating order (the machine is shared: report
-ratios to the in-process arm of the same round):
+with a batch but counting its structures. Arms, interleaved in slices of whole passes
+(at least ``--seconds`` each), several rounds in rotating order (the machine is shared:
+report ratios to the in-process arm of the same round):
 
 * ``inprocess``: ``num_workers=0`` (the loader's own fast path);
 * ``workers2``: ``num_workers=2, pin_memory=True, persistent_workers=True``, the
@@ -131,23 +131,24 @@ def children_cpu() -> float:
 
 
 def rate(loader: AtompackLoader, seconds: float) -> tuple[float, float, float]:
-    """Structures per second over about ``seconds`` (passes restarted as needed), and
-    the CPU seconds per batch of the main process and of the workers."""
+    """Structures per second over whole passes, at least ``seconds`` of them, and the
+    CPU seconds per batch of the main process and of the workers.
+
+    Whole passes, each timed from ``iter()`` to its end (the workers' start-up of the pass
+    and the wait for its first item included): a pass cut short would leave items the
+    workers had read ahead uncounted, and a clock started at the first batch would leave
+    out the CPU the workers spent on the items in flight then.
+    """
     structures, batches, elapsed, main, workers = 0, 0, 0.0, 0.0, 0.0
     while elapsed < seconds:
-        iterator = iter(loader)
-        next(iterator)  # the first batch of a pass waits for the workers to start
         started, main_cpu, workers_cpu = time.perf_counter(), time.process_time(), \
             children_cpu()
-        for batch in iterator:
+        for batch in loader:
             structures += batch.num_graphs
             batches += 1
-            if elapsed + time.perf_counter() - started >= seconds:
-                break
         elapsed += time.perf_counter() - started
         main += time.process_time() - main_cpu
         workers += children_cpu() - workers_cpu
-        del iterator
     return structures / elapsed, main / max(batches, 1), workers / max(batches, 1)
 
 
@@ -205,7 +206,8 @@ def main() -> None:
         "",
         f"`AtompackLoader` over {args.molecules:,} molecules of {args.atoms} atoms (positions, "
         f"forces, energy; uncompressed `.atp` in the page cache), batches of {args.batch_size}; "
-        f"{args.rounds} rounds of {args.seconds:g} s per arm in rotating order; "
+        f"{args.rounds} rounds of whole passes (at least {args.seconds:g} s) per arm in "
+        "rotating order, each pass timed from `iter()` to its end; "
         f"{os.cpu_count()} CPUs, load average {load_before:.1f} before and "
         f"{os.getloadavg()[0]:.1f} after (shared machine: absolute rates drift, ratios to the "
         f"in-process arm of the same round less). {started}, Python "

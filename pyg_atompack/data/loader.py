@@ -194,8 +194,8 @@ class AtompackLoader(StatefulDataLoader):
     ``pin_memory``, ``persistent_workers`` and so on behave as usual; each worker
     reads whole batches, several consecutive ones per item (``batches_per_item``), which
     the main process receives as views of one shared-memory buffer and hands out one
-    by one. ``len(loader)`` is the number of batches. Subsets of the dataset (``index_select``, slicing,
-    ``shuffle()``, ``pre_filter``) are respected.
+    by one. ``len(loader)`` is the number of batches. Subsets of the dataset
+    (``index_select``, slicing, ``shuffle()``, ``pre_filter``) are respected.
 
     ``shuffle=True`` samples through a :class:`~pyg_atompack.pyg.resume.ResumableSampler`
     seeded with ``seed``: a new permutation every epoch (it advances by itself;

@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 from torch_geometric.data import Batch, Data
@@ -357,6 +358,11 @@ def _fill_by_dtype(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     for dtype, numbers in runs.items():
         start = specs[numbers[0]][0]
         count = sum(tensors[n].numel() for n in numbers)
-        if count:
-            target = buffer.view(dtype)[start:start + count]
+        if not count:
+            continue
+        target = buffer.view(dtype)[start:start + count]
+        if dtype is torch.bfloat16:  # no numpy dtype
             torch.cat([tensors[n].reshape(-1) for n in numbers], out=target)
+        else:  # numpy's copy is a memcpy, ~3x faster than torch's for these sizes
+            np.concatenate([tensors[n].numpy().reshape(-1) for n in numbers],
+                           out=target.numpy())

@@ -38,6 +38,12 @@ workers, batches of 64 molecules of 64 atoms, 170 KB): the main process's cost p
 halves against the pipe. Rebuilding is cheap too: a ``Batch`` is made without PyG's
 constructor (which inspects ``__init__``'s signature each time) and each tensor is one
 ``as_strided`` of a typed view of the buffer.
+
+``AtompackLoader``'s workers send several consecutive batches as one item
+(:mod:`pyg_atompack.pyg.bundle`, ``pack(..., bundle=True)`` or :func:`pack_tensors`): one
+buffer, one message and one arena run for all of them; what each item costs whatever
+its size (DataLoader's and torchdata's bookkeeping, the queues) is then paid once per
+bundle.
 """
 
 from __future__ import annotations
