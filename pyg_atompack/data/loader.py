@@ -376,9 +376,16 @@ class AtompackLoader(StatefulDataLoader):
             # torchdata counts snapshot intervals in items; an elastic resume between
             # snapshots counts them in batches, so bundles need a snapshot every item
             return 1
-        counts = atom_counts(dataset)
-        atoms = max_atoms if max_atoms is not None else \
-            batch_size * (float(counts.mean()) if len(counts) else 0.0)
+        if max_atoms is not None:
+            atoms = float(max_atoms)
+        elif isinstance(dataset, AtompackGroupDataset):
+            counts = dataset.atom_counts()
+            atoms = batch_size * (float(counts.mean()) if len(counts) else 0.0)
+        else:  # a sample of the index's atom counts is enough for a size estimate
+            step = max(1, len(dataset) // 4096)
+            sample = dataset.record_indices(np.arange(0, len(dataset), step))
+            counts = np.asarray(dataset.reader.n_atoms)[sample]
+            atoms = batch_size * (float(counts.mean()) if len(counts) else 0.0)
         return bundle_size(atoms, len(self.batch_plan), workers)
 
     def __len__(self) -> int:
