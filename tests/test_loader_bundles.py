@@ -13,10 +13,14 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 import torch
+from groups_fixtures import plain_file, write_framed
+from test_groups_pyg import ADSORPTION
 from test_offproc_handoff import _same, _write
 from torch_geometric.data import Batch
 
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
+from pyg_atompack.atp.groups import encode_groups
+from pyg_atompack.data import AtompackGroupDataset
 from pyg_atompack.pyg import handoff
 from pyg_atompack.pyg.arena import Arena
 from pyg_atompack.pyg.bundle import BatchBundle, BundleSampler, _PlainLayout, bundle_size
@@ -225,3 +229,19 @@ def test_the_per_sample_transform_path_bundles_too(tmp_path):
     mine = list(AtompackLoader(dataset, batch_size=4, num_workers=2, batches_per_item=2))
     for left, right in zip(mine, reference, strict=True):
         _same(left, right)
+
+
+def test_group_batches_bundle_in_the_in_process_order(tmp_path):
+    """Whole groups per batch (strings among their attributes: the general path)."""
+    path = tmp_path / "groups.atp"
+    write_framed(path, plain_file(tmp_path / "plain.atp", 7),
+                 [encode_groups([("adsorption", ADSORPTION)])])
+    dataset = AtompackGroupDataset(path, "adsorption", fields=["energy"])
+    reference = list(AtompackLoader(dataset, batch_size=1, shuffle=True, seed=4))
+    loader = AtompackLoader(dataset, batch_size=1, shuffle=True, seed=4, num_workers=2,
+                            batches_per_item=2)
+    assert isinstance(loader.batch_sampler, BundleSampler)
+    mine = list(loader)
+    assert [b.group_id.tolist() for b in mine] == [b.group_id.tolist() for b in reference]
+    for left, right in zip(mine, reference, strict=True):
+        _equal(left, right)
