@@ -52,7 +52,7 @@ def _run() -> dict:
     from servers.http_server import ShardServer
 
     from pyg_atompack import AtompackDataset
-    from pyg_atompack.stream import ShardStreamDataset
+    from pyg_atompack.stream import ShardStreamDataset, SourceOptions
 
     server = ShardServer(WORK).start()
     result = {}
@@ -66,8 +66,9 @@ def _run() -> dict:
             result["stream_pt_samples"] = samples
 
             started = time.perf_counter()
-            blocks = ShardStreamDataset(server.url("atp/big.atp"), block_bytes=4 << 20,
-                                        prefetch=2, concurrency=3)
+            blocks = ShardStreamDataset(server.url("atp/big.atp"),
+                                        options=SourceOptions(block_bytes=4 << 20), prefetch=2,
+                                        concurrency=3)
             records = sum(1 for _ in blocks)
             result["stream_blocks_s"] = time.perf_counter() - started
             result["stream_blocks_records"] = records
