@@ -17,9 +17,11 @@ from pyg_atompack.data.groups import AtompackGroupDataset
 from pyg_atompack.pyg import AttributeNames, attribute_name, flat_to_batch, resolve_names
 from pyg_atompack.pyg.arena import Arena, arenas_for_children
 from pyg_atompack.pyg.budget import AtomBudgetBatchSampler
+from pyg_atompack.pyg.bundle import BatchBundle, BundleSampler, bundle_size
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install_in_worker
 from pyg_atompack.pyg.resume import (
+    BUNDLE_SKIP,
     ResumableSampler,
     StatefulBatchSampler,
     finished_pass_state,
@@ -117,9 +119,15 @@ class _BatchFetcher(torch.utils.data.Dataset):
     def __getitem__(self, positions: Sequence[int]) -> Batch:
         return self.__getitems__(positions)
 
-    def __getitems__(self, positions: Sequence[int]) -> Batch:
+    def __getitems__(self, positions: Sequence[int] | tuple[list[int], ...]
+                     ) -> Batch | BatchBundle:
         # in a DataLoader worker, the batch leaves packed, through its arena (pyg.handoff)
         install_in_worker(self.arenas)
+        if isinstance(positions, tuple):  # several batches, handed over as one item
+            return BatchBundle([self._batch(batch) for batch in positions])
+        return self._batch(positions)
+
+    def _batch(self, positions: Sequence[int]) -> Batch:
         dataset = self.dataset
         if dataset.transform is not None:
             # A transform works on single Data objects, so build them (each
@@ -148,6 +156,10 @@ class _GroupFetcher(torch.utils.data.Dataset):
         self.follow_batch = list(follow_batch)
         self.exclude_keys = list(exclude_keys)
         self.names = names
+        self.arenas: list[Arena] | None = None  # as _BatchFetcher's
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "arenas": None}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -155,7 +167,14 @@ class _GroupFetcher(torch.utils.data.Dataset):
     def __getitem__(self, positions: Sequence[int]) -> Batch:
         return self.__getitems__(positions)
 
-    def __getitems__(self, positions: Sequence[int]) -> Batch:
+    def __getitems__(self, positions: Sequence[int] | tuple[list[int], ...]
+                     ) -> Batch | BatchBundle:
+        install_in_worker(self.arenas)
+        if isinstance(positions, tuple):  # several batches, handed over as one item
+            return BatchBundle([self._batch(batch) for batch in positions])
+        return self._batch(positions)
+
+    def _batch(self, positions: Sequence[int]) -> Batch:
         return self.dataset.fetch(positions, self.names, self.exclude_keys, self.follow_batch)
 
 
@@ -173,8 +192,10 @@ class AtompackLoader(StatefulDataLoader):
     Sampling is the standard PyTorch machinery, so a custom ``sampler`` such as
     :class:`~torch.utils.data.DistributedSampler`, ``num_workers``,
     ``pin_memory``, ``persistent_workers`` and so on behave as usual; each worker
-    reads whole batches. Subsets of the dataset (``index_select``, slicing,
-    ``shuffle()``, ``pre_filter``) are respected.
+    reads whole batches, several consecutive ones per item (``batches_per_item``), which
+    the main process receives as views of one shared-memory buffer and hands out one
+    by one. ``len(loader)`` is the number of batches. Subsets of the dataset
+    (``index_select``, slicing, ``shuffle()``, ``pre_filter``) are respected.
 
     ``shuffle=True`` samples through a :class:`~pyg_atompack.pyg.resume.ResumableSampler`
     seeded with ``seed``: a new permutation every epoch (it advances by itself;
@@ -247,6 +268,12 @@ class AtompackLoader(StatefulDataLoader):
         device_transform (Callable, optional): Applied to each batch on the device, on
             the side stream, e.g. ``InteractionGraph.transform()`` to build its
             neighbour graph there. (default: :obj:`None`)
+        batches_per_item (int, optional): With workers, consecutive batches a worker
+            hands over as one DataLoader item (:mod:`pyg_atompack.pyg.bundle`: one
+            message, one shared-memory slab, one ``pin_memory`` copy for all of them);
+            the batches, their order and resuming are unchanged. :obj:`None` picks
+            about 4 MiB of batches (at most 32, at least two items per worker a pass;
+            1 with ``snapshot_every_n_steps`` other than 1). (default: :obj:`None`)
         **kwargs (optional): Further arguments of
             :class:`torch.utils.data.DataLoader` (``pin_memory``,
             ``persistent_workers``, ``prefetch_factor``, ``generator``, ...) and of
@@ -270,6 +297,7 @@ class AtompackLoader(StatefulDataLoader):
         oversize: str = "error",
         device: torch.device | str | None = None,
         device_transform: Callable[[Batch], Batch] | None = None,
+        batches_per_item: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.device_feed = DeviceFeed.of(device, device_transform)
@@ -300,6 +328,13 @@ class AtompackLoader(StatefulDataLoader):
             elif sampler is None:
                 sampler = SequentialSampler(dataset)
             batch_sampler = StatefulBatchSampler(sampler, batch_size, drop_last)
+        # the batches of a pass (DataLoader's batch_sampler is a BundleSampler over it when
+        # workers hand over several batches per item)
+        self.batch_plan = batch_sampler
+        size = self._bundle_size(dataset, batches_per_item, num_workers, max_atoms, batch_size,
+                                 kwargs.get("snapshot_every_n_steps", 1))
+        if size > 1:
+            batch_sampler = BundleSampler(batch_sampler, size)
         self.follow_batch = list(follow_batch or [])
         self.exclude_keys = list(exclude_keys or [])
         self.atompack_dataset = dataset
@@ -315,6 +350,11 @@ class AtompackLoader(StatefulDataLoader):
         self._in_process_batches: Any = None
         self._in_process_finished = False
         self._in_process_resume: dict[str, Any] | None = None
+        # with bundles: (loader state before the current bundle, its batches handed out)
+        # while a bundle is part-way handed out, and that of a loaded state until the
+        # next iteration takes it over
+        self._handoff_mark: tuple[dict[str, Any], int] | None = None
+        self._resume_mark: tuple[dict[str, Any], int] | None = None
         with quiet_torchdata():
             super().__init__(
                 fetcher,
@@ -323,6 +363,33 @@ class AtompackLoader(StatefulDataLoader):
                 collate_fn=_pass_through,
                 **kwargs,
             )
+
+    def _bundle_size(self, dataset: AtompackDataset | AtompackGroupDataset,
+                     requested: int | None, workers: int, max_atoms: int | None,
+                     batch_size: int, snapshot_every: int) -> int:
+        if requested is not None:
+            if int(requested) < 1:
+                raise ValueError(f"AtompackLoader: batches_per_item must be at least 1, "
+                                 f"got {requested}")
+            return int(requested) if workers > 0 else 1
+        if workers <= 0 or snapshot_every != 1:
+            # torchdata counts snapshot intervals in items; an elastic resume between
+            # snapshots counts them in batches, so bundles need a snapshot every item
+            return 1
+        if max_atoms is not None:
+            atoms = float(max_atoms)
+        elif isinstance(dataset, AtompackGroupDataset):
+            counts = dataset.atom_counts()
+            atoms = batch_size * (float(counts.mean()) if len(counts) else 0.0)
+        else:  # a sample of the index's atom counts is enough for a size estimate
+            step = max(1, len(dataset) // 4096)
+            sample = dataset.record_indices(np.arange(0, len(dataset), step))
+            counts = np.asarray(dataset.reader.n_atoms)[sample]
+            atoms = batch_size * (float(counts.mean()) if len(counts) else 0.0)
+        return bundle_size(atoms, len(self.batch_plan), workers)
+
+    def __len__(self) -> int:
+        return len(self.batch_plan)
 
     def _in_process(self) -> bool:
         return self.num_workers == 0 and not self.pin_memory
@@ -339,20 +406,23 @@ class AtompackLoader(StatefulDataLoader):
             # a fifth of the whole cost of a 32-molecule batch). The batch
             # sampler's iterator is then the whole state: it has produced
             # exactly the batches handed out.
-            positions = iter(self.batch_sampler)
+            positions = iter(self.batch_plan)
             resume, self._in_process_resume = self._in_process_resume, None
             if resume is not None and resume["batch_sampler"] is not None:
                 saved = resume["batch_sampler"]
                 if not resume["finished"]:
                     positions.load_state_dict(saved)
                 elif self._load_finished_pass(finished_pass_state(saved)):
-                    positions = iter(self.batch_sampler)
+                    positions = iter(self.batch_plan)
             # DataLoader draws a base seed per epoch from the loader's generator
             # (or the global one); draw it too so that shuffles stay identical.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
             self._in_process_batches, self._in_process_finished = positions, False
             return self._batches_in_process(positions)
-        return super().__iter__()
+        items = super().__iter__()
+        self._handoff_mark, self._resume_mark = self._resume_mark, None
+        return self._handed_out(items, 0 if self._handoff_mark is None
+                                else self._handoff_mark[1])
 
     def _get_iterator(self) -> Any:
         if self.num_workers > 0:  # fresh workers are forked: fresh arenas for them
@@ -366,11 +436,33 @@ class AtompackLoader(StatefulDataLoader):
             yield fetch(batch_positions)
         self._in_process_finished = True
 
+    def _handed_out(self, items: Any, skip: int) -> Iterator[Batch]:
+        # The batches of the items the workers hand over (a bundle: several), the first
+        # ``skip`` left out (handed out before a state taken inside a bundle was saved).
+        # Before each item is drawn, DataLoader's state is that of the bundle boundary:
+        # a state_dict() inside the bundle is it plus the batches handed out since.
+        bundled = isinstance(self.batch_sampler, BundleSampler)
+        while True:
+            before = items.state_dict() if bundled else None
+            try:
+                item = next(items)
+            except StopIteration:
+                break
+            batches = item.batches() if isinstance(item, BatchBundle) else [item]
+            last = len(batches) - 1
+            for index, batch in enumerate(batches):
+                if skip:
+                    skip -= 1
+                    continue
+                self._handoff_mark = (before, index + 1) if bundled and index < last else None
+                yield batch
+        self._handoff_mark = None
+
     def _load_finished_pass(self, state: dict[str, Any] | None) -> bool:
         # a state taken after a pass ended: the sampler starts the epoch after it
         if state is None:
             return False
-        target = self.batch_sampler
+        target = self.batch_plan
         if not isinstance(target, AtomBudgetBatchSampler):
             target = target.sampler
         target.load_state_dict(state)
@@ -382,7 +474,7 @@ class AtompackLoader(StatefulDataLoader):
         Args:
             epoch (int): The epoch of the next pass.
         """
-        sampler = self.batch_sampler
+        sampler = self.batch_plan
         if not isinstance(sampler, AtomBudgetBatchSampler):
             sampler = sampler.sampler
         if hasattr(sampler, "set_epoch"):
@@ -407,6 +499,9 @@ class AtompackLoader(StatefulDataLoader):
                      "finished": self._in_process_finished}
         else:
             state = super().state_dict()
+            mark = self._handoff_mark if self._handoff_mark is not None else self._resume_mark
+            if mark is not None:  # inside a bundle: its boundary, then the batches handed out
+                state = {**mark[0], BUNDLE_SKIP: mark[1]}
         return wrap_loader_state(state, self.num_workers)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,11 +522,12 @@ class AtompackLoader(StatefulDataLoader):
         """
         if self.device_feed is not None:
             self.device_feed.reset()
-        holder = self.batch_sampler  # what keeps the position: the budget's batch sampler
+        self._handoff_mark = self._resume_mark = None
+        holder = self.batch_plan  # what keeps the position: the budget's batch sampler
         if not isinstance(holder, AtomBudgetBatchSampler):
             holder = holder.sampler
         state = restore_loader_state(state_dict, self.num_workers, holder,
-                                     getattr(self.batch_sampler, "batch_size", None))
+                                     getattr(self.batch_plan, "batch_size", None))
         if state is None:  # carried over through the sampler alone
             self._in_process_resume = None
             if not self._in_process():
@@ -441,12 +537,16 @@ class AtompackLoader(StatefulDataLoader):
         elif self._load_finished_pass(finished_workers_state(state)):
             super().load_state_dict({})  # nothing of the finished pass is left
         else:
+            state = dict(state)
+            skip = int(state.pop(BUNDLE_SKIP, 0))
+            if skip:
+                self._resume_mark = (state, skip)
             super().load_state_dict(state)
 
     def __repr__(self) -> str:
-        size = (f"max_atoms={self.batch_sampler.max_atoms}"
-                if isinstance(self.batch_sampler, AtomBudgetBatchSampler)
-                else f"batch_size={self.batch_sampler.batch_size}")
+        plan = self.batch_plan
+        size = (f"max_atoms={plan.max_atoms}" if isinstance(plan, AtomBudgetBatchSampler)
+                else f"batch_size={plan.batch_size}")
         return (
             f"{self.__class__.__name__}({self.atompack_dataset!r}, {size}, "
             f"num_workers={self.num_workers})"

@@ -97,11 +97,10 @@ class Arena:
         if count > self.chunks:
             return None
         free = self._states == _FREE
-        if count == 1:
-            start = int(free.argmax())
-            if not free[start]:
-                return None
-        else:
+        start = int(free.argmax())  # the first free chunk; its run is usually long enough
+        if not free[start]:
+            return None
+        if start + count > self.chunks or (count > 1 and not free[start:start + count].all()):
             edges = np.diff(np.concatenate(([False], free, [False])).view(np.int8))
             starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
             fits = np.flatnonzero(ends - starts >= count)

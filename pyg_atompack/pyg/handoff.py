@@ -38,6 +38,12 @@ workers, batches of 64 molecules of 64 atoms, 170 KB): the main process's cost p
 halves against the pipe. Rebuilding is cheap too: a ``Batch`` is made without PyG's
 constructor (which inspects ``__init__``'s signature each time) and each tensor is one
 ``as_strided`` of a typed view of the buffer.
+
+``AtompackLoader``'s workers send several consecutive batches as one item
+(:mod:`pyg_atompack.pyg.bundle`, ``pack(..., bundle=True)`` or :func:`pack_tensors`): one
+buffer, one message and one arena run for all of them; what each item costs whatever
+its size (DataLoader's and torchdata's bookkeeping, the queues) is then paid once per
+bundle.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -55,9 +61,10 @@ from torch.utils.data import get_worker_info
 from torch_geometric.data import Batch, Data, HeteroData
 
 from pyg_atompack.pyg.arena import Arena, find_arena
+from pyg_atompack.pyg.bundle import BatchBundle
 
 __all__ = ["ARENA_MIN_BYTES", "INLINE_BYTES", "install", "install_in_worker", "pack", "pack_shared",
-           "reduce_packed", "use_arena"]
+           "pack_tensors", "rebuild_packed", "reduce_packed", "use_arena"]
 
 #: Largest packed buffer sent inside the pickle; bigger ones go as one shared-memory tensor.
 INLINE_BYTES = 4 << 20
@@ -194,24 +201,42 @@ class _Rebuilder(pickle.Unpickler):
         return typed.as_strided(shape, strides, offset)
 
 
-def _rebuild_packed(buffer: torch.Tensor, meta: bytes, specs: Sequence[tuple]) -> Any:
+def rebuild_packed(buffer: torch.Tensor, meta: bytes, specs: Sequence[tuple]) -> Any:
+    """The object :func:`pack` packed, its tensors views of ``buffer``.
+
+    Args:
+        buffer (torch.Tensor): The packed bytes (``uint8``).
+        meta (bytes): The object pickled with tensor numbers.
+        specs (Sequence[tuple]): The tensors' layout in ``buffer``.
+
+    Returns:
+        The rebuilt object.
+    """
     return _Rebuilder(meta, buffer, specs).load()
 
 
-def _rebuild_inline(raw: bytes, meta: bytes, specs: Sequence[tuple]) -> Any:
+def _rebuild_packed(buffer: torch.Tensor, meta: bytes, specs: Sequence[tuple],
+                    bundle: bool = False) -> Any:
+    if bundle:  # the batches are rebuilt when the loader hands them out (pyg.bundle)
+        return BatchBundle(packed=(buffer, meta, specs))
+    return rebuild_packed(buffer, meta, specs)
+
+
+def _rebuild_inline(raw: bytes, meta: bytes, specs: Sequence[tuple],
+                    bundle: bool = False) -> Any:
     # a bytearray: the rebuilt tensors must be writable like any other
     buffer = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
               else torch.empty(0, dtype=torch.uint8))
-    return _rebuild_packed(buffer, meta, specs)
+    return _rebuild_packed(buffer, meta, specs, bundle)
 
 
 def _rebuild_shared(token: str, start: int, total: int, meta: bytes,
-                    specs: Sequence[tuple]) -> Any:
+                    specs: Sequence[tuple], bundle: bool = False) -> Any:
     arena = find_arena(token)
     if arena is None:  # the arena's owner made it; only its forked producers send these
         raise RuntimeError(f"a packed batch names shared memory {token} this process does "
                            "not hold")
-    return _rebuild_packed(arena.claim(start, total), meta, specs)
+    return _rebuild_packed(arena.claim(start, total), meta, specs, bundle)
 
 
 def _new_batch(base_class: type) -> Any:
@@ -220,7 +245,7 @@ def _new_batch(base_class: type) -> Any:
     return object.__new__(_batch_class(base_class))
 
 
-def pack(obj: Any, share: bool = True) -> tuple | None:
+def pack(obj: Any, share: bool = True, bundle: bool = False) -> tuple | None:
     """``obj`` with all its tensors in one buffer, as a rebuild function and its arguments.
 
     Args:
@@ -229,6 +254,10 @@ def pack(obj: Any, share: bool = True) -> tuple | None:
             arena) as a torch shared-memory tensor, which the receiver maps while this
             process lives; :obj:`False` keeps it in the arguments as bytes.
             (default: :obj:`True`)
+        bundle (bool, optional): ``obj`` is a list of batches, rebuilt as a
+            :class:`~pyg_atompack.pyg.bundle.BatchBundle` holding the buffer (its batches
+            made when asked for, after ``pin_memory`` has pinned the buffer once).
+            (default: :obj:`False`)
 
     Returns:
         ``(rebuild, args)``: the buffer in this process's arena (:func:`use_arena`), in
@@ -242,19 +271,45 @@ def pack(obj: Any, share: bool = True) -> tuple | None:
         _check_no_overlap(collector.tensors)
     except (_Unpackable, pickle.PicklingError, TypeError, AttributeError):
         return None
-    tensors = collector.tensors
-    specs, total = _layout(tensors)
-    shared = pack_shared(tensors, specs, total, file.getvalue())
-    if shared is not None:
-        return shared
-    if total <= INLINE_BYTES or not share:
+    return pack_tensors(collector.tensors, file.getvalue(), share, bundle)
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor], meta: Any, share: bool = True,
+                 bundle: bool = False, layout: tuple[list[tuple], int] | None = None,
+                 fill: Callable[..., None] | None = None) -> tuple:
+    """Copy ``tensors`` into one buffer and return the reduce tuple that rebuilds them.
+
+    The transport half of :func:`pack`: the buffer goes into this process's arena, into
+    the arguments, or into a torch shared-memory tensor (see :func:`pack`).
+
+    Args:
+        tensors (Sequence[torch.Tensor]): Contiguous-or-not CPU tensors, not overlapping.
+        meta (Any): What the receiver rebuilds the object from: the pickle of
+            :func:`pack`, or a bundle layout (:mod:`pyg_atompack.pyg.bundle`).
+        share (bool, optional): As in :func:`pack`. (default: :obj:`True`)
+        bundle (bool, optional): As in :func:`pack`. (default: :obj:`False`)
+        layout (tuple, optional): ``(specs, total)``: where each tensor goes in the
+            buffer and its size, if the caller laid them out. (default: :obj:`None`,
+            each tensor on a 64-byte boundary, in order)
+        fill (Callable, optional): ``fill(buffer, tensors, specs)`` copies the tensors
+            into the buffer. (default: :obj:`None`, one copy per tensor)
+
+    Returns:
+        ``(rebuild, args)``.
+    """
+    specs, total = _layout(tensors) if layout is None else layout
+    fill = _fill if fill is None else fill
+    packed = pack_shared(tensors, specs, total, meta, fill)
+    if packed is None and (total <= INLINE_BYTES or not share):
         raw = bytearray(total)
         if total:
-            _fill(torch.frombuffer(raw, dtype=torch.uint8), tensors, specs)
-        return _rebuild_inline, (raw, file.getvalue(), specs)
-    buffer = torch.empty(total, dtype=torch.uint8)
-    _fill(buffer, tensors, specs)
-    return _rebuild_packed, (buffer.share_memory_(), file.getvalue(), specs)
+            fill(torch.frombuffer(raw, dtype=torch.uint8), tensors, specs)
+        packed = _rebuild_inline, (raw, meta, specs)
+    elif packed is None:
+        buffer = torch.empty(total, dtype=torch.uint8)
+        fill(buffer, tensors, specs)
+        packed = _rebuild_packed, (buffer.share_memory_(), meta, specs)
+    return (packed[0], (*packed[1], True)) if bundle else packed
 
 
 def reduce_packed(obj: Any) -> tuple:
@@ -275,14 +330,15 @@ _BATCH_CLASSES: dict[type, type] = {}  # Data / HeteroData -> PyG's Batch class 
 
 
 def pack_shared(tensors: Sequence[torch.Tensor], specs: Sequence[tuple], total: int,
-                meta: bytes) -> tuple | None:
+                meta: Any, fill: Callable[..., None] | None = None) -> tuple | None:
     """The reduce tuple of a packed object whose buffer went into this process's arena.
 
     Args:
         tensors (Sequence[torch.Tensor]): The object's tensors, in persistent-id order.
         specs (Sequence[tuple]): Their layout in the buffer.
         total (int): The buffer's size.
-        meta (bytes): The object pickled with tensor numbers.
+        meta (Any): The object pickled with tensor numbers (or a bundle layout).
+        fill (Callable, optional): As in :func:`pack_tensors`. (default: :obj:`None`)
 
     Returns:
         ``(rebuild, args)``, or :obj:`None` when there is no arena, the buffer is
@@ -295,7 +351,7 @@ def pack_shared(tensors: Sequence[torch.Tensor], specs: Sequence[tuple], total: 
     if start is None:
         return None
     try:
-        _fill(arena.writable(start, total), tensors, specs)
+        (_fill if fill is None else fill)(arena.writable(start, total), tensors, specs)
     except BaseException:
         arena.give_back(start, total)
         raise

@@ -38,12 +38,15 @@ from torchdata.stateful_dataloader.sampler import BatchSampler
 
 from pyg_atompack.pyg.ranks import resolve_rank
 
-__all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "finished_pass_state",
-           "gather_loader_states", "pass_length", "quiet_torchdata", "restore_loader_state",
-           "saved_sampler_state", "wrap_loader_state"]
+__all__ = ["BUNDLE_SKIP", "ResumableSampler", "StatefulLoader", "StatefulBatchSampler",
+           "finished_pass_state", "gather_loader_states", "pass_length", "quiet_torchdata",
+           "restore_loader_state", "saved_sampler_state", "wrap_loader_state"]
 
 SAMPLER_STATE_FORMAT = "pyg_atompack-sampler/2"
 LOADER_STATE_FORMAT = "pyg_atompack-loader/1"
+#: Key of a worker loader's state taken inside a bundle (:mod:`pyg_atompack.pyg.bundle`):
+#: the batches of the bundle after the state's position that were handed out already.
+BUNDLE_SKIP = "pyg_atompack_bundle_skip"
 
 #: torchdata's batch sampler, whose iterator saves the wrapped sampler's state.
 StatefulBatchSampler = BatchSampler
@@ -301,7 +304,8 @@ def saved_sampler_state(state: dict[str, Any], batch_size: int | None,
 
     Finds it in each layout a loader state has (``AtompackLoader``'s in-process one,
     torchdata's single- and multi-process ones) and counts in the steps torchdata
-    took since its last snapshot (``snapshot_every_n_steps > 1``).
+    took since its last snapshot (``snapshot_every_n_steps > 1``) and the batches handed
+    out of a bundle after the state's position (:data:`BUNDLE_SKIP`).
 
     Args:
         state (dict): The ``"loader"`` part of a :func:`wrap_loader_state` state.
@@ -335,6 +339,30 @@ def saved_sampler_state(state: dict[str, Any], batch_size: int | None,
         saved["consumed"] = min(int(saved["length"]), int(saved["consumed"])
                                 + steps * batch_size * int(saved["world_size"]))
         saved["started"] = True
+    skip = int(state.get(BUNDLE_SKIP, 0))
+    if skip:
+        saved = _advanced(saved, skip, batch_size)
+    return saved
+
+
+def _advanced(saved: dict[str, Any], batches: int, batch_size: int | None) -> dict[str, Any]:
+    # a sampler state moved on by ``batches`` full batches of every rank (those of a bundle
+    # handed out after it was taken; only a pass's last batch can be short, and it ends
+    # its bundle, so none of them is)
+    saved, world = dict(saved), int(saved["world_size"])
+    if saved.get("format") == SAMPLER_STATE_FORMAT:
+        if not batch_size:
+            raise ValueError("a loader state inside a bundle needs the batch size to resume "
+                             "on another grid")
+        saved["consumed"] = min(int(saved["length"]),
+                                int(saved["consumed"]) + batches * batch_size * world)
+        saved["position"] = int(saved["position"]) + batches * batch_size
+    else:  # an atom budget's (epoch, steps), and what all ranks took: [world, batches]
+        saved["steps"] = int(saved["steps"]) + batches
+        consumed = [list(part) for part in saved["consumed"]]
+        consumed[-1][1] += batches * world
+        saved["consumed"] = consumed
+    saved["started"] = True
     return saved
 
 
