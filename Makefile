@@ -38,7 +38,7 @@ HF_VENVS := build/hf
 HF_PINS_0.36.2 := httpx==0.28.1
 HF_STAMPS := $(HF_RELEASES:%=$(HF_VENVS)/%/.installed)
 
-.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench clean
+.PHONY: venv azurite demo test test-hf-releases lint fuzz soak bench bench-quick clean
 
 # The Python environment and Azurite install side by side: both mostly wait on
 # registries, so a fresh `make test` pays for the longer of the two, not their sum.
@@ -60,7 +60,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,examples,bench]"
+	$(PY) -m pip install -q -e ".[test,examples,bench,docs]"
 	touch $(STAMP)
 
 # The venv of one huggingface_hub release ($* is the version); pip installs into it only
@@ -101,6 +101,15 @@ test-hf-releases: $(HF_STAMPS)
 	        $(REMOTE_TESTS) || exit 1; \
 	done
 
+# The documentation site (mkdocs.yml) into build/site, strictly: a warning fails. `make test`
+# builds it too and checks its links (tests/test_docs_site.py). After `make test` the
+# tutorials show the outputs of the notebooks it executed (docs/hooks.py). The variable
+# silences Material's notice about its end of life, printed on every build.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
+	@echo "open build/site/index.html, or: $(PY) -m http.server -d build/site"
+
 # A long fuzzing run of the .atp reader and the .pt shard loader (~10 min).
 fuzz: $(STAMP)
 	PYG_ATOMPACK_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz_atp.py tests/test_fuzz_pt.py \
@@ -109,6 +118,11 @@ fuzz: $(STAMP)
 # Streaming soak test against the fault-injecting loopback server (not in CI).
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
+
+# The headline table of README.md and docs/benchmarks.md, reprinted from quick runs of
+# the scripts behind it (about 12 minutes on the 2-core VM; not part of `make test`).
+bench-quick: $(STAMP)
+	$(PY) benchmarks/headline.py --quick
 
 # Every benchmark, one after another; each writes benchmarks/results/<name>.md.
 bench: $(STAMP)

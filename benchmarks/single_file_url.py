@@ -8,10 +8,11 @@ about ``--download-s`` seconds. Every measurement runs in a fresh child process 
 peak RSS is its own; DataLoader workers are sampled as its children) with a fresh,
 cold metadata cache.
 
-(a) ``ShardStreamDataset(url, block_bytes=16 MiB, prefetch=2)``, one process and two
-    DataLoader workers: peak RSS growth over the child's baseline after its imports
-    (target ``3 * block_bytes * 1.2 + 64 MiB``), time from construction to the first
-    sample against the time of one plain GET of the whole file over the same server,
+(a) ``ShardStreamDataset(url, options=SourceOptions(block_bytes=16 MiB), prefetch=2)``,
+    one process and two DataLoader workers: peak RSS growth over the child's baseline
+    after its imports (target ``3 * block_bytes * 1.2 + 64 MiB``), time from
+    construction to the first sample against the time of one plain GET of the whole
+    file over the same server,
     measured in the same run (target <= 25%), and every record exactly once (the count
     and the sorted energies equal ``range(n)``); the record-block plan is reported
     (``dataset.blocks``, ``dataset.stats()``).
@@ -182,14 +183,15 @@ def child_stream(spec: dict) -> dict:
     import numpy as np
     from torch.utils.data import DataLoader
 
-    from pyg_atompack.stream import ShardStreamDataset
+    from pyg_atompack.stream import ShardStreamDataset, SourceOptions
 
     workers = spec["workers"]
     energies = []
     with TreeSampler() as memory:
         started = time.perf_counter()
-        dataset = ShardStreamDataset(spec["url"], block_bytes=spec["block"], prefetch=2,
-                                     cache_dir=spec["cache"])
+        dataset = ShardStreamDataset(spec["url"],
+                                     options=SourceOptions(block_bytes=spec["block"],
+                                                           cache_dir=spec["cache"]), prefetch=2)
         opened = time.perf_counter()
         first = None
         if workers:
@@ -373,7 +375,8 @@ def render(results: dict) -> str:
         "(each DataLoader worker from when it is first seen), sampled every 5 ms; \"not "
         "file-backed\" leaves out the library pages a worker maps in as it first runs "
         "their code.",
-        "", f"## (a) `ShardStreamDataset(url, block_bytes={block // MiB} MiB, prefetch=2)`", "",
+        "", "## (a) `ShardStreamDataset(url, options=SourceOptions("
+        f"block_bytes={block // MiB} MiB), prefetch=2)`", "",
         "| workers | blocks (records each) | construct s | first sample s | first / "
         "full GET | peak RSS growth MiB | of which not file-backed MiB | records seen | "
         "exactly once | epoch s |",

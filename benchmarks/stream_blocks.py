@@ -102,16 +102,19 @@ def _manifest_is_current(root: Path, names: list[str]) -> bool:
 # ------------------------------------------------------------------ child measurements
 def child_stream(spec: dict) -> dict:
     """Stream ``spec["limit"]`` samples; RSS growth, time to first sample, samples/s."""
-    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
 
     started = time.perf_counter()
     source = RemoteSource(spec["url"])
     if spec.get("only"):
         source._shards = tuple(s for s in source.list_shards() if s.name == spec["only"])
     # threads: the blocks' memory in this process, whose resident set is sampled
-    dataset = ShardStreamDataset(source, prefetch=spec["k"], concurrency=spec.get("c", 1),
-                                 blocks=spec["blocks"], block_bytes=spec.get("block", 64 * MiB),
-                                 cache_dir=spec["cache"], retrieval="threads")
+    dataset = ShardStreamDataset(source,
+                                 options=SourceOptions(blocks=spec["blocks"],
+                                                       block_bytes=spec.get("block", 64 * MiB),
+                                                       cache_dir=spec["cache"],
+                                                       retrieval="threads"), prefetch=spec["k"],
+                                 concurrency=spec.get("c", 1))
     opened = time.perf_counter()
     count, first = 0, None
     with PeakSampler(interval=0.005) as rss:

@@ -112,7 +112,7 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
     """One measured run (in its own process); prints a JSON line."""
     import gc
 
-    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
     from pyg_atompack.stream.memory import release_free_memory
 
     server, base_url = serve(folder)
@@ -121,8 +121,8 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
         names = names or sorted(p.name for p in Path(folder).glob("*.atp"))
         if warm:
             warm_up = ShardStreamDataset(RemoteSource([f"{base_url}/{names[0]}"]),
-                                         prefetch=prefetch, concurrency=concurrency,
-                                         retrieval="threads")
+                                         options=SourceOptions(retrieval="threads"),
+                                         prefetch=prefetch, concurrency=concurrency)
             for _ in warm_up:
                 pass
             del warm_up, _
@@ -131,8 +131,8 @@ def child(folder: str, prefetch: int, concurrency: int, hold_s: float, warm: boo
         source = RemoteSource([f"{base_url}/{name}" for name in names])
         # threads: the stream's memory in this process, whose resident set is sampled
         # (the default would hold the shards in a child process)
-        dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                     retrieval="threads")
+        dataset = ShardStreamDataset(source, options=SourceOptions(retrieval="threads"),
+                                     prefetch=prefetch, concurrency=concurrency)
         baseline = _rss_bytes()
         peak = baseline
         stop = threading.Event()

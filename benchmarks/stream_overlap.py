@@ -103,7 +103,7 @@ from servers.http_server import (  # noqa: E402
 )
 from servers.moto_s3 import MotoS3Server, s3_environment  # noqa: E402
 
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset  # noqa: E402
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions  # noqa: E402
 
 S3_BUCKET = "stream-bench"
 DEFAULT_OUT = HERE / "results" / "stream.md"
@@ -160,11 +160,12 @@ def run_stream(base_url: str, prefetch: int, concurrency: int, compute: float,
         source = RemoteSource(f"{base_url}/manifest.json")
     else:  # listed (and its client made) before the clock starts, as for HTTP
         source = RemoteSource(f"s3://{S3_BUCKET}/{s3_prefix}/", endpoint_url=s3_endpoint)
-    dataset = ShardStreamDataset(source, prefetch=prefetch, concurrency=concurrency,
-                                 lazy_decode=lazy_decode, blocks=blocks,
-                                 block_bytes=block_bytes, cache_dir=cache_dir,
-                                 read_ahead=read_ahead, batch_size=CONSUMER["batch_size"],
-                                 retrieval=retrieval)
+    dataset = ShardStreamDataset(source,
+                                 options=SourceOptions(lazy_decode=lazy_decode, blocks=blocks,
+                                                       block_bytes=block_bytes,
+                                                       cache_dir=cache_dir, read_ahead=read_ahead,
+                                                       retrieval=retrieval), prefetch=prefetch,
+                                 concurrency=concurrency, batch_size=CONSUMER["batch_size"])
     items = dataset
     if workers:  # the dataset's own samples or batches, retrieved in worker processes
         items = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)

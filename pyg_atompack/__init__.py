@@ -22,6 +22,7 @@ _LAZY_ATTRIBUTES = {
     "ResumableSampler": "pyg_atompack.pyg.resume",
     "StatefulLoader": "pyg_atompack.pyg.resume",
     "ShardStreamDataset": "pyg_atompack.stream.dataset",
+    "SourceOptions": "pyg_atompack.stream.options",
 }
 _LAZY_MODULES = ("atp", "convert", "stream", "graph", "hub", "data")
 

@@ -180,7 +180,7 @@ def test_remote_by_record_and_record_blocks_check_frames(tmp_path):
 
 def test_shard_stream_reads_framed_shards_whole_and_in_blocks(tmp_path):
     from pyg_atompack.remote.ranges import FileRangeReader
-    from pyg_atompack.stream import LocalSource, ShardStreamDataset
+    from pyg_atompack.stream import LocalSource, ShardStreamDataset, SourceOptions
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -199,8 +199,10 @@ def test_shard_stream_reads_framed_shards_whole_and_in_blocks(tmp_path):
         def range_reader(self, shard):
             return FileRangeReader(shard.file.url)
 
-    whole = ShardStreamDataset(local, cache_dir=tmp_path / "c1")
-    blocks = ShardStreamDataset(Ranged(), block_bytes=1 << 10, cache_dir=tmp_path / "c2")
+    whole = ShardStreamDataset(local, options=SourceOptions(cache_dir=tmp_path / "c1"))
+    blocks = ShardStreamDataset(Ranged(),
+                                options=SourceOptions(block_bytes=1 << 10,
+                                                      cache_dir=tmp_path / "c2"))
     assert blocks.blocks is not None
     for dataset in (whole, blocks):
         got = sorted(int(s.energy.item()) for s in dataset)

@@ -18,7 +18,7 @@ import time
 import pytest
 from servers.http_server import serve_directory, write_pt_shards
 
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream.autotune import (
     DECODED_FACTOR,
     DEFAULT_MAX_CONCURRENCY,
@@ -193,7 +193,8 @@ def test_stream_with_a_small_budget_keeps_prefetch_low(slow_link) -> None:
     shard_bytes = max(s.size for s in RemoteSource(server.url("manifest.json")).list_shards())
     source = RemoteSource(server.url("manifest.json"), retry=FAST)
     budget = int(2 * DECODED_FACTOR * shard_bytes)  # two live shards
-    dataset = ShardStreamDataset(source, memory_budget=budget, split_shards=False)
+    dataset = ShardStreamDataset(source, options=SourceOptions(split_shards=False),
+                                 memory_budget=budget)
     ids = shard_ids(dataset, consume_s=0.05 / 20)
     assert sorted(ids) == [shard * 1000 + i for shard in range(6) for i in range(20)]
     tuned = dataset.stats()["autotune"]

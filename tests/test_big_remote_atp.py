@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pyg_atompack import atp
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream.splitting import StreamSlot
 from tests.big_atp import write_big_atp, write_manifest
 from tests.servers.http_server import ShardServer
@@ -62,8 +62,9 @@ def test_blocks_deliver_every_record_once_across_workers_and_ranks(big_files, se
     delivered: dict[int, list[int]] = {}
     checked = 0
     for rank in range(2):
-        dataset = ShardStreamDataset(source, rank=rank, world_size=2, shuffle=True,
-                                     block_bytes=BLOCK, prefetch=2, cache_dir=tmp_path,
+        dataset = ShardStreamDataset(source,
+                                     options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path),
+                                     rank=rank, world_size=2, shuffle=True, prefetch=2,
                                      batch_size=512)
         assert dataset.blocks is not None and len(dataset.blocks) > 10
         delivered[rank] = []
@@ -95,16 +96,18 @@ def test_blocks_deliver_every_record_once_across_workers_and_ranks(big_files, se
 
 def test_block_order_is_seeded_per_epoch(big_files, server, tmp_path):
     source = RemoteSource(server.url("manifest.json"))
-    dataset = ShardStreamDataset(source, shuffle=True, block_bytes=BLOCK, cache_dir=tmp_path,
-                                 seed=3)
+    dataset = ShardStreamDataset(source,
+                                 options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path),
+                                 shuffle=True, seed=3)
     slot = StreamSlot(0, 1, 0, 1)
     first = dataset.plan(slot).blocks
     dataset.set_epoch(1)
     second = dataset.plan(slot).blocks
     assert [b.global_first for b in first] != [b.global_first for b in second]
     assert sorted(b.global_first for b in first) == sorted(b.global_first for b in second)
-    again = ShardStreamDataset(source, shuffle=True, block_bytes=BLOCK, cache_dir=tmp_path,
-                               seed=3)
+    again = ShardStreamDataset(source,
+                               options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path),
+                               shuffle=True, seed=3)
     again.set_epoch(1)
     assert again.plan(slot).blocks == second
     # blocks of both files alternate: the order is global, not file by file
@@ -116,8 +119,8 @@ def test_resume_mid_epoch_from_state_dict(server, tmp_path):
     source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     # one rank of four: a quarter of the file, cut into blocks at record granularity
-    options = dict(shuffle=True, block_bytes=BLOCK, cache_dir=tmp_path, seed=5, prefetch=1,
-                   rank=1, world_size=4)
+    options = dict(options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path), shuffle=True,
+                   seed=5, prefetch=1, rank=1, world_size=4)
     dataset = ShardStreamDataset(source, **options)
     everything = _energies(dataset)
     assert len(everything) == RECORDS // 4
@@ -134,8 +137,9 @@ def test_resume_mid_epoch_from_state_dict(server, tmp_path):
 def test_fault_mid_block_resumes_without_refetching_it(big_files, server, tmp_path):
     source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
-    dataset = ShardStreamDataset(source, block_bytes=BLOCK, cache_dir=tmp_path, prefetch=1,
-                                 rank=0, world_size=4)
+    dataset = ShardStreamDataset(source,
+                                 options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path),
+                                 prefetch=1, rank=0, world_size=4)
     clean = _energies(dataset)
     server.requests.clear()
     server.add_fault(NAMES[0], "reset", at_fraction=0.5)
@@ -160,9 +164,10 @@ def test_at_most_k_plus_one_blocks_alive(server, tmp_path, retrieval, extra):
     source = RemoteSource(server.url("manifest.json"))
     source._shards = source.list_shards()[:1]
     for k in (1, 3):
-        dataset = ShardStreamDataset(source, block_bytes=2 << 20, cache_dir=tmp_path,
-                                     prefetch=k, concurrency=2, rank=0, world_size=4,
-                                     retrieval=retrieval)
+        dataset = ShardStreamDataset(source,
+                                     options=SourceOptions(block_bytes=2 << 20, cache_dir=tmp_path,
+                                                           retrieval=retrieval), prefetch=k,
+                                     concurrency=2, rank=0, world_size=4)
         for i, _ in enumerate(dataset):
             if i % 64 == 0:
                 # a consumer with some compute, as in training: without it a consumer
@@ -257,10 +262,13 @@ def small_shards(tmp_path):
 
 
 def test_small_shards_keep_whole_file_reads_and_blocks_interleave(small_shards, tmp_path):
-    whole = ShardStreamDataset(small_shards, cache_dir=tmp_path)  # 5.5 MB < 64 MiB blocks
+    # 5.5 MB < 64 MiB blocks
+    whole = ShardStreamDataset(small_shards, options=SourceOptions(cache_dir=tmp_path))
     assert whole.blocks is None
-    dataset = ShardStreamDataset(small_shards, block_bytes=512 << 10, interleave=3,
-                                 prefetch=2, shuffle=True, cache_dir=tmp_path)
+    dataset = ShardStreamDataset(small_shards,
+                                 options=SourceOptions(block_bytes=512 << 10, interleave=3,
+                                                       cache_dir=tmp_path), prefetch=2,
+                                 shuffle=True)
     assert dataset.blocks is not None and len(dataset.blocks) > 10
     starts = [b.global_first for b in dataset.blocks]
     order = _energies(dataset)
@@ -333,7 +341,9 @@ def test_auto_blocks_only_for_sources_with_range_reads(small_shards, tmp_path):
         def range_reader(self, shard):
             return FileRangeReader(shard.file.url)
 
-    whole = ShardStreamDataset(WholeFiles(), block_bytes=512 << 10, cache_dir=tmp_path)
+    whole = ShardStreamDataset(WholeFiles(),
+                               options=SourceOptions(block_bytes=512 << 10, cache_dir=tmp_path))
     assert whole.blocks is None and len(_energies(whole)) == 640
-    ranged = ShardStreamDataset(Ranged(), block_bytes=512 << 10, cache_dir=tmp_path)
+    ranged = ShardStreamDataset(Ranged(),
+                                options=SourceOptions(block_bytes=512 << 10, cache_dir=tmp_path))
     assert ranged.blocks is not None and sorted(_energies(ranged)) == list(range(640))

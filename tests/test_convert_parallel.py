@@ -217,11 +217,16 @@ def big_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_conversion(source: Path, out: Path, *prefix: str) -> subprocess.Popen:
-    """``pyg-atompack convert SOURCE OUT --workers 2`` in a session of its own."""
+    """``pyg-atompack convert SOURCE OUT --workers 2`` in a session of its own.
+
+    SIGINT is reset to its default in the child, as in a terminal: a shell's background
+    job (``make test &``) inherits it ignored, and Python then keeps ignoring it, rightly.
+    """
     command = list(prefix) or ["-m", "pyg_atompack.cli"]
     return subprocess.Popen(
         [sys.executable, *command, "convert", str(source), str(out), "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_until_writing(process: subprocess.Popen, out: Path) -> list[int]:

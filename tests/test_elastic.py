@@ -16,6 +16,7 @@ Cases: ranks 2 -> 1 and 1 -> 2, and DataLoader workers 2 -> 3, for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,14 @@ import pytest
 from elastic_worker import parse
 from test_resume import write_atp
 
-from pyg_atompack import AtompackDataset, AtompackLoader, ShardStreamDataset, atp, convert
+from pyg_atompack import (
+    AtompackDataset,
+    AtompackLoader,
+    ShardStreamDataset,
+    SourceOptions,
+    atp,
+    convert,
+)
 from pyg_atompack.pyg.resume import ResumableSampler
 from pyg_atompack.stream import LocalSource
 
@@ -161,13 +169,14 @@ def test_stream_resumes_twice_on_other_grids_with_every_sample_once(tmp_path: Pa
     if mode == "shards":
         convert.shard(tmp_path / "atp", tmp_path / "pt", 6)
     total = sum(sizes)
-    options = dict(shuffle=True, seed=5, cache_dir=tmp_path / "cache", interleave=2)
+    options = SourceOptions(cache_dir=tmp_path / "cache", interleave=2)
     if mode == "blocks":
-        options.update(blocks=True, block_bytes=2048)
+        options = dataclasses.replace(options, blocks=True, block_bytes=2048)
     source = str(tmp_path / ("atp" if mode == "blocks" else "pt"))
 
     def make(rank: int, world: int) -> ShardStreamDataset:
-        return ShardStreamDataset(LocalSource(source), rank=rank, world_size=world, **options)
+        return ShardStreamDataset(LocalSource(source), options=options, shuffle=True, seed=5,
+                                  rank=rank, world_size=world)
 
     if mode == "blocks":
         assert len(make(0, 1).blocks) > len(sizes), "several blocks per file"

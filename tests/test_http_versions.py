@@ -21,7 +21,7 @@ import torch
 from pyg_atompack import AtompackDataset
 from pyg_atompack.remote import atp_meta
 from pyg_atompack.remote.ranges import URLRangeReader
-from pyg_atompack.stream import CancelToken, RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import CancelToken, RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy
 from pyg_atompack.transport import http as transport_http
 from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
@@ -86,8 +86,10 @@ def test_a_file_rewritten_mid_read_is_refused_not_spliced(served, tmp_path):
     url = server.url("manifest.json")
     dataset = AtompackDataset(url, cache_dir=tmp_path / "cache")
     assert float(dataset[0].energy) == 0.0
-    stream = ShardStreamDataset(RemoteSource(url), blocks=True, block_bytes=256 << 10,
-                                cache_dir=tmp_path / "blocks", prefetch=0, shuffle=False)
+    stream = ShardStreamDataset(RemoteSource(url),
+                                options=SourceOptions(blocks=True, block_bytes=256 << 10,
+                                                      cache_dir=tmp_path / "blocks"), prefetch=0,
+                                shuffle=False)
     samples = iter(stream)
     assert float(next(samples).energy) == 0.0  # the first block is in
     _rewrite(root / NAME, 0.9)

@@ -12,7 +12,13 @@ from torch_geometric.datasets import MD17
 from torch_geometric.loader import DataLoader
 from torch_geometric.nn.models import SchNet
 
-from pyg_atompack import AtompackDataset, AtompackLoader, MemmapDataset, ShardStreamDataset
+from pyg_atompack import (
+    AtompackDataset,
+    AtompackLoader,
+    MemmapDataset,
+    ShardStreamDataset,
+    SourceOptions,
+)
 from pyg_atompack.convert import ConversionNote, WriteOptions, convert
 from pyg_atompack.graph import InteractionGraph
 from pyg_atompack.pyg import FieldSelectionError, resolve_names
@@ -93,8 +99,8 @@ def test_every_dataset_gives_md17_names_and_a_force_training_step_runs(md17, con
         for i in range(len(reference)):
             _assert_like_md17(dataset[i], reference[i])
 
-    stream = ShardStreamDataset(LocalSource(converted / "shards"), names="pyg-md17",
-                                batch_size=3, prefetch=0)
+    stream = ShardStreamDataset(LocalSource(converted / "shards"),
+                                options=SourceOptions(names="pyg-md17"), batch_size=3, prefetch=0)
     streamed = [b for b in stream]
     assert [b.num_graphs for b in streamed] == [3, 3, 1]
     for i, data in enumerate(d for b in streamed for d in b.to_data_list()):

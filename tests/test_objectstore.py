@@ -28,6 +28,7 @@ from pyg_atompack.stream import (
     CancelToken,
     RemoteSource,
     ShardStreamDataset,
+    SourceOptions,
 )
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.transport import (
@@ -196,7 +197,7 @@ def test_throttling_outlasting_the_retries_names_the_url(server, proxy):
 
 def test_retries_argument_of_the_stream_sets_the_store_policy(pt_prefix):
     source = RemoteSource(f"s3://{BUCKET}/pt/", retry=FAST)
-    dataset = ShardStreamDataset(source, retries=0)
+    dataset = ShardStreamDataset(source, options=SourceOptions(retries=0))
     assert dataset.source.retry.retries == 0 and dataset.source.backend.retry.retries == 0
     assert source.retry is FAST and source.backend.retry is FAST  # the original is untouched
 

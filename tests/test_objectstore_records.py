@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from pyg_atompack import AtompackDataset, AtompackLoader, atp
 from pyg_atompack.remote import RemoteAtpReader, atp_meta
 from pyg_atompack.remote.ranges import BackendRangeReader
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.transport import (
     RemoteAuthError,
     RemoteIntegrityError,
@@ -77,8 +77,10 @@ def _span(value: str) -> int:
 
 
 def test_blocks_deliver_every_record_once_with_two_workers(files, proxy, tmp_path):
-    dataset = ShardStreamDataset(f"s3://{BUCKET}/big/", blocks=True, block_bytes=BLOCK,
-                                 shuffle=True, seed=3, prefetch=2, cache_dir=tmp_path)
+    dataset = ShardStreamDataset(f"s3://{BUCKET}/big/",
+                                 options=SourceOptions(blocks=True, block_bytes=BLOCK,
+                                                       cache_dir=tmp_path), shuffle=True, seed=3,
+                                 prefetch=2)
     assert isinstance(dataset.source, RemoteSource)
     assert dataset.blocks is not None and len(dataset.blocks) > 10
     local = atp.ShardedReader.from_paths([files / n for n in NAMES])
@@ -112,8 +114,10 @@ def _spans(ranges: list[str]) -> list[tuple[int, int]]:
 def test_a_connection_cut_mid_block_resumes_that_block(files, proxy, tmp_path):
     source = RemoteSource(f"s3://{BUCKET}/big/",
                                retry=RetryPolicy(retries=3, backoff=0.01))
-    dataset = ShardStreamDataset(source, blocks=True, block_bytes=BLOCK, cache_dir=tmp_path,
-                                 prefetch=0, split_shards=False)  # metadata read here
+    dataset = ShardStreamDataset(source,
+                                 options=SourceOptions(blocks=True, block_bytes=BLOCK,
+                                                       cache_dir=tmp_path, split_shards=False),
+                                 prefetch=0)  # metadata read here
     proxy.ranges.clear()
     proxy.cut_next(after_bytes=200_000)  # the next connection: the first block's GET
     assert [int(s.energy.item()) for s in dataset] == list(range(2 * RECORDS))
@@ -126,10 +130,11 @@ def test_a_connection_cut_mid_block_resumes_that_block(files, proxy, tmp_path):
 
 
 def test_auto_blocks_for_object_shards_larger_than_a_block(proxy, tmp_path):
-    dataset = ShardStreamDataset(f"s3://{BUCKET}/big/", block_bytes=BLOCK, cache_dir=tmp_path)
+    dataset = ShardStreamDataset(f"s3://{BUCKET}/big/",
+                                 options=SourceOptions(block_bytes=BLOCK, cache_dir=tmp_path))
     assert dataset.blocks is not None
-    whole = ShardStreamDataset(f"s3://{BUCKET}/big/", block_bytes=64 << 20,
-                               cache_dir=tmp_path)
+    whole = ShardStreamDataset(f"s3://{BUCKET}/big/",
+                               options=SourceOptions(block_bytes=64 << 20, cache_dir=tmp_path))
     assert whole.blocks is None  # small shards keep whole-file reads
 
 
@@ -194,8 +199,9 @@ def test_altered_object_is_detected(files, moto, proxy, tmp_path):
     with pytest.raises(RemoteIntegrityError, match=r"s3://atp-records/moving/a\.atp: the "
                                                    r"object changed since it was listed"):
         dataset[RECORDS - 1]  # a page not cached yet
-    stream = ShardStreamDataset(f"s3://{BUCKET}/moving/", blocks=True, block_bytes=BLOCK,
-                                cache_dir=tmp_path)
+    stream = ShardStreamDataset(f"s3://{BUCKET}/moving/",
+                                options=SourceOptions(blocks=True, block_bytes=BLOCK,
+                                                      cache_dir=tmp_path))
     client.put_object(Bucket=BUCKET, Key="moving/a.atp", Body=(files / NAMES[0]).read_bytes())
     with pytest.raises(RemoteIntegrityError, match=r"moving/a\.atp.*changed since it was "
                                                    r"listed"):
@@ -243,7 +249,7 @@ def test_truncated_object_is_detected(files, moto, proxy, tmp_path):
     with pytest.raises(RemoteIntegrityError, match=pattern):
         AtompackDataset(f"s3://{BUCKET}/cut/", cache_dir=tmp_path)
     with pytest.raises(RemoteIntegrityError, match=pattern):
-        ShardStreamDataset(f"s3://{BUCKET}/cut/", cache_dir=tmp_path)
+        ShardStreamDataset(f"s3://{BUCKET}/cut/", options=SourceOptions(cache_dir=tmp_path))
 
 
 def test_wrong_bucket_key_and_missing_credentials(proxy, monkeypatch, tmp_path):
@@ -252,11 +258,13 @@ def test_wrong_bucket_key_and_missing_credentials(proxy, monkeypatch, tmp_path):
         AtompackDataset("s3://no-such-bucket/big/", cache_dir=tmp_path)
     with pytest.raises(RemoteNotFoundError, match=r"s3://atp-records/big/nope\.atp: no such "
                                                   r"object"):
-        ShardStreamDataset(f"s3://{BUCKET}/big/nope.atp", blocks=True, cache_dir=tmp_path)
+        ShardStreamDataset(f"s3://{BUCKET}/big/nope.atp",
+                           options=SourceOptions(blocks=True, cache_dir=tmp_path))
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name)
     for make in (lambda: AtompackDataset(f"s3://{BUCKET}/big/", cache_dir=tmp_path),
-                 lambda: ShardStreamDataset(f"s3://{BUCKET}/big/", cache_dir=tmp_path)):
+                 lambda: ShardStreamDataset(f"s3://{BUCKET}/big/",
+                                            options=SourceOptions(cache_dir=tmp_path))):
         with pytest.raises(RemoteAuthError, match=r"s3://atp-records/big.*no credentials "
                                                   r"found") as info:
             make()

@@ -13,13 +13,20 @@ from servers.http_server import ShardServer, serve_directory, write_pt_shards
 from torch_geometric.data import Data
 
 from pyg_atompack.pyg.arena import Arena
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset, offproc, samplechunks
+from pyg_atompack.stream import (
+    RemoteSource,
+    ShardStreamDataset,
+    SourceOptions,
+    offproc,
+    samplechunks,
+)
 from pyg_atompack.stream.samplechunks import pack_columns, unpack_columns
 from pyg_atompack.transport import RetryPolicy
 
 SIZES = [9, 13, 4, 11, 7, 12, 3, 10]  # 69 samples: chunks span shards
 ALL_IDS = sorted(s * 1000 + i for s, n in enumerate(SIZES) for i in range(n))
 FAST = RetryPolicy(retries=1, backoff=0.01, timeout=5.0)
+THREADS, PROCESS = SourceOptions(retrieval="threads"), SourceOptions(retrieval="process")
 
 
 @pytest.fixture
@@ -50,9 +57,11 @@ def _same(mine: Data, theirs: Data) -> None:
 @pytest.mark.parametrize("options", [{}, {"shuffle": True, "seed": 4},
                                      {"shuffle": True, "seed": 1, "shuffle_buffer": 8}])
 def test_unbatched_samples_come_in_chunks_equal_and_in_order(server, options):
-    expected = list(ShardStreamDataset(_source(server), prefetch=2, retrieval="threads",
+    expected = list(ShardStreamDataset(_source(server), prefetch=2,
+                                       options=SourceOptions(retrieval="threads"),
                                        **options))
-    samples = list(ShardStreamDataset(_source(server), prefetch=2, retrieval="process",
+    samples = list(ShardStreamDataset(_source(server), prefetch=2,
+                                      options=SourceOptions(retrieval="process"),
                                       **options))
     assert _ids(samples) == _ids(expected)
     assert sorted(_ids(samples)) == ALL_IDS
@@ -70,15 +79,16 @@ def test_unbatched_samples_come_in_chunks_equal_and_in_order(server, options):
 @pytest.mark.parametrize("taken", [1, 7, 40])
 def test_state_dict_counts_each_sample_handed_out_of_a_chunk(server, resume_with, taken):
     options = {"shuffle": True, "seed": 3}
-    expected = _ids(ShardStreamDataset(_source(server), retrieval="threads", **options))
-    dataset = ShardStreamDataset(_source(server), retrieval="process", **options)
+    expected = _ids(ShardStreamDataset(_source(server), options=THREADS, **options))
+    dataset = ShardStreamDataset(_source(server), options=PROCESS, **options)
     iterator = iter(dataset)
     first = [next(iterator) for _ in range(taken)]
     time.sleep(0.2)  # the child has built (and sent) samples ahead: not counted
     state = dataset.state_dict()
     assert state["samples_emitted"] == taken
     del iterator
-    resumed = ShardStreamDataset(_source(server), retrieval=resume_with, **options)
+    resumed = ShardStreamDataset(
+        _source(server), options=SourceOptions(retrieval=resume_with), **options)
     resumed.load_state_dict(state)
     assert _ids(first) + _ids(resumed) == expected
     assert resumed.state_dict()["finished"]
@@ -91,8 +101,8 @@ def test_samples_ready_are_not_held_back_for_a_fuller_chunk(server):
     release = threading.Timer(30.0, gate.set)  # never a hang, whatever happens
     release.start()
     try:
-        dataset = ShardStreamDataset(_source(server), prefetch=1, retrieval="process",
-                                     stream_shards="none")
+        dataset = ShardStreamDataset(_source(server), prefetch=1, options=SourceOptions(
+            retrieval="process", stream_shards="none"))
         iterator = iter(dataset)
         first = [next(iterator) for _ in range(SIZES[0])]
         held = not gate.is_set()
@@ -112,8 +122,8 @@ def test_an_error_comes_after_the_samples_before_it(tmp_path):
     for server in serve_directory(tmp_path):
         seen = []
         with pytest.raises(Exception, match=r"shard-0002\.pt"):
-            for sample in ShardStreamDataset(_source(server), verify=False,
-                                             retrieval="process"):
+            for sample in ShardStreamDataset(_source(server), options=SourceOptions(
+                    verify=False, retrieval="process")):
                 seen.append(int(sample.sample_id))
         assert seen == [0, 1, 2, 3, 4, 5, 1000, 1001, 1002, 1003, 1004]
 
@@ -174,7 +184,7 @@ def test_a_sample_that_cannot_be_sent_is_a_clear_error(server, monkeypatch):
         sample.callback = lambda: None
         return sample
 
-    dataset = ShardStreamDataset(_source(server), retrieval="process", transform=unpicklable)
+    dataset = ShardStreamDataset(_source(server), options=PROCESS, transform=unpicklable)
     with pytest.raises(Exception, match="pickle"):
         list(dataset)
 

@@ -19,6 +19,7 @@ from pyg_atompack.stream import (
     ShardDecodeError,
     ShardFetchError,
     ShardStreamDataset,
+    SourceOptions,
 )
 from pyg_atompack.stream.errors import RetrievalProcessError
 from pyg_atompack.stream.offproc import use_child_process
@@ -59,18 +60,22 @@ def test_the_default_rule():
     assert not use_child_process("threads", 2, in_worker=False)
     assert use_child_process("process", 0, in_worker=False)
     with pytest.raises(ValueError, match="retrieval must be one of"):
-        ShardStreamDataset("/nonexistent", retrieval="fibers")
+        ShardStreamDataset("/nonexistent", options=SourceOptions(retrieval="fibers"))
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"shuffle": True, "seed": 5},
-    {"shuffle": True, "seed": 5, "batch_size": 4},
-    {"shuffle": True, "seed": 2, "shuffle_buffer": 6, "interleave": 2, "batch_size": 3},
+@pytest.mark.parametrize("settings, interleave", [
+    ({}, 1),
+    ({"shuffle": True, "seed": 5}, 1),
+    ({"shuffle": True, "seed": 5, "batch_size": 4}, 1),
+    ({"shuffle": True, "seed": 2, "shuffle_buffer": 6, "batch_size": 3}, 2),
 ])
-def test_the_same_items_in_the_same_order_as_in_process(server, options):
-    reference = ShardStreamDataset(_source(server), prefetch=2, retrieval="threads", **options)
-    dataset = ShardStreamDataset(_source(server), prefetch=2, retrieval="process", **options)
+def test_the_same_items_in_the_same_order_as_in_process(server, settings, interleave):
+    reference = ShardStreamDataset(
+        _source(server), options=SourceOptions(retrieval="threads", interleave=interleave),
+        prefetch=2, **settings)
+    dataset = ShardStreamDataset(
+        _source(server), options=SourceOptions(retrieval="process", interleave=interleave),
+        prefetch=2, **settings)
     expected = list(reference)
     items = list(dataset)
     assert _ids(items) == _ids(expected)
@@ -95,15 +100,18 @@ def test_state_dict_resumes_exactly_whichever_side_retrieves(server, resume_with
     # (with a shuffle buffer or interleaving, a resume keeps the samples but not their
     # order, in-process too)
     options = {"shuffle": True, "seed": 9, "batch_size": 3}
-    expected = _ids(ShardStreamDataset(_source(server), retrieval="threads", **options))
-    dataset = ShardStreamDataset(_source(server), retrieval="process", **options)
+    expected = _ids(ShardStreamDataset(_source(server), options=SourceOptions(retrieval="threads"),
+                                       **options))
+    dataset = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                                 **options)
     iterator = iter(dataset)
     taken = [next(iterator) for _ in range(5)]
     time.sleep(0.2)  # the child has built items ahead: the state must not count them
     state = dataset.state_dict()
     assert state["samples_emitted"] == 15
     del iterator
-    resumed = ShardStreamDataset(_source(server), retrieval=resume_with, **options)
+    resumed = ShardStreamDataset(_source(server), options=SourceOptions(retrieval=resume_with),
+                                 **options)
     resumed.load_state_dict(state)
     assert _ids(taken) + _ids(resumed) == expected
     assert resumed.state_dict()["finished"]
@@ -113,7 +121,8 @@ def test_errors_in_the_child_name_the_shard_and_nothing_hangs(tmp_path):
     write_pt_shards(tmp_path, [4, 4, 4], atoms=3)
     (tmp_path / "shard-0001.pt").write_bytes(b"this is not a torch file" * 10)
     for server in serve_directory(tmp_path):
-        dataset = ShardStreamDataset(_source(server), verify=False, retrieval="process")
+        dataset = ShardStreamDataset(_source(server),
+                                     options=SourceOptions(verify=False, retrieval="process"))
         seen = []
         with pytest.raises(ShardDecodeError, match=r"shard-0001\.pt: not a readable \.pt"):
             for sample in dataset:
@@ -122,13 +131,15 @@ def test_errors_in_the_child_name_the_shard_and_nothing_hangs(tmp_path):
         assert not _children()
         server.add_fault("shard-0000.pt", "500", times=10)
         with pytest.raises(ShardFetchError, match=r"http://127\.0\.0\.1:\d+/shard-0000\.pt"):
-            list(ShardStreamDataset(_source(server), retrieval="process", verify=False,
-                                    stream_shards="none"))
+            list(ShardStreamDataset(_source(server),
+                                    options=SourceOptions(retrieval="process", verify=False,
+                                                          stream_shards="none")))
         assert not _children()
 
 
 def test_a_killed_child_is_a_clear_error(server):
-    dataset = ShardStreamDataset(_source(server), prefetch=1, retrieval="process")
+    dataset = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                                 prefetch=1)
     iterator = iter(dataset)
     next(iterator)
     [child] = _children()
@@ -141,8 +152,10 @@ def test_a_killed_child_is_a_clear_error(server):
 
 @pytest.mark.parametrize("how", ["end", "break", "exception", "dropped", "never started"])
 def test_no_process_or_descriptor_outlives_the_iteration(server, how):
-    dataset = ShardStreamDataset(_source(server), prefetch=2, retrieval="process")
-    list(ShardStreamDataset(_source(server), prefetch=2, retrieval="process"))  # warm up
+    dataset = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                                 prefetch=2)
+    list(ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                            prefetch=2))  # warm up
     gc.collect()
     before = _open_fds()
     if how == "end":
@@ -172,14 +185,15 @@ def test_dataloader_workers_retrieve_in_themselves(server):
     dataset = ShardStreamDataset(_source(server), prefetch=2, batch_size=4)
     loader = DataLoader(dataset, batch_size=None, num_workers=2)
     assert sorted(_ids(loader)) == ALL_IDS  # each worker streams in itself (auto)
-    forced = ShardStreamDataset(_source(server), prefetch=2, retrieval="process")
+    forced = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                                prefetch=2)
     with pytest.raises(RuntimeError, match="daemonic"):
         list(DataLoader(forced, batch_size=None, num_workers=1))
 
 
 def test_large_batches_travel_through_shared_memory(server):
-    dataset = ShardStreamDataset(_source(server), prefetch=2, batch_size=20,
-                                 retrieval="process")
+    dataset = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="process"),
+                                 prefetch=2, batch_size=20)
     batches = list(dataset)
     assert [b.num_graphs for b in batches] == [20, 20]
     # 20 molecules of 40 atoms: over the arena's threshold, so the tensors view one buffer

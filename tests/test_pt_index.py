@@ -32,6 +32,7 @@ from pyg_atompack.stream import (
     RemoteSource,
     ShardDecodeError,
     ShardStreamDataset,
+    SourceOptions,
     UnsafePayloadError,
     decode_shard,
 )
@@ -433,12 +434,14 @@ def test_stream_copies_the_samples_that_may_outlive_their_shard(tmp_path):
 
     source = _RecordingSource(str(tmp_path / "*.pt"))
     flags = [in_a_shard_buffer(sample, source)
-             for sample in ShardStreamDataset(source, prefetch=1, retrieval="threads")]
+             for sample in ShardStreamDataset(source, options=SourceOptions(retrieval="threads"),
+                                              prefetch=1)]
     # only the last sample of each shard is copied (the consumer may still hold it
     # while the next shard is fetched); the others are views of the shard buffer
     assert flags == [True] * 5 + [False] + [True] * 5 + [False]
     source = _RecordingSource(str(tmp_path / "*.pt"))
-    samples = list(ShardStreamDataset(source, shuffle_buffer=4, retrieval="threads"))
+    samples = list(ShardStreamDataset(source, options=SourceOptions(retrieval="threads"),
+                                      shuffle_buffer=4))
     assert not any(in_a_shard_buffer(s, source) for s in samples)  # the mixing buffer copies
     assert sorted(int(s.sample_id) for s in samples) == [*range(6), *range(1000, 1006)]
     assert np.isfinite(torch.cat([s.pos for s in samples]).numpy()).all()

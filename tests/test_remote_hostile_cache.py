@@ -34,7 +34,7 @@ from pyg_atompack.remote import (
     cached_path,
 )
 from pyg_atompack.remote import cache as remote_cache
-from pyg_atompack.stream import ShardStreamDataset
+from pyg_atompack.stream import ShardStreamDataset, SourceOptions
 from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, TransportError
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -131,7 +131,8 @@ def _assert_names(error: BaseException, url: str, name: str) -> None:
 ENTRY_POINTS = {
     "prefetch_shards": lambda url, cache: AtompackDataset(url, prefetch_shards=True)[0],
     "by_record": lambda url, cache: AtompackDataset(url, cache_dir=cache)[0],
-    "stream": lambda url, cache: next(iter(ShardStreamDataset(url, cache_dir=cache))),
+    "stream": lambda url, cache: next(iter(ShardStreamDataset(url,
+                                                              options=SourceOptions(cache_dir=cache)))),
     "open_remote_atp": lambda url, cache: hub.open_remote_atp(url, cache_dir=cache,
                                                              policy=FAST).download_all(),
 }

@@ -22,7 +22,7 @@ from pyg_atompack.hub.errors import HubTransferError
 from pyg_atompack.remote.backends import open_backend
 from pyg_atompack.remote.manifest import ManifestError
 from pyg_atompack.remote.record_reader import range_readers
-from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream.errors import ShardIntegrityError
 from pyg_atompack.transport import (
     RemoteIntegrityError,
@@ -246,7 +246,8 @@ def test_a_single_file_url_is_streamed_by_record_blocks(tmp_path):
     server = ShardServer(tmp_path).start()
     try:
         url = server.url("big.atp")
-        dataset = ShardStreamDataset(url, block_bytes=4 << 20, prefetch=2, shuffle=False)
+        dataset = ShardStreamDataset(url, options=SourceOptions(block_bytes=4 << 20), prefetch=2,
+                                     shuffle=False)
         assert dataset.source.list_shards()[0].size == os.path.getsize(tmp_path / "big.atp")
         seen = []
         for index, sample in enumerate(dataset):

@@ -27,6 +27,7 @@ from pyg_atompack.stream import (
     ShardDecodeError,
     ShardIntegrityError,
     ShardStreamDataset,
+    SourceOptions,
     arriving,
 )
 from pyg_atompack.stream.arriving import ARRIVAL_WINDOW, arrival_order
@@ -70,9 +71,11 @@ def _hold_tails(server: ShardServer, root: Path, names: list[str]) -> threading.
     return release
 
 
-def _dataset(server: ShardServer, **options) -> ShardStreamDataset:
-    options = {"prefetch": 2, "concurrency": 2, **options}
-    return ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST), **options)
+def _dataset(server: ShardServer, options: SourceOptions | None = None,
+             **settings) -> ShardStreamDataset:
+    settings = {"prefetch": 2, "concurrency": 2, **settings}
+    return ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
+                              options=options, **settings)
 
 
 def _ids(samples) -> list[int]:
@@ -116,7 +119,7 @@ def test_with_split_shards_off_the_arriving_first_shard_is_one_range_downloaded_
     _without_hashes(root)
     monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
     for server in serve_directory(root, bandwidth=2_000_000):
-        samples = list(_dataset(server, split_shards=False))
+        samples = list(_dataset(server, SourceOptions(split_shards=False)))
         assert sorted(_ids(samples)) == sorted(_expected())
         first = server.requests_for(names[0])
         size = (root / names[0]).stat().st_size
@@ -134,7 +137,7 @@ def test_a_listed_hash_waits_for_the_whole_shard_only_when_asked_for(shards):
         release = _hold_tails(server, root, names)
         timer = threading.Timer(0.5, release.set)
         timer.start()
-        iterator = iter(_dataset(server, verify_before_use=True))
+        iterator = iter(_dataset(server, SourceOptions(verify_before_use=True)))
         next(iterator)
         assert release.is_set()  # the first sample waited for the whole (hashed) shard
         assert len(list(iterator)) == sum(SIZES) - 1
@@ -142,13 +145,13 @@ def test_a_listed_hash_waits_for_the_whole_shard_only_when_asked_for(shards):
 
         for choice in ("records", False):
             release = _hold_tails(server, root, names)
-            iterator = iter(_dataset(server, verify_before_use=choice))
+            iterator = iter(_dataset(server, SourceOptions(verify_before_use=choice)))
             next(iterator)
             assert not release.is_set()
             release.set()
             assert len(list(iterator)) == sum(SIZES) - 1
     with pytest.raises(ValueError, match="verify_before_use"):
-        ShardStreamDataset(root, verify_before_use="sha256")
+        ShardStreamDataset(root, options=SourceOptions(verify_before_use="sha256"))
 
 
 def _flip_storage_byte(path: Path, storage: int) -> None:
@@ -186,7 +189,7 @@ def test_bytes_changed_in_transit_are_never_handed_out_by_default(shards, hashed
             assert torch.equal(sample.pos, expected[int(sample.sample_id)])
 
         release = _hold_tails(server, root, names)
-        iterator = iter(_dataset(server, verify_before_use=False))
+        iterator = iter(_dataset(server, SourceOptions(verify_before_use=False)))
         got = [next(iterator) for _ in range(80)]  # all within the first 3/4 of the file
         assert not release.is_set()
         release.set()
@@ -283,7 +286,7 @@ def test_a_hash_mismatch_found_at_the_end_raises_when_the_user_opted_out(shards)
             data[-40] ^= 0xFF  # in the central directory's last entry name: the hash changes
             path.write_bytes(bytes(data))
         with pytest.raises(ShardIntegrityError, match=r"shard-000\d\.pt"):
-            list(_dataset(server, verify_before_use=False))
+            list(_dataset(server, SourceOptions(verify_before_use=False)))
 
 
 def test_inside_dataloader_workers(shards):
@@ -368,8 +371,8 @@ def test_from_an_object_store(store_servers, monkeypatch, tmp_path):
     monkeypatch.setattr(RemoteSource, "read_into", recording)
     monkeypatch.setattr(arriving, "MIN_CHUNK_BYTES", 32 << 10)
     # in this process, where the reads are recorded
-    dataset = ShardStreamDataset("s3://arriving/pt/", prefetch=2, concurrency=2,
-                                 retrieval="threads")
+    dataset = ShardStreamDataset("s3://arriving/pt/", options=SourceOptions(retrieval="threads"),
+                                 prefetch=2, concurrency=2)
     samples = list(dataset)
     assert sorted(_ids(samples)) == [*range(150), *range(1000, 1150)]
     first = dataset.plan().shards[0]
@@ -388,7 +391,7 @@ def test_every_shard_as_it_arrives(shards):
         for _ in range(2):
             gates = {name: server.hold(name, (root / name).stat().st_size * 3 // 4)
                      for name in names}
-            dataset = _dataset(server, shuffle=True, seed=2, stream_shards="all")
+            dataset = _dataset(server, SourceOptions(stream_shards="all"), shuffle=True, seed=2)
             first, second = (names[i] for i in dataset.plan().shards[:2])
             iterator = iter(dataset)
             head = [next(iterator) for _ in range(10)]
@@ -404,7 +407,8 @@ def test_every_shard_as_it_arrives(shards):
 
 def test_stream_shards_choices():
     with pytest.raises(ValueError, match="stream_shards"):
-        ShardStreamDataset(Path(__file__).parent / "data", stream_shards="some")
+        ShardStreamDataset(Path(__file__).parent / "data",
+                           options=SourceOptions(stream_shards="some"))
 
 
 def test_from_the_hub_with_its_listed_hashes(monkeypatch):
@@ -430,13 +434,15 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
         source = RemoteSource("hf://datasets/org/arriving/data", endpoint=hub.endpoint)
         assert all(shard.sha256 for shard in source.list_shards())  # LFS hashes
         # in this process, where the reads are recorded
-        dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=True,
-                                     retrieval="threads")
+        dataset = ShardStreamDataset(source,
+                                     options=SourceOptions(verify_before_use=True,
+                                                           retrieval="threads"), prefetch=1)
         assert _ids(dataset) == [*range(40), *range(1000, 1040)]
         assert calls == []  # listed hashes: checked whole before any sample
         for choice in ("records", False):
-            dataset = ShardStreamDataset(source, prefetch=1, verify_before_use=choice,
-                                         retrieval="threads")
+            dataset = ShardStreamDataset(source,
+                                         options=SourceOptions(verify_before_use=choice,
+                                                               retrieval="threads"), prefetch=1)
             assert _ids(dataset) == [*range(40), *range(1000, 1040)]
             assert calls == ["shard-0000.pt"]  # the first shard streamed by range
             calls.clear()
@@ -444,4 +450,5 @@ def test_from_the_hub_with_its_listed_hashes(monkeypatch):
         hub.serve_wrong_bytes("org/arriving", "data/shard-0000.pt",
                               good[:-1] + bytes([good[-1] ^ 1]))
         with pytest.raises(ShardIntegrityError, match=r"shard-0000\.pt: sha256"):
-            list(ShardStreamDataset(source, prefetch=1, verify_before_use=False))
+            list(ShardStreamDataset(source, options=SourceOptions(verify_before_use=False),
+                                    prefetch=1))

@@ -13,7 +13,7 @@ from servers.http_server import ShardServer, serve_directory, write_pt_shards
 from torch.utils.data import DataLoader
 from torch_geometric.data import Batch
 
-from pyg_atompack.stream import LocalSource, RemoteSource, ShardStreamDataset
+from pyg_atompack.stream import LocalSource, RemoteSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.trace import TRACE_FIELDS
 from pyg_atompack.transport import RetryPolicy
@@ -168,8 +168,8 @@ def test_state_dict_rejects_other_settings(server):
 def test_live_shard_bound_is_never_exceeded(server, prefetch, concurrency):
     # threads: the consumer below is the one the prefetcher runs ahead of (a retrieval
     # process builds items ahead of it, and its own consumer is fast)
-    dataset = ShardStreamDataset(_source(server), prefetch=prefetch, concurrency=concurrency,
-                                 retrieval="threads")
+    dataset = ShardStreamDataset(_source(server), options=SourceOptions(retrieval="threads"),
+                                 prefetch=prefetch, concurrency=concurrency)
     for _ in dataset:
         time.sleep(0.003)  # a slow consumer lets the prefetcher run as far ahead as allowed
     stats = dataset.stats()
@@ -185,9 +185,10 @@ def test_breaking_out_cancels_in_flight_downloads_promptly(tmp_path):
     try:
         for name in ("shard-0001.pt", "shard-0002.pt"):
             server.add_fault(name, "stall")  # would hold the connection for 30 s
-        dataset = ShardStreamDataset(
-            RemoteSource(server.url("manifest.json"), retry=RetryPolicy(timeout=60)),
-            prefetch=3, concurrency=3, retrieval="threads")  # threads in this process
+        dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"),
+                                                  retry=RetryPolicy(timeout=60)),
+                                     options=SourceOptions(retrieval="threads"), prefetch=3,
+                                     concurrency=3)  # threads in this process
         iterator = iter(dataset)
         next(iterator)
         time.sleep(0.2)  # downloads of shards 1-3 are now in flight, two of them stalled
@@ -258,8 +259,9 @@ def test_downloads_start_at_iter_and_stop_when_the_iterator_is_dropped(tmp_path)
         return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
 
     for server in serve_directory(tmp_path):
-        dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json")), prefetch=1,
-                                     retrieval="threads")  # threads in this process
+        # threads in this process
+        dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json")),
+                                     options=SourceOptions(retrieval="threads"), prefetch=1)
         samples = iter(dataset)  # a DataLoader worker calls iter() well before next()
         deadline = time.monotonic() + 30
         while not any(e.path.endswith(".pt") for e in server.requests):

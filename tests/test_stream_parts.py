@@ -13,6 +13,7 @@ from pyg_atompack.stream import (
     RemoteSource,
     ShardFetchError,
     ShardStreamDataset,
+    SourceOptions,
 )
 from pyg_atompack.transport import RetryPolicy
 from pyg_atompack.transport.http import MIN_PART_BYTES
@@ -100,10 +101,10 @@ def test_dataset_fetches_each_shard_over_the_connections_free_when_it_starts(tmp
     assert (tmp_path / names[0]).stat().st_size > 3 * MIN_PART_BYTES
     assert (tmp_path / names[3]).stat().st_size < MIN_PART_BYTES
     for server in serve_directory(tmp_path, bandwidth=2_000_000):
-        def stream(server=server, **options):
+        def stream(server=server, split_shards=True):
+            options = SourceOptions(stream_shards="none", split_shards=split_shards)
             dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
-                                         prefetch=2, concurrency=3, stream_shards="none",
-                                         **options)
+                                         options=options, prefetch=2, concurrency=3)
             before = [len(server.requests_for(name)) for name in names]
             ids = [int(sample.sample_id) for sample in dataset]
             assert ids == [*range(400), *range(1000, 1400), *range(2000, 2400),

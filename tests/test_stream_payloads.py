@@ -17,6 +17,7 @@ from pyg_atompack.stream import (
     RemoteSource,
     ShardDecodeError,
     ShardStreamDataset,
+    SourceOptions,
     UnsafePayloadError,
     decode_shard,
 )
@@ -103,7 +104,7 @@ def test_refusal_through_the_dataset_and_trusted_override(tmp_path):
                tmp_path / "tagged.pt")
     with pytest.raises(UnsafePayloadError, match=r"tagged\.pt.*trusted=True"):
         list(ShardStreamDataset(LocalSource(tmp_path)))
-    (sample,) = ShardStreamDataset(LocalSource(tmp_path), trusted=True)
+    (sample,) = ShardStreamDataset(LocalSource(tmp_path), options=SourceOptions(trusted=True))
     assert int(sample.sample_id) == 7
 
 

@@ -12,7 +12,7 @@ from servers.http_server import write_pt_shards
 from torch_geometric.data import Batch, Data
 
 from pyg_atompack.pyg.data import data_from_mapping
-from pyg_atompack.stream import LocalSource, ShardStreamDataset
+from pyg_atompack.stream import LocalSource, ShardStreamDataset, SourceOptions
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.readahead import ReadAhead
 
@@ -101,15 +101,16 @@ def test_no_window_builds_in_the_consumer_thread():
     assert not _build_threads()
 
 
-@pytest.mark.parametrize("options", [{}, {"shuffle": True, "seed": 4},
-                                     {"shuffle": True, "shuffle_buffer": 5},
-                                     {"interleave": 3}, {"batch_size": 4}])
-def test_stream_is_the_same_with_and_without_read_ahead(tmp_path, options):
+@pytest.mark.parametrize("settings, interleave", [
+    ({}, 1), ({"shuffle": True, "seed": 4}, 1), ({"shuffle": True, "shuffle_buffer": 5}, 1),
+    ({}, 3), ({"batch_size": 4}, 1)])
+def test_stream_is_the_same_with_and_without_read_ahead(tmp_path, settings, interleave):
     write_pt_shards(tmp_path, [6, 9, 4, 7], collated=(2,))
 
     def stream(read_ahead: int) -> list:
-        dataset = ShardStreamDataset(LocalSource(tmp_path), prefetch=2, read_ahead=read_ahead,
-                                     **options)
+        options = SourceOptions(read_ahead=read_ahead, interleave=interleave)
+        dataset = ShardStreamDataset(LocalSource(tmp_path), options=options, prefetch=2,
+                                     **settings)
         return [(item.sample_id.view(-1).tolist(), item.pos) for item in dataset]
 
     built_here, built_ahead = stream(0), stream(16)
@@ -121,7 +122,7 @@ def test_stream_is_the_same_with_and_without_read_ahead(tmp_path, options):
 def test_read_ahead_must_not_be_negative(tmp_path):
     write_pt_shards(tmp_path, [2])
     with pytest.raises(ValueError, match="read_ahead"):
-        ShardStreamDataset(LocalSource(tmp_path), read_ahead=-1)
+        ShardStreamDataset(LocalSource(tmp_path), options=SourceOptions(read_ahead=-1))
 
 
 def test_data_from_mapping_is_the_data_pyg_builds():

@@ -21,6 +21,7 @@ from pyg_atompack.stream import (
     ShardIntegrityError,
     ShardStreamDataset,
     Source,
+    SourceOptions,
 )
 from pyg_atompack.stream.errors import StreamCancelled
 from pyg_atompack.transport import RemoteNotFoundError, RetryPolicy
@@ -145,7 +146,7 @@ def test_persistent_server_error_gives_up_naming_the_shard(server):
 def test_retries_argument_overrides_source_policy(server):
     server.add_fault("shard-0000.pt", "503", times=10, retry_after=0)
     dataset = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
-                                 retries=1)
+                                 options=SourceOptions(retries=1))
     with pytest.raises(ShardFetchError, match="2 attempts"):
         _ids(dataset)
     assert len(server.requests_for("shard-0000.pt")) == 2
@@ -170,7 +171,7 @@ def test_checksum_mismatch_retried_once_then_clear_error(server):
     # or a decode error, but never an integrity error)
     server.add_fault("shard-0002.pt", "wrong_bytes", times=2, at_fraction=0.0)
     unverified = ShardStreamDataset(RemoteSource(server.url("manifest.json"), retry=FAST),
-                                    verify=False)
+                                    options=SourceOptions(verify=False))
     with pytest.raises(Exception) as caught:
         _ids(unverified)
     assert not isinstance(caught.value, ShardIntegrityError)

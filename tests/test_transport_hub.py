@@ -243,7 +243,7 @@ def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
     import torch
     from servers.http_server import make_samples
 
-    from pyg_atompack.stream import RemoteSource, ShardStreamDataset
+    from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
     from pyg_atompack.transport.http import MIN_PART_BYTES
 
     files = {}
@@ -258,7 +258,8 @@ def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
         before = len(server.requests)
         dataset = ShardStreamDataset(RemoteSource("hf://datasets/org/split/s",
                                                   endpoint=server.endpoint, retry=FAST),
-                                     prefetch=2, concurrency=4, stream_shards="none")
+                                     options=SourceOptions(stream_shards="none"), prefetch=2,
+                                     concurrency=4)
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
         assert sorted(int(sample.sample_id) for sample in loader) == expected
         requests = server.requests[before:]

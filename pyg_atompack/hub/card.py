@@ -120,9 +120,11 @@ def render_section(manifest: dict[str, Any], *, repo_id: str, path_in_repo: str,
             "",
         ]
     lines += [
-        "from pyg_atompack.stream import ShardStreamDataset",
-        f"stream = ShardStreamDataset({hf_uri(repo_id, path_in_repo, revision=revision)!r}, "
+        "from pyg_atompack.stream import ShardStreamDataset, open_source",
+        # pattern= is the Hub backend's storage option: it goes to the source
+        f"source = open_source({hf_uri(repo_id, path_in_repo, revision=revision)!r}, "
         f"pattern={shard_pattern!r})",
+        "stream = ShardStreamDataset(source, shuffle=True, batch_size=32)",
     ]
     if fmt == "atp":
         path_arg = f"{path_in_repo!r}" if path_in_repo else "None"

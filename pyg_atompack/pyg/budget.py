@@ -51,6 +51,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from pyg_atompack.pyg.ranks import resolve_rank
+
 __all__ = ["AtomBudgetBatchSampler", "AtomBudgetError", "OVERSIZE_CHOICES",
            "balance_batches", "consumed_positions", "EqualSteps", "group_by_atoms",
            "plan_atom_batches", "rank_batches"]
@@ -240,11 +242,6 @@ def consumed_positions(batches: Sequence[np.ndarray], steps: int,
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 
 
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
 
 class AtomBudgetBatchSampler(Sampler[list[int]]):
     r"""A resumable ``batch_sampler`` of shuffled batches within an atom budget.
@@ -281,12 +278,7 @@ class AtomBudgetBatchSampler(Sampler[list[int]]):
                  world_size: int | None = None, oversize: str = "error",
                  describe: Callable[[int], str] | None = None) -> None:
         check_budget(max_atoms, oversize)
-        if (rank is None) != (world_size is None):
-            raise ValueError("pass rank and world_size together")
-        if rank is None:
-            rank, world_size = _distributed_rank_world()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        rank, world_size = resolve_rank(rank, world_size)
         self.n_atoms = np.asarray(n_atoms, dtype=np.int64)
         self.max_atoms = int(max_atoms)
         self.shuffle = bool(shuffle)

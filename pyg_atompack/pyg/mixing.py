@@ -53,6 +53,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from pyg_atompack.pyg.ranks import resolve_rank
+
 __all__ = ["MixedDataset"]
 
 MIXED_STATE_FORMAT = "pyg_atompack-mixed/1"
@@ -60,12 +62,6 @@ MAP_STATE_FORMAT = "pyg_atompack-mixed-map/1"
 #: A source's pass ``p`` in epoch ``e`` is the source's epoch ``e * PASS_STRIDE + p``.
 PASS_STRIDE = 1 << 20
 _CHOICE_CHUNK = 1 << 16
-
-
-def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _runs(mask: np.ndarray) -> list[list[int]]:
@@ -303,7 +299,7 @@ class MixedDataset(IterableDataset):
 
     def slot(self) -> tuple[int, int, int, int]:
         """``(rank, world_size, worker, num_workers)`` of the calling process."""
-        rank, world = (self.rank, self.world_size) if self.rank is not None else _rank_world()
+        rank, world = resolve_rank(self.rank, self.world_size)
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank, world, worker, workers

@@ -36,6 +36,8 @@ from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
+from pyg_atompack.pyg.ranks import resolve_rank
+
 __all__ = ["ResumableSampler", "StatefulLoader", "StatefulBatchSampler", "finished_pass_state",
            "gather_loader_states", "pass_length", "quiet_torchdata", "restore_loader_state",
            "saved_sampler_state", "wrap_loader_state"]
@@ -61,11 +63,6 @@ def pass_length(remaining: int, world_size: int, drop_last: bool) -> int:
     remaining = max(remaining, 0)
     return remaining // world_size if drop_last else -(-remaining // world_size)
 
-
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class ResumableSampler(Sampler[int]):
@@ -97,12 +94,7 @@ class ResumableSampler(Sampler[int]):
     def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  drop_last: bool = False) -> None:
-        if (rank is None) != (world_size is None):
-            raise ValueError("pass rank and world_size together")
-        if rank is None:
-            rank, world_size = _distributed_rank_world()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        rank, world_size = resolve_rank(rank, world_size)
         self.length = data_source if isinstance(data_source, int) else len(data_source)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -394,7 +386,7 @@ def restore_loader_state(state: Any, num_workers: int, sampler: Any,
     inner, saved_workers = states[0]
     if isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset,
                                                                           "merge_states"):
-        rank_world = _distributed_rank_world() if getattr(dataset, "rank", None) is None \
+        rank_world = resolve_rank() if getattr(dataset, "rank", None) is None \
             else (dataset.rank, dataset.world_size)
         datasets = [d for s, _ in states for d in _dataset_states(s)]
         same = (len(states) == 1 and saved_workers == num_workers

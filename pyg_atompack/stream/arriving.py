@@ -8,7 +8,7 @@ into one buffer of the listed size, and feeds the filled prefix to the in-place 
 (:class:`~pyg_atompack.pyg.pt_index.ArrivingPt`): ``torch.save`` writes the pickle first
 and the storages after it in sample order, so the shard's samples are indexed once its
 pickle has arrived and each one can be built once its storages have.
-``ShardStreamDataset(stream_shards=)`` picks the shards: the first of each iteration
+``SourceOptions(stream_shards=)`` picks the shards: the first of each iteration
 (the default), all, or none.
 
 The rules (see ``docs/architecture.md``, "The first shard as it arrives"):

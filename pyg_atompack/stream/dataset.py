@@ -1,4 +1,10 @@
-"""ShardStreamDataset: stream remote shards into PyG training with bounded prefetch."""
+"""ShardStreamDataset: stream remote shards into PyG training with bounded prefetch.
+
+This module holds what a stream *is*: its source and :class:`SourceOptions`, the
+iteration settings, the epoch's plan for each (rank, worker) stream, the resume state
+and the traces. What one pass *does* (the prefetcher, ordering, batching and the loop
+that hands items out) is :mod:`pyg_atompack.stream.iteration`.
+"""
 
 from __future__ import annotations
 
@@ -9,48 +15,42 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torch_geometric.data import Batch
 from torch_geometric.data.data import BaseData
 
-from pyg_atompack.pyg import names_transform, resolve_names
-from pyg_atompack.pyg.budget import check_budget, group_by_atoms
+from pyg_atompack.pyg import resolve_names
+from pyg_atompack.pyg.budget import check_budget
 from pyg_atompack.pyg.device import DeviceFeed
 from pyg_atompack.pyg.handoff import install as install_handoff
-from pyg_atompack.stream.arriving import check_verify_before_use
-from pyg_atompack.stream.autotune import attach, check_memory_budget, stream_tuner
+from pyg_atompack.pyg.ranks import resolve_rank
+from pyg_atompack.stream.autotune import check_memory_budget
 from pyg_atompack.stream.blocks import (
-    DEFAULT_BLOCK_BYTES,
-    BlockLoader,
     BlockPlan,
     plan_block_stream,
     plan_source_blocks,
     wants_blocks,
 )
 from pyg_atompack.stream.errors import ShardFetchError
-from pyg_atompack.stream.loading import LoadedShard, ShardLoader, check_on_error
-from pyg_atompack.stream.memory import release_free_memory
-from pyg_atompack.stream.offproc import RETRIEVAL_CHOICES, iterate_in_child, use_child_process
-from pyg_atompack.stream.ordering import group_items, interleave_shards, mix_across_shards
-from pyg_atompack.stream.prefetch import Prefetcher
+from pyg_atompack.stream.iteration import hand_out, start_prefetcher
+from pyg_atompack.stream.loading import check_on_error
+from pyg_atompack.stream.offproc import iterate_in_child, use_child_process
+from pyg_atompack.stream.open import open_source
+from pyg_atompack.stream.options import SourceOptions, source_options
 from pyg_atompack.stream.progress import (
     EpochConsumed,
     StreamProgress,
     merge_stream_states,
     plan_units,
 )
-from pyg_atompack.stream.readahead import DEFAULT_READ_AHEAD, ReadAhead
 from pyg_atompack.stream.sources import ShardInfo, Source
-from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream, worker_share
+from pyg_atompack.stream.splitting import StreamPlan, StreamSlot, plan_stream
 from pyg_atompack.stream.trace import (
     StepWaitMeter,
     TraceRecorder,
-    check_wait_clock,
     merge_traces,
     summarize,
 )
@@ -63,34 +63,12 @@ def _remove_directory_if_owner(path: str, owner_pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _distributed_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _download_ended(shard: LoadedShard) -> None:
-    # a shard handed out as it arrives gives its connections back once its download ends
-    if shard.arriving is not None:
-        shard.arriving.wait_done()
-
-
-#: Values of ``ShardStreamDataset(stream_shards=)``.
-STREAM_SHARDS_CHOICES = ("first", "all", "none")
-
-#: Shard bytes to consume between two ``malloc_trim`` calls. A trim also returns the
-#: training loop's own freed heap, which the next steps then fault back in: measured on
-#: CPU SchNet training with 0.26 MB shards, trimming after every shard cost 4% of the
-#: pass. Shards this large are worth it; small shards are trimmed after several.
-TRIM_AFTER_BYTES = 8 << 20
-
-
 class ShardStreamDataset(IterableDataset):
     r"""Stream ``.pt`` / ``.atp`` shards from a :class:`~pyg_atompack.stream.Source` as PyG data.
 
     Shards are downloaded and deserialised ahead of the consumer on background threads,
     so the retrieval of shard ``i + 1`` overlaps training on shard ``i``; by default
-    (``retrieval="auto"``) those threads and the batching run in a child process, off
+    (``SourceOptions(retrieval="auto")``) those threads and the batching run in a child process, off
     the consumer's GIL (:mod:`pyg_atompack.stream.offproc`). Memory stays
     bounded by shard size: at most ``prefetch + 1`` decoded shards are alive (one more
     in a retrieval process, plus the items it has built ahead), and a
@@ -123,20 +101,36 @@ class ShardStreamDataset(IterableDataset):
             or any :class:`~pyg_atompack.stream.Source`), or
             a URL or path that :func:`~pyg_atompack.stream.open_source` turns into one (``hf://``,
             ``http(s)://``, object stores, a local directory). Listed once, here.
+        options (SourceOptions, optional): How the shards of a URL or path ``source`` are
+            fetched, checked and decoded (:class:`~pyg_atompack.stream.SourceOptions`:
+            retries, integrity checks, record blocks, the metadata cache, decoding,
+            where retrieval runs). A :class:`~pyg_atompack.stream.Source` object made
+            with options (:func:`~pyg_atompack.stream.open_source`,
+            :class:`~pyg_atompack.stream.RemoteSource` ``(options=)``) keeps its own:
+            passing options here too raises :class:`ValueError`; a source without any
+            takes these. (default: :obj:`None`, the source's or the defaults)
         prefetch (int, optional): Shards retrieved and decoded ahead of the one being consumed;
             ``0`` loads each shard on demand in the consumer's thread. A budget per rank:
             each of ``n`` DataLoader workers gets ``ceil(prefetch / n)``
             (:func:`~pyg_atompack.stream.splitting.worker_share`). (default: :obj:`1`)
         concurrency (int, optional): Connections open at once (a shard's byte ranges, see
-            ``split_shards``, or downloads of up to ``prefetch`` shards), per rank like
-            ``prefetch`` (each worker gets at least one connection). :obj:`None`: chosen
-            while the stream runs from measured download and consumption times, more
-            while downloads are the bottleneck, one when the consumer is (up to
+            ``SourceOptions.split_shards``, or downloads of up to ``prefetch`` shards),
+            per rank like ``prefetch`` (each worker gets at least one connection).
+            :obj:`None`: chosen while the stream runs from measured download and
+            consumption times, more while downloads are the bottleneck, one when the
+            consumer is (up to
             :data:`~pyg_atompack.stream.autotune.DEFAULT_MAX_CONCURRENCY` per rank; every
             one of them on the first shard). ``prefetch`` stays as given, so memory stays
             within ``prefetch + 1`` live shards; :meth:`stats` reports the choices under
             ``autotune``. ``prefetch=0`` (the sequential baseline) and record blocks
-            (``blocks``) use one.
+            (``SourceOptions.blocks``) use one.
+            (default: :obj:`None`)
+        memory_budget (int, optional): Bytes this rank's live shards may take; turns on
+            tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
+            runs, from measured download and consumption times, more connections while
+            downloads are the bottleneck and less prefetch when memory is short
+            (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
+            ``autotune``). :obj:`None` keeps ``prefetch`` as given.
             (default: :obj:`None`)
         shuffle (bool, optional): Permute shard order per epoch and samples within each shard.
             (default: :obj:`False`)
@@ -145,128 +139,6 @@ class ShardStreamDataset(IterableDataset):
             (default: :obj:`0`)
         batch_size (int, optional): Yield :class:`~torch_geometric.data.Batch` objects of this many
             samples instead of single samples. (default: :obj:`None`)
-        transform (Callable[[BaseData], BaseData], optional): Function applied to every sample
-            before batching. (default: :obj:`None`)
-        trusted (bool, optional): Allow arbitrary pickles in ``.pt`` shards (``torch.load`` with
-            ``weights_only=False``). Only for sources you trust. The usual layouts
-            are indexed without unpickling either way; the safe default reads any
-            other layout with ``torch.load(weights_only=True)`` and the PyG allow-list
-            (:func:`pyg_atompack.pyg.decode_pt`). (default: :obj:`False`)
-        retries (int, optional): Retries of transient transfer failures (timeouts, resets, HTTP
-            429/5xx); replaces the ``retries`` of the source's :class:`RetryPolicy` when it has one.
-            (default: :obj:`None`, the source's policy)
-        verify (bool, optional): Check each shard's size and sha256 against the listing; a mismatch
-            is retried once, then raises :class:`~pyg_atompack.stream.ShardIntegrityError`.
-            (default: :obj:`True`)
-        on_error (str, optional): ``"raise"`` stops iteration at a shard that cannot be fetched or
-            decoded, naming it; ``"skip"`` logs a warning and continues.
-            (default: :obj:`"raise"`)
-        rank (int, optional): DDP rank
-            (default: from :mod:`torch.distributed` when initialised, else 0).
-        world_size (int, optional): Number of DDP ranks (default: as for ``rank``, else 1).
-        trace_dir (str | os.PathLike, optional): Directory for worker trace files. (default: a
-            temporary directory removed with the dataset)
-        trim_memory (bool, optional): Hand freed heap memory back to the operating system (glibc
-            ``malloc_trim``; a no-op elsewhere) after a consumed shard, once at least
-            :data:`TRIM_AFTER_BYTES` of shards were consumed since the last trim.
-            Without it the resident set keeps the high-water mark of the prefetch
-            threads' malloc arenas, several shards above what is alive; see
-            :mod:`pyg_atompack.stream.memory`. (default: :obj:`True`)
-        lazy_decode (bool, optional): Decode a ``.pt`` shard without unpickling it when it holds a
-            list of ``Data`` (tensors of their own, or views of storages the samples
-            share: list slices of an ``InMemoryDataset``) or a collated
-            ``(data, slices)`` tuple: :mod:`pyg_atompack.pyg.pt_index` indexes the
-            downloaded bytes in place (on the prefetch thread, about three times faster
-            than ``torch.load``) and each sample is built when it is taken, its tensors
-            viewing the shard's buffer (~10 us a sample). A decoded shard then costs
-            about its file size instead of ~3x. Samples that may outlive their shard
-            (the last one of each shard, everything in a ``shuffle_buffer``) are copied
-            out, so a consumer holding on to them never pins a whole shard. ``False``
-            unpickles every ``.pt`` shard with ``torch.load(weights_only=True)``. Other
-            layouts and ``.atp`` shards are not affected. (default: :obj:`True`)
-        split_shards (bool, optional): Fetch a shard over several connections at once, as
-            byte ranges (sources with ``fetch_in_parts``, such as
-            :class:`~pyg_atompack.stream.RemoteSource`; record blocks
-            always): a download takes the connections of ``concurrency`` that are free
-            when it starts, as many as it has parts (of at least 32 KiB, 1 MiB for
-            blocks; the first shard of an iteration finds them all free), and gives
-            them back when its bytes are in.
-            Servers often cap each connection's bandwidth: shards then arrive one after
-            another, each up to ``concurrency`` times sooner, at the same total rate, so
-            the first sample comes sooner and a download-bound stream ends with one
-            shard to consume after its last byte instead of ``concurrency``. The cost is
-            more requests per shard (mind request-rate limits with many small shards).
-            :obj:`False`: one connection per shard. (default: :obj:`True`)
-        rename (Mapping[str, str], optional): Give sample attributes other names, e.g. ``{"forces":
-            "force"}``, before ``transform`` and batching (see
-            :class:`~pyg_atompack.AtompackDataset`). (default: :obj:`None`)
-        names (str, optional): A naming preset such as ``"pyg-md17"`` (``force``, float32
-            ``energy``). (default: :obj:`None`)
-        blocks (bool, optional): Stream ``.atp`` shards as *record blocks* of consecutive records
-            instead of whole files (see :mod:`pyg_atompack.stream.blocks`): each block is one
-            range request of at most ``block_bytes``, decoded in place, and blocks take
-            the place of shards in ordering, prefetch (``prefetch`` and ``concurrency``
-            count blocks), splitting (exact, at record granularity), traces, retries and
-            resume, so memory is bounded by ``(prefetch + 1) * block_bytes`` whatever the
-            shard size, and the first sample waits for one block. :obj:`None` (auto)
-            uses blocks when every shard is an ``.atp`` file of known size that the
-            source reads by range (local files, HTTP(S), the Hub, or a source with a
-            ``range_reader(shard)`` method) and one is larger than ``block_bytes``;
-            small shards keep whole-file reads.
-            (default: :obj:`None`)
-        block_bytes (int, optional): Largest file span of a block. (default: 64 MiB)
-        interleave (int, optional): Shards (or blocks) consumed at once, each next sample drawn from
-            one of them at random (:func:`~pyg_atompack.stream.ordering.interleave_shards`),
-            before the ``shuffle_buffer``. Up to ``prefetch + interleave`` decoded
-            shards are alive. (default: :obj:`1`)
-        cache_dir (str | os.PathLike, optional): Where the metadata (header, schema, index) of
-            block-streamed shards is cached, shared by workers, ranks and later runs. (default:
-            ``$PYG_ATOMPACK_CACHE`` or ``~/.cache/pyg_atompack``)
-        stream_shards (str, optional): Which ``.pt`` shards hand out their samples as their
-            bytes arrive instead of after the whole file
-            (:mod:`pyg_atompack.stream.arriving`): ``"first"``, the first shard of each
-            iteration (nothing can overlap its download); ``"all"``, every shard (when
-            downloads are slower than training, each shard is then also trained on
-            while it arrives, the last one included); ``"none"``. Such a shard is
-            downloaded in file order over its connections and indexed while it
-            arrives, each sample built once its storages are in and checked. Applies
-            to a list of ``Data`` of known size from a source that reads byte ranges
-            (HTTP(S), the Hub, object stores), with ``prefetch >= 1``,
-            ``lazy_decode`` and ``on_error="raise"``, unless ``verify_before_use=True``
-            asks for a listed sha256 first. Its samples cannot be shuffled over the
-            whole shard: with ``shuffle`` they leave through a shuffle buffer of
-            :data:`~pyg_atompack.stream.arriving.ARRIVAL_WINDOW` samples over the
-            arrival order (the ``k``-th drawn from the first ``64 + k``), the same
-            for a given seed and epoch. A shard found short or damaged once it is in
-            raises :class:`~pyg_atompack.stream.ShardFetchError` or
-            :class:`~pyg_atompack.stream.ShardDecodeError` naming it, no later than
-            the end of that shard; other layouts are decoded whole.
-            (default: :obj:`"first"`)
-        verify_before_use (bool | str, optional): What a shard that ``stream_shards``
-            hands out as it arrives is checked against before its samples are used
-            (``verify`` on): ``"records"``, every archive record a sample is built
-            from against the CRC-32 ``torch.save`` stores for it (a shard written
-            without them is hashed whole first), and the whole file against the
-            listing's size and sha256 once it is in; :obj:`True`, the sha256 before
-            any sample (a shard whose listing has one then does not stream);
-            :obj:`False`, nothing before use. A mismatch of the whole file's hash
-            raises :class:`~pyg_atompack.stream.ShardIntegrityError` when the file is
-            in, after some of its samples were handed out, and no later than the end
-            of that shard. (default: :obj:`"records"`)
-        read_ahead (int, optional): Samples of each lazily decoded shard being consumed
-            that a background thread builds ahead of the consumer
-            (:mod:`pyg_atompack.stream.readahead`), so that taking a sample costs the
-            consumer no build, as with a loader that unpickles whole shards ahead.
-            Bounded per shard: the lazy layout's memory is kept. ``0`` builds every
-            sample in the consumer's thread when it is taken; with ``prefetch=0``
-            nothing runs in the background either way.
-            (default: :obj:`16`)
-        wait_clock (str, optional): How :meth:`stats` times the consumer's wait for data
-            (:class:`~pyg_atompack.stream.trace.StepWaitMeter`): ``"wall"``, the wall
-            clock; ``"cuda"``, CUDA events on the consumer's current stream (the time
-            the GPU sat idle waiting for each batch); ``"auto"``, CUDA events when CUDA
-            is initialised in the consuming process when iteration starts, else the
-            wall clock. (default: :obj:`"auto"`)
         max_atoms (int, optional): Yield batches of at most this many atoms instead of
             ``batch_size`` samples (:func:`~pyg_atompack.pyg.budget.group_by_atoms`):
             each filled first fit from a look-ahead of ``shuffle_buffer`` samples (next
@@ -278,13 +150,14 @@ class ShardStreamDataset(IterableDataset):
         oversize (str, optional): With ``max_atoms``, a sample larger than the budget:
             ``"error"`` (:class:`~pyg_atompack.pyg.budget.AtomBudgetError` naming the
             shard and sample) or ``"own_batch"``. (default: :obj:`"error"`)
-        memory_budget (int, optional): Bytes this rank's live shards may take; turns on
-            tuning: ``prefetch`` and ``concurrency`` are then chosen while the stream
-            runs, from measured download and consumption times, more connections while
-            downloads are the bottleneck and less prefetch when memory is short
-            (:mod:`pyg_atompack.stream.autotune`; the choices are in :meth:`stats` under
-            ``autotune``). :obj:`None` keeps ``prefetch`` as given.
-            (default: :obj:`None`)
+        transform (Callable[[BaseData], BaseData], optional): Function applied to every sample
+            before batching. (default: :obj:`None`)
+        on_error (str, optional): ``"raise"`` stops iteration at a shard that cannot be fetched or
+            decoded, naming it; ``"skip"`` logs a warning and continues.
+            (default: :obj:`"raise"`)
+        rank (int, optional): DDP rank
+            (default: from :mod:`torch.distributed` when initialised, else 0).
+        world_size (int, optional): Number of DDP ranks (default: as for ``rank``, else 1).
         device (torch.device or str, optional): Hand items out on this device, each
             copied one step ahead on a side CUDA stream
             (:class:`~pyg_atompack.pyg.device.DeviceFeeder`; ``state_dict`` stays exact).
@@ -292,101 +165,66 @@ class ShardStreamDataset(IterableDataset):
             ``device=`` to :class:`~pyg_atompack.StatefulLoader`. (default: :obj:`None`)
         device_transform (Callable, optional): Applied to each item on the device, e.g.
             ``InteractionGraph.transform()``. (default: :obj:`None`)
-        retrieval (str, optional): Where an iteration retrieves, decodes and batches:
-            ``"threads"``, on background threads of the iterating process;
-            ``"process"``, in a child process forked when iteration starts, which
-            hands finished items over through shared memory
-            (:mod:`pyg_atompack.stream.offproc`), so that none of that work needs the
-            consumer's GIL (a training loop driving a GPU holds it nearly all the
-            time); ``"auto"``, ``"process"`` when iterating in a main process (not a
-            DataLoader worker) on Linux with ``prefetch >= 1``, else ``"threads"``.
-            With a child process, items must be picklable and ``transform`` runs in
-            the child, on the CPU. (default: :obj:`"auto"`)
+        trace_dir (str | os.PathLike, optional): Directory for worker trace files. (default: a
+            temporary directory removed with the dataset)
     """
 
-    def __init__(self, source: Source | str | os.PathLike, *, prefetch: int = 1,
-                 concurrency: int | None = None,
+    def __init__(self, source: Source | str | os.PathLike, *,
+                 options: SourceOptions | None = None, prefetch: int = 1,
+                 concurrency: int | None = None, memory_budget: int | None = None,
                  shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 0,
-                 batch_size: int | None = None,
+                 batch_size: int | None = None, max_atoms: int | None = None,
+                 oversize: str = "error",
                  transform: Callable[[BaseData], BaseData] | None = None,
-                 trusted: bool = False, retries: int | None = None, verify: bool = True,
                  on_error: str = "raise", rank: int | None = None,
-                 world_size: int | None = None, trace_dir: str | os.PathLike | None = None,
-                 trim_memory: bool = True, lazy_decode: bool = True,
-                 split_shards: bool = True, rename: Mapping[str, str] | None = None,
-                 names: str | None = None, blocks: bool | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, interleave: int = 1,
-                 cache_dir: str | os.PathLike | None = None, wait_clock: str = "auto",
-                 read_ahead: int = DEFAULT_READ_AHEAD, stream_shards: str = "first",
-                 verify_before_use: bool | str = "records", max_atoms: int | None = None,
-                 oversize: str = "error", memory_budget: int | None = None,
+                 world_size: int | None = None,
                  device: torch.device | str | None = None,
                  device_transform: Callable[[BaseData], BaseData] | None = None,
-                 retrieval: str = "auto"):
+                 trace_dir: str | os.PathLike | None = None):
         super().__init__()
         if max_atoms is not None:
             check_budget(max_atoms, oversize)
             if batch_size is not None:
                 raise ValueError("pass batch_size or max_atoms, not both")
-        if (prefetch < 0 or (concurrency is not None and concurrency < 1)
-                or shuffle_buffer < 0 or interleave < 1 or read_ahead < 0):
-            raise ValueError("need prefetch >= 0, concurrency >= 1, shuffle_buffer >= 0, "
-                             "interleave >= 1 and read_ahead >= 0")
+        if prefetch < 0 or (concurrency is not None and concurrency < 1) or shuffle_buffer < 0:
+            raise ValueError("need prefetch >= 0, concurrency >= 1 and shuffle_buffer >= 0")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         check_on_error(on_error)  # at construction, not at the first iteration
-        check_verify_before_use(verify_before_use)
-        if stream_shards not in STREAM_SHARDS_CHOICES:
-            raise ValueError(f"stream_shards must be one of {STREAM_SHARDS_CHOICES}, got "
-                             f"{stream_shards!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass rank and world_size together")
-        check_wait_clock(wait_clock)
-        if retrieval not in RETRIEVAL_CHOICES:
-            raise ValueError(f"retrieval must be one of {RETRIEVAL_CHOICES}, got {retrieval!r}")
-        if wait_clock == "cuda" and not torch.cuda.is_available():
-            raise ValueError("wait_clock='cuda' needs a CUDA device; torch sees none")
         if isinstance(source, (str, os.PathLike)):
-            from pyg_atompack.stream.open import open_source
-
-            source = open_source(source)
-        if retries is not None and isinstance(getattr(source, "retry", None), RetryPolicy):
+            source, options = open_source(source, options), None  # the source's now
+        self.options = options = source_options(source, options)
+        if (getattr(source, "options", None) is None and options.retries is not None
+                and isinstance(getattr(source, "retry", None), RetryPolicy)):
+            # a source made without options takes the dataset's retries on a copy of its
+            # own (one with options applied them when it was made)
             source = copy.copy(source)
-            source.retry = dataclasses.replace(source.retry, retries=retries)
+            source.retry = dataclasses.replace(source.retry, retries=options.retries)
         self.source = source
         self.shards: tuple[ShardInfo, ...] = tuple(source.list_shards())
         if not self.shards:
             raise ShardFetchError(f"{source!r} lists no shards")
-        self.block_bytes = int(block_bytes)
-        self.interleave = int(interleave)
-        self.cache_dir = cache_dir
         # the block table is small (a few numbers per block) and pickled into workers;
         # each worker reads the shards' metadata from the disk cache filled here
-        self.blocks = (plan_source_blocks(source, self.shards, self.block_bytes, cache_dir)
-                       if wants_blocks(source, self.shards, self.block_bytes, blocks) else None)
+        self.blocks = (plan_source_blocks(source, self.shards, options.block_bytes,
+                                          options.cache_dir)
+                       if wants_blocks(source, self.shards, options.block_bytes,
+                                       options.blocks) else None)
         self.prefetch = prefetch
         self.concurrency = concurrency
-        self.read_ahead = read_ahead
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
         self.batch_size = batch_size
         self.max_atoms, self.oversize = max_atoms, oversize
         self.transform = transform
-        self.names = resolve_names(rename, names)
-        self.trusted = trusted
-        self.verify = verify
+        self._names = resolve_names(options.rename, options.names)
         self.on_error = on_error
-        self.trim_memory = trim_memory
-        self.lazy_decode = lazy_decode
-        self.split_shards = split_shards
-        self.stream_shards = stream_shards
-        self.verify_before_use = verify_before_use
-        self.wait_clock = wait_clock
         self.device_feed = DeviceFeed.of(device, device_transform)
         check_memory_budget(memory_budget)
         self.memory_budget = memory_budget
-        self.retrieval = retrieval
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
@@ -422,10 +260,7 @@ class ShardStreamDataset(IterableDataset):
             The slot from ``rank`` / ``world_size`` (or :mod:`torch.distributed`) and
             the current DataLoader worker, if any.
         """
-        if self.rank is not None:
-            rank, world_size = self.rank, self.world_size
-        else:
-            rank, world_size = _distributed_rank_world()
+        rank, world_size = resolve_rank(self.rank, self.world_size)
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return StreamSlot(rank, world_size, worker, num_workers)
@@ -476,7 +311,7 @@ class ShardStreamDataset(IterableDataset):
         base = self._base if self._base is not None and self._base.epoch == progress.epoch \
             else None
         return {**progress.to_state(), "seed": self.seed, "shuffle": self.shuffle,
-                "block_bytes": self.block_bytes if self.blocks is not None else None,
+                "block_bytes": self.options.block_bytes if self.blocks is not None else None,
                 "base": None if base is None else base.to_state()}
 
     def merge_states(self, states: list[dict]) -> dict:
@@ -507,7 +342,7 @@ class ShardStreamDataset(IterableDataset):
     def _check_state(self, state: dict) -> None:
         if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
             raise ValueError("state_dict was saved with a different seed or shuffle setting")
-        blocks = self.block_bytes if self.blocks is not None else None
+        blocks = self.options.block_bytes if self.blocks is not None else None
         if state.get("block_bytes", blocks) != blocks:
             raise ValueError("state_dict was saved with different record blocks "
                              f"(block_bytes {state.get('block_bytes')}, now {blocks})")
@@ -551,7 +386,7 @@ class ShardStreamDataset(IterableDataset):
 
     # ----------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BaseData]:
-        if use_child_process(self.retrieval, self.prefetch, get_worker_info() is not None):
+        if use_child_process(self.options.retrieval, self.prefetch, get_worker_info() is not None):
             return iterate_in_child(self)  # the loop below, in a child process
         return self._iterate_here()
 
@@ -567,7 +402,7 @@ class ShardStreamDataset(IterableDataset):
         progress = self._start_progress(slot, plan)
         recorder = TraceRecorder(slot.rank, slot.worker)
         if get_worker_info() is None:  # a worker cannot see the main process's steps
-            recorder.meter = StepWaitMeter(self.wait_clock)
+            recorder.meter = StepWaitMeter("auto")
         self._recorder, self._progress = recorder, progress
         jobs = [(position, shard) for position, shard in enumerate(plan.shards)
                 if not progress.is_complete(position)]
@@ -577,167 +412,13 @@ class ShardStreamDataset(IterableDataset):
         # downloads start here, not at the first next(): a DataLoader worker calls
         # iter() when it starts and next() only once the main process has started every
         # worker and sent the first request (40-60 ms later with 2 workers, measured)
-        prefetcher = self._start_prefetcher(plan, slot, jobs, recorder)
-        samples = self._generate(plan, slot, progress, recorder, prefetcher, quota)
+        prefetcher = start_prefetcher(self, plan, slot, jobs, recorder)
+        samples = hand_out(self, plan, slot, progress, recorder, prefetcher, quota)
         # an iterator dropped before its first next() never runs its finally clause
         weakref.finalize(samples, prefetcher.close)
         if self.device_feed is not None:
             return self.device_feed.wrap(samples, snapshot=self._state)
         return samples
-
-    def _start_prefetcher(self, plan: StreamPlan | BlockPlan, slot: StreamSlot,
-                          jobs: list[tuple[int, int]], recorder: TraceRecorder) -> Prefetcher:
-        if isinstance(plan, BlockPlan):
-            loader = BlockLoader(self.source, self.shards, plan, cache_dir=self.cache_dir,
-                                 on_error=self.on_error, block_bytes=self.block_bytes)
-        else:
-            loader = ShardLoader(self.source, self.shards, trusted=self.trusted,
-                                 verify=self.verify, on_error=self.on_error,
-                                 lazy_decode=self.lazy_decode,
-                                 verify_before_use=self.verify_before_use)
-        # prefetch and concurrency are per rank: this worker gets its share of both
-        prefetch = worker_share(self.prefetch, slot, minimum=min(self.prefetch, 1))
-        concurrency = worker_share(self.concurrency or 1, slot)
-        blocks = isinstance(plan, BlockPlan)
-        tuner = recorder.tuner = stream_tuner(
-            self.memory_budget, [self.block_bytes] if blocks
-            else [self.shards[number].size for number in plan.shards], slot.num_workers,
-            # record blocks fix their ranges per block when iteration starts and each
-            # connection holds a block: the default keeps them at one (memory as given)
-            concurrency=1 if blocks and self.concurrency is None else self.concurrency,
-            prefetch=prefetch)
-        if tuner is not None:  # settings chosen by measurement from here on
-            prefetch, concurrency = tuner.start()
-        # a download takes the free connections it can use (Prefetcher)
-        budget = concurrency if self.split_shards else 1
-        first = jobs[0] if jobs else None
-        if isinstance(plan, BlockPlan):
-            block_parts = loader.connections(budget)
-            return attach(tuner, Prefetcher(
-                jobs, lambda job, cancel, lease: loader.load(*job, cancel, recorder,
-                                                             parts=lease.connections,
-                                                             downloaded=lease.release),
-                depth=prefetch, concurrency=concurrency, connections=lambda job: block_parts))
-        # .pt shards handed out as their bytes arrive (stream/arriving.py): the first
-        # one, or all; a download keeps its connections until it ends. "First" is the
-        # epoch's first shard of this slot, not the first left after a resume: whether a
-        # shard arrives decides its sample order, which a resumed epoch must repeat
-        every = self.stream_shards == "all" and prefetch > 0
-        opening = first if first is not None and first[0] == 0 else None
-        arriving = (self.stream_shards != "none" and prefetch > 0 and opening is not None
-                    and loader.streams_as_it_arrives(opening[1]))
-
-        def connections(job: tuple[int, int]) -> int:
-            # a first shard handed out as it arrives downloads alone (over at most
-            # ``budget`` ranges): nothing else takes its bandwidth while the consumer
-            # waits on its bytes
-            if arriving and job is opening:
-                return concurrency
-            return loader.connections(job[1], budget)
-
-        return attach(tuner, Prefetcher(
-            jobs, lambda job, cancel, lease: loader.load(
-                *job, cancel, recorder, parts=min(lease.connections, budget),
-                arriving=every or (arriving and job is opening), downloaded=lease.release),
-            depth=prefetch, concurrency=concurrency, connections=connections,
-            settled=_download_ended if arriving or every else None,
-        ))
-
-    def _generate(self, plan: StreamPlan | BlockPlan, slot: StreamSlot, progress: StreamProgress,
-                  recorder: TraceRecorder, prefetcher: Prefetcher,
-                  quota: int | None) -> Iterator[BaseData]:
-        # this body runs when the consumer first calls next(): its first wait starts
-        meter = recorder.meter
-        if meter is not None:
-            meter.asked()
-        # samples are built ahead in the background only where shards are fetched there
-        ahead = ReadAhead(self.read_ahead if prefetcher.depth > 0 else 0)
-        pending: dict[int, int] = {}  # samples of each started shard not yet handed out
-        started: set[int] = set()  # positions whose consume_start_s is set
-        handed = 0
-        try:
-            mixing = np.random.default_rng([self.seed, self.epoch, slot.rank, slot.worker, 11])
-            items = interleave_shards(iter(prefetcher), self.interleave, mixing, progress,
-                                      pending, shuffle=self.shuffle, seed=self.seed,
-                                      epoch=self.epoch,
-                                      transform=names_transform(self.names, self.transform),
-                                      detach=self.shuffle_buffer > 0, ahead=ahead)
-            items = mix_across_shards(items, self.shuffle_buffer, mixing)
-            trim_due = False
-            untrimmed_bytes = 0  # shard bytes consumed since the last trim
-            for unit in (group_items(items, self.batch_size) if self.max_atoms is None
-                         else self._atom_batches(items, plan, quota)):
-                if trim_due:
-                    # the shard finished last time has been dropped by now (pulling this
-                    # unit advanced past it): give its memory back to the OS
-                    release_free_memory()
-                    trim_due = False
-                if quota is not None and handed + len(unit) > quota:
-                    break
-                finishing = []
-                # (no loop variable may keep a sample alive: a sample cut from a collated
-                # shard is a view that pins the whole shard's storage)
-                for position, index in [(position, index) for position, index, _ in unit]:
-                    if position not in started:  # its first sample: consuming it starts
-                        started.add(position)
-                        record = recorder.record(position, plan.shards[position], "")
-                        if record.consume_start_s is None:
-                            record.consume_start_s = recorder.now()
-                    progress.mark_sample(position, index)
-                    pending[position] -= 1
-                    if pending[position] == 0:
-                        finishing.append(position)
-                        progress.mark_complete(position)
-                handed += len(unit)
-                samples = [sample for _, _, sample in unit]
-                last_shard = unit[-1][0]  # a step waits, if at all, on its last sample
-                del unit
-                item = (samples[0] if self.batch_size is None and self.max_atoms is None
-                        else Batch.from_data_list(samples))
-                del samples
-                if meter is not None:
-                    meter.received(last_shard)
-                yield item
-                del item
-                if meter is not None:  # the consumer asks for the next item
-                    meter.asked()
-                now = recorder.now() if finishing else 0.0  # the consumer is back: it
-                for position in finishing:  # is done with the shards in `finishing`
-                    record = recorder.record(position, plan.shards[position], "")
-                    record.consume_finish_s = now
-                    untrimmed_bytes += record.bytes or 0
-                if self.trim_memory and untrimmed_bytes >= TRIM_AFTER_BYTES:
-                    trim_due, untrimmed_bytes = True, 0
-                if quota is not None and handed >= quota:
-                    break  # do not pull (and download) anything past the quota
-            progress.finished = True
-        finally:
-            prefetcher.close()
-            ahead.close()
-            recorder.wait_s = prefetcher.wait_s
-            now = recorder.now()
-            for position in pending:  # shards cut short by a quota, break or error
-                record = recorder.record(position, plan.shards[position], "")
-                if record.consume_start_s is not None and record.consume_finish_s is None:
-                    record.consume_finish_s = now
-            self._progress = progress
-            if get_worker_info() is not None:
-                name = f"epoch{self.epoch:06d}-rank{slot.rank}-worker{slot.worker}.json"
-                recorder.write(self.trace_dir / name)
-
-    def _atom_batches(self, items: Iterator, plan: StreamPlan | BlockPlan,
-                      quota: int | None) -> Iterator[list]:
-        # max_atoms: the batching lives in pyg.budget; a batch never crosses the quota
-        def describe(item: tuple) -> str:
-            position, index = item[0], item[1]
-            if isinstance(plan, BlockPlan):
-                block = plan.blocks[position]
-                return f"record {block.first + index} of shard {self.shards[block.shard].name}"
-            return f"sample {index} of shard {self.shards[plan.shards[position]].name}"
-
-        return group_by_atoms(items, self.max_atoms, lambda item: item[2].num_nodes,
-                              window=self.shuffle_buffer, limit=quota,
-                              oversize=self.oversize, describe=describe)
 
     # ----------------------------------------------------------------- traces
     def _snapshots(self) -> list[dict]:
@@ -769,8 +450,11 @@ class ShardStreamDataset(IterableDataset):
         asking for the next one; its wait is the time from asking to receiving, the
         rest is the consumer's compute; ``wait_share = step_wait_s / step_s``, summed
         over the steps (:class:`~pyg_atompack.stream.trace.StepWaitMeter`). Timed with
-        CUDA events when the model runs on a GPU (``wait_clock``), where it is the share
-        of GPU time spent idle for lack of data; on the wall clock otherwise. It
+        CUDA events when CUDA is initialised in the consuming process when iteration
+        starts (the model runs on a GPU), where it is the share of GPU time spent idle
+        for lack of data; on the wall clock otherwise (``wait_clock`` says which).
+        For another clock, wrap the loop in your own
+        :class:`~pyg_atompack.stream.trace.StepWaitMeter`. It
         includes every cost of handing an item out (waiting for a shard, building
         samples and batches); ``wait_s`` counts only the time blocked on shards. Behind
         DataLoader worker processes the dataset does not see the consumer's steps

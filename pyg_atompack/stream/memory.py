@@ -6,7 +6,7 @@ reuse instead of returning them, so the resident set keeps the high-water mark o
 every arena: measured here, streaming 12 MiB shards with ``prefetch=2`` left the
 process ~150 MiB above its baseline although at most three shards were alive, and
 ``malloc_trim(0)`` brought it back to the baseline. ``ShardStreamDataset`` trims once
-``TRIM_AFTER_BYTES`` of shards were consumed since the last trim, which keeps the
+``stream.iteration.TRIM_AFTER_BYTES`` of shards were consumed since the last trim, which keeps the
 resident set near what is really alive at a cost of a few milliseconds per trim.
 
 Shard buffers themselves no longer go through malloc when their size is known (they are

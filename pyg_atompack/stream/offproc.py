@@ -53,7 +53,7 @@ thread only receives finished items:
   the child within :data:`WATCH_S` of its parent's death. Nothing is named in
   ``/dev/shm``: the arena is anonymous memory.
 
-Used where :func:`use_child_process` says so (the ``retrieval`` setting of
+Used where :func:`use_child_process` says so (the ``retrieval`` option of
 ``ShardStreamDataset``): by default when the stream is iterated in a main process (not
 a DataLoader worker, already a process of its own) with ``prefetch >= 1`` on Linux,
 whose ``fork`` the hand-off needs. Items then must be picklable, and ``transform`` runs
@@ -87,7 +87,7 @@ from pyg_atompack.stream.trace import StepWaitMeter, TraceRecorder
 if TYPE_CHECKING:
     from pyg_atompack.stream.dataset import ShardStreamDataset
 
-#: Values of ``ShardStreamDataset(retrieval=)``.
+#: Values of ``SourceOptions(retrieval=)``.
 RETRIEVAL_CHOICES = ("auto", "process", "threads")
 #: Batches the child builds ahead of the consumer.
 AHEAD_ITEMS = 8
@@ -424,7 +424,7 @@ def iterate_in_child(dataset: ShardStreamDataset) -> Iterator[Any]:
         channel.close()
         raise
     recorder = TraceRecorder(slot.rank, slot.worker)
-    recorder.meter = StepWaitMeter(dataset.wait_clock)
+    recorder.meter = StepWaitMeter("auto")
     dataset._recorder, dataset._progress = recorder, progress
     items = _consume(dataset, channel, progress, recorder)
     weakref.finalize(items, channel.close)

@@ -52,16 +52,21 @@ the dataset hand out a ``.pt`` shard's samples as its bytes arrive
 
 ``list_shards`` is called once, in the process that builds the dataset; its result is
 pickled into DataLoader workers, so remote listings are never repeated per worker or rank.
+
+A source may carry its :class:`~pyg_atompack.stream.SourceOptions` as an ``options``
+attribute (the shipped ones do when given ``options=``); the dataset then uses those and
+refuses options of its own. A source without it takes the dataset's ``options=``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pyg_atompack.remote import manifest
 from pyg_atompack.remote.files import SHARD_SUFFIXES, RemoteFile
@@ -73,6 +78,10 @@ from pyg_atompack.transport.errors import (
     TransportError,
 )
 from pyg_atompack.transport.http import Cancel
+from pyg_atompack.transport.retry import RetryPolicy
+
+if TYPE_CHECKING:  # options.py imports this module
+    from pyg_atompack.stream.options import SourceOptions
 
 MANIFEST_NAME = manifest.MANIFEST_NAME
 
@@ -249,7 +258,11 @@ class RemoteSource:
             already opened.
         suffixes (tuple[str, ...], optional): Keep only files ending in one of these.
             (default: :obj:`(".pt", ".atp")`)
-        **options (optional): The backend's options: ``retry`` (a
+        options (SourceOptions, optional): How a stream fetches, checks and decodes these
+            shards; its ``retries`` replaces those of the backend's retry policy here.
+            A :class:`~pyg_atompack.stream.ShardStreamDataset` over this source uses
+            them and refuses options of its own. (default: :obj:`None`, the dataset's)
+        **storage_options (optional): The backend's options: ``retry`` (a
             :class:`~pyg_atompack.transport.RetryPolicy`) for all; ``headers`` for
             http(s) (credentials bound to the origins of ``url``, never sent to another
             host a manifest names); ``token``, ``endpoint``, ``pattern`` for ``hf://``;
@@ -265,17 +278,26 @@ class RemoteSource:
     """
 
     def __init__(self, url: str | Sequence[str] | Any, *,
-                 suffixes: tuple[str, ...] = SHARD_SUFFIXES, **options: Any) -> None:
+                 suffixes: tuple[str, ...] = SHARD_SUFFIXES,
+                 options: SourceOptions | None = None, **storage_options: Any) -> None:
         from pyg_atompack.remote.backends import backend_class, open_backend
+        from pyg_atompack.stream.options import SourceOptions
 
+        if options is not None and not isinstance(options, SourceOptions):
+            raise TypeError(f"options must be a SourceOptions, got {type(options).__name__}")
+        self.options = options
         if isinstance(url, (list, tuple)):
             if not url:
                 raise ShardFetchError("RemoteSource needs at least one URL")
-            self.backend = backend_class(url[0])(list(url), **options)
+            self.backend = backend_class(url[0])(list(url), **storage_options)
         elif isinstance(url, (str, os.PathLike)):
-            self.backend = open_backend(url, **options)
+            self.backend = open_backend(url, **storage_options)
         else:
             self.backend = url
+        if (options is not None and options.retries is not None
+                and isinstance(getattr(self.backend, "retry", None), RetryPolicy)):
+            self.backend = self.backend.with_retry(
+                dataclasses.replace(self.backend.retry, retries=options.retries))
         # a failed listing raises the backend's error (the transport family; the Hub's
         # for hf://): it names the URL, and no shard yet
         files = self.backend.list(suffixes)
@@ -287,7 +309,7 @@ class RemoteSource:
 
     @property
     def retry(self) -> Any:
-        """The retry policy of every request (``ShardStreamDataset(retries=)`` sets it)."""
+        """The retry policy of every request (``SourceOptions(retries=)`` sets its retries)."""
         return self.backend.retry
 
     @retry.setter
@@ -379,7 +401,7 @@ class RemoteSource:
         """Download one shard over ``parts`` concurrent range requests into one buffer.
 
         Used for every shard a download can split over free connections
-        (``ShardStreamDataset(split_shards=)``): servers and stores cap the bandwidth of
+        (``SourceOptions(split_shards=)``): servers and stores cap the bandwidth of
         each connection. Each part resumes on its own; one failed part cancels the others.
         Parts are at least :data:`~pyg_atompack.transport.http.MIN_PART_BYTES`.
 
@@ -464,12 +486,16 @@ class LocalSource(RemoteSource):
         directory_or_glob (str | os.PathLike): The directory or pattern.
         checksums (bool, optional): Compute each shard's sha256 while listing (reads every
             file once). (default: :obj:`False`; sizes are always verified)
+        options (SourceOptions, optional): How a stream fetches, checks and decodes these
+            shards (see :class:`RemoteSource`). (default: :obj:`None`, the dataset's)
     """
 
     read_into = None  # type: ignore[assignment]
     fetch_in_parts = None  # type: ignore[assignment]
 
-    def __init__(self, directory_or_glob: str | os.PathLike, *, checksums: bool = False):
+    def __init__(self, directory_or_glob: str | os.PathLike, *, checksums: bool = False,
+                 options: SourceOptions | None = None):
         from pyg_atompack.remote.http_backend import FileBackend
 
-        super().__init__(FileBackend(os.fspath(directory_or_glob), checksums=checksums))
+        super().__init__(FileBackend(os.fspath(directory_or_glob), checksums=checksums),
+                         options=options)

@@ -27,7 +27,7 @@ TRACE_FIELDS = (
     "deserialize_finish_s", "consume_start_s", "consume_finish_s", "bytes", "structures",
 )
 
-#: Values of ``ShardStreamDataset(wait_clock=)`` and :func:`resolve_wait_clock`.
+#: Values of ``StepWaitMeter(clock=)`` and :func:`resolve_wait_clock`.
 WAIT_CLOCKS = ("auto", "wall", "cuda")
 
 
