@@ -258,7 +258,7 @@ def test_shard_subset_keeps_the_ranged_first_download(tmp_path):
     """The example's train/eval split of a source still fetches in parts (split_shards)."""
     from servers.http_server import serve_directory, write_pt_shards
 
-    from pyg_atompack.transport.http import MIN_PART_BYTES
+    from pyg_atompack.transport.transfers import MIN_PART_BYTES
 
     names = write_pt_shards(tmp_path, [400, 400], atoms=8)
     assert (tmp_path / names[0]).stat().st_size > 2 * MIN_PART_BYTES

@@ -19,7 +19,7 @@ from servers.fake_hub import serve_fake_hub, write_reference_shard
 from servers.http_server import ShardServer, serve_directory
 
 from pyg_atompack import hub
-from pyg_atompack.transport import RemoteOfflineError, RetryPolicy, TransportError, http
+from pyg_atompack.transport import RemoteOfflineError, RetryPolicy, TransportError, http, transfers
 
 REPO = "org/remote"
 TESTS_DIR = Path(__file__).resolve().parent
@@ -59,7 +59,7 @@ else:  # 0.x
 
 from pyg_atompack import hub
 from pyg_atompack.hub import transfer
-from pyg_atompack.transport import RetryPolicy, http
+from pyg_atompack.transport import RetryPolicy, transfers
 
 endpoint, plain = sys.argv[1:3]
 sha = hub.resolve_revision("org/remote", endpoint=endpoint)
@@ -69,7 +69,7 @@ readme = transfer.fetch_bytes(files["README.md"])  # the relative redirect
 reader = hub.open_hub_atp("org/remote", "train", revision=sha, endpoint=endpoint,
                           cache_dir=tempfile.mkdtemp())
 energies = [float(reader[i].energy) for i in range(len(reader))]
-body = http.fetch_range(plain, 0, 4, policy=RetryPolicy())
+body = transfers.fetch_range(plain, 0, 4, policy=RetryPolicy())
 try:
     huggingface_hub.HfApi(endpoint=endpoint).dataset_info("org/remote")
     trapped = "huggingface_hub's client worked"
@@ -172,12 +172,12 @@ def test_https_trusts_ssl_cert_file_and_nothing_else(tmp_path, monkeypatch):
             monkeypatch.setattr(http, name, None)
         monkeypatch.delenv("SSL_CERT_DIR", raising=False)
         monkeypatch.setenv("SSL_CERT_FILE", str(cert_file))
-        assert http.fetch_range(url, 0, 8, policy=FAST) == b"over TLS"
+        assert transfers.fetch_range(url, 0, 8, policy=FAST) == b"over TLS"
         for name in ("_process_client", "_trust_store"):
             monkeypatch.setattr(http, name, None)
         monkeypatch.delenv("SSL_CERT_FILE")
         with pytest.raises(TransportError, match="CERTIFICATE_VERIFY_FAILED"):
-            http.fetch_range(url, 0, 8, policy=FAST)
+            transfers.fetch_range(url, 0, 8, policy=FAST)
         assert [r.path for r in server.requests] == ["/blob.bin"]  # the refused one never got in
     finally:
         server.stop()
@@ -190,7 +190,7 @@ def test_offline_mode_refuses_before_connecting(server, monkeypatch):
     with pytest.raises(hub.HubOfflineError, match="HF_HUB_OFFLINE=1"):
         hub.resolve_revision(REPO, endpoint=server.endpoint, policy=FAST)
     with pytest.raises(RemoteOfflineError, match=r"127\.0\.0\.1.*HF_HUB_OFFLINE=1"):
-        http.fetch_range(f"{server.endpoint}/anything", 0, 1, policy=FAST)
+        transfers.fetch_range(f"{server.endpoint}/anything", 0, 1, policy=FAST)
     assert server.requests == []
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert hub.resolve_revision(REPO, endpoint=server.endpoint, policy=FAST)

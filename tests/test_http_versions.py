@@ -22,8 +22,7 @@ from pyg_atompack import AtompackDataset
 from pyg_atompack.remote import atp_meta
 from pyg_atompack.remote.ranges import URLRangeReader
 from pyg_atompack.stream import CancelToken, RemoteSource, ShardStreamDataset, SourceOptions
-from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy
-from pyg_atompack.transport import http as transport_http
+from pyg_atompack.transport import RemoteIntegrityError, RetryPolicy, transfers
 from pyg_atompack.transport.buffers import ShardBuffer, ShardPart
 from tests.big_atp import write_big_atp, write_manifest
 from tests.servers.http_server import ShardServer
@@ -136,7 +135,7 @@ def test_a_resumed_download_of_a_rewritten_file_is_refused_not_spliced(served):
 
     def download() -> None:
         try:
-            transport_http.fill(server.url(NAME), sink, policy=RetryPolicy(backoff=0.01))
+            transfers.fill(server.url(NAME), sink, policy=RetryPolicy(backoff=0.01))
         except BaseException as error:  # noqa: BLE001 - asserted below
             failure.append(error)
 
@@ -157,15 +156,15 @@ def test_the_ranges_of_one_download_come_from_one_version(served):
     size = (root / NAME).stat().st_size
     url = server.url(NAME)
     buffer = bytearray(size)
-    pin = transport_http.VersionPin()
+    pin = transfers.VersionPin()
     policy = RetryPolicy()
-    transport_http.fill(url, ShardPart(buffer, 0, size // 2), policy=policy, pin=pin)
+    transfers.fill(url, ShardPart(buffer, 0, size // 2), policy=policy, pin=pin)
     _replace(root / NAME, 0.75)
     with pytest.raises(RemoteIntegrityError, match=r"changed since it was opened"):
-        transport_http.fill(url, ShardPart(buffer, size // 2, size), policy=policy, pin=pin)
+        transfers.fill(url, ShardPart(buffer, size // 2, size), policy=policy, pin=pin)
     # a download of its own takes the new version whole
     fresh = bytearray(size)
-    transport_http.fill(url, ShardPart(fresh, 0, size), policy=policy)
+    transfers.fill(url, ShardPart(fresh, 0, size), policy=policy)
     assert bytes(fresh) == (root / NAME).read_bytes()
 
 

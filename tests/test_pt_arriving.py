@@ -1,4 +1,4 @@
-"""Indexing a ``.pt`` archive while its bytes arrive (``ArrivingPt`` in ``pyg/pt_index.py``).
+"""Indexing a ``.pt`` archive while its bytes arrive (``ArrivingPt`` in ``pyg/pt_arriving.py``).
 
 The archives are real ``torch.save`` files; each test hands the indexer growing
 prefixes of a buffer of the file's final size, as a download fills it.
@@ -18,7 +18,9 @@ from test_pt_index import _assert_equal_samples, _Molecules, _saved, _varied_sam
 from torch_geometric.data import Data
 
 from pyg_atompack.pyg.errors import PtPayloadError
-from pyg_atompack.pyg.pt_index import ArrivingPt, ArrivingPtSamples, NotLazyLayout, index_pt
+from pyg_atompack.pyg.pt_arriving import ArrivingPt, ArrivingPtSamples
+from pyg_atompack.pyg.pt_index import index_pt
+from pyg_atompack.pyg.pt_pickle import NotLazyLayout
 
 
 def _arriving(raw: bytes | bytearray, filled: int) -> tuple[mmap.mmap, ArrivingPt]:

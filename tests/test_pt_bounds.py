@@ -26,7 +26,7 @@ from torch_geometric.data import Data, HeteroData, InMemoryDataset
 from pyg_atompack.convert import ConvertError
 from pyg_atompack.convert.pt import load_pt
 from pyg_atompack.pyg.errors import PtPayloadError
-from pyg_atompack.pyg.pt_index import ArrivingPt
+from pyg_atompack.pyg.pt_arriving import ArrivingPt
 from pyg_atompack.pyg.samples import overlapping
 from pyg_atompack.stream import ShardDecodeError, decode_shard
 

@@ -1,4 +1,5 @@
-"""Lazy, in-place decoding of ``.pt`` files (``pyg/pt_index.py``) and shard buffers.
+"""Lazy, in-place decoding of ``.pt`` files (``pyg/pt_index.py``, ``pyg/pt_pickle.py``)
+and shard buffers.
 
 Test files are made the way users make them: ``torch.save`` of a list of ``Data``, of
 list slices of an ``InMemoryDataset`` (FoldPipe's shards: views of one storage), of
@@ -25,7 +26,8 @@ from torch_geometric.data import Batch, Data, HeteroData, InMemoryDataset
 
 from pyg_atompack.pyg.pt import load_pt_object
 from pyg_atompack.pyg.pt_archive import TorchZipError, read_torch_archive
-from pyg_atompack.pyg.pt_index import LazyPtSamples, NotLazyLayout, index_pt
+from pyg_atompack.pyg.pt_index import LazyPtSamples, index_pt
+from pyg_atompack.pyg.pt_pickle import NotLazyLayout
 from pyg_atompack.pyg.samples import CollatedSamples
 from pyg_atompack.stream import (
     LocalSource,

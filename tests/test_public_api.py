@@ -84,10 +84,12 @@ def test_nothing_in_the_package_warns_about_deprecation():
 
 def test_keywords_are_taken_under_their_one_name():
     from pyg_atompack.remote.objectstore import ObjectStore
-    from pyg_atompack.stream import ShardStreamDataset
+    from pyg_atompack.stream import ShardStreamDataset, SourceOptions
 
     assert "split_first" not in inspect.signature(ShardStreamDataset).parameters
-    assert "split_shards" in inspect.signature(ShardStreamDataset).parameters
+    # per-source options live on SourceOptions only, not beside it on the dataset
+    assert "split_shards" not in inspect.signature(ShardStreamDataset).parameters
+    assert "split_shards" in inspect.signature(SourceOptions).parameters
     # retries and timeouts come from the one RetryPolicy: no keyword is read as one of them
     store = ObjectStore("s3://bucket/prefix/", retries=1)
     assert store.retry == RetryPolicy()
@@ -109,14 +111,15 @@ def test_stream_and_atp_list_what_users_need():
 
     # a shard stream, its sources (and what a custom one needs), its errors
     assert set(stream.__all__) == {
-        "ShardStreamDataset", "open_source", "Source", "ShardInfo", "CancelToken",
-        "ShardBuffer", "LocalSource", "RemoteSource", "decode_shard", "StreamError",
+        "ShardStreamDataset", "SourceOptions", "open_source", "Source", "ShardInfo",
+        "CancelToken", "ShardBuffer", "LocalSource", "RemoteSource", "decode_shard",
+        "ShardFormat", "register_shard_format", "StreamError",
         "ShardFetchError", "ShardIntegrityError",
         "ShardDecodeError", "UnsafePayloadError"}
     # reading, writing and checking files, what readers return, the errors and warnings
-    assert {"open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
-            "describe", "verify", "find_shards", "AtpError"} <= set(atp.__all__)
+    assert {"open", "Reader", "ShardedReader", "RecordReader", "Writer", "Molecule", "Header",
+            "FieldInfo", "describe", "verify", "find_shards", "AtpError"} <= set(atp.__all__)
     assert not {name for name in atp.__all__ if not hasattr(atp, name)}
     assert all(name.endswith(("Error", "Warning")) for name in set(atp.__all__) - {
-        "open", "Reader", "ShardedReader", "Writer", "Molecule", "Header", "FieldInfo",
-        "describe", "verify", "find_shards"})
+        "open", "Reader", "ShardedReader", "RecordReader", "Writer", "Molecule", "Header",
+        "FieldInfo", "describe", "verify", "find_shards"})

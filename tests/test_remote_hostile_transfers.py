@@ -32,7 +32,7 @@ from pyg_atompack.transport import (
     UnsupportedURLError,
     bind_headers,
 )
-from pyg_atompack.transport import http as transport
+from pyg_atompack.transport import transfers as transport
 from tests.big_atp import write_big_atp
 from tests.servers.hostile_http import MAX_SENT, HostileServer
 from tests.servers.http_server import ShardServer

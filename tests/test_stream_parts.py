@@ -16,7 +16,7 @@ from pyg_atompack.stream import (
     SourceOptions,
 )
 from pyg_atompack.transport import RetryPolicy
-from pyg_atompack.transport.http import MIN_PART_BYTES
+from pyg_atompack.transport.transfers import MIN_PART_BYTES
 
 FAST = RetryPolicy(retries=3, backoff=0.01, max_backoff=0.05, jitter=0.1, timeout=5.0)
 

@@ -215,3 +215,44 @@ def test_damaged_atp_record_fails_at_decode_time_not_mid_iteration(tmp_path):
     raw[offset:offset + 4] = b"\xff\xff\xff\xff"  # record 4's zstd frame magic
     with pytest.raises(ShardDecodeError, match=r"shard s\.atp"):
         decode_shard(raw, "s.atp")
+
+
+def test_shard_formats_are_one_table_chosen_by_suffix_then_magic(tmp_path):
+    from pyg_atompack.stream.payloads import SHARD_FORMATS, shard_format
+
+    _write_atp(tmp_path / "s.atp", 3, 4, 5)
+    atp_bytes = (tmp_path / "s.atp").read_bytes()
+    pt_bytes = _saved(SAMPLES)
+    assert list(SHARD_FORMATS) == ["pt", "atp"]
+    # the suffix decides first, whatever the bytes say
+    assert shard_format("a.atp", b"junk").name == "atp"
+    assert shard_format("https://host/x/a.pt", atp_bytes).name == "pt"
+    # a name without a known suffix: the leading bytes decide
+    assert shard_format("blob-7", atp_bytes).name == "atp"
+    assert shard_format("blob-7", pt_bytes).name == "pt"
+    assert len(decode_shard(atp_bytes, "blob-7")) == 3
+    _assert_same(decode_shard(pt_bytes, "blob-8"), SAMPLES)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00\x01parquet?", b"PAR1" + b"\0" * 64])
+def test_a_shard_no_format_recognises_is_refused_naming_it(payload):
+    with pytest.raises(ShardDecodeError, match=r"shard shards/part-3\.parquet: not a shard "
+                                               r"format the stream reads.*pt: .*atp: "):
+        decode_shard(payload, "shards/part-3.parquet")
+
+
+def test_an_unknown_shard_is_skipped_or_raised_by_the_stream(tmp_path):
+    from pyg_atompack.stream.payloads import SHARD_FORMATS, ShardFormat, register_shard_format
+
+    torch.save(SAMPLES, tmp_path / "a.pt")
+    (tmp_path / "b.pt").write_bytes(b"")  # listed by suffix, then empty
+    # a format added to the table is what the stream reads, with nothing else changed
+    register_shard_format(ShardFormat("twice", (".twice.pt",), (), lambda buffer, name, trusted,
+                                      lazy: decode_shard(bytes(buffer), name[:-9] + ".pt") * 2,
+                                      lambda buffer, lazy: buffer))
+    try:
+        torch.save(SAMPLES[:1], tmp_path / "c.twice.pt")
+        got = list(ShardStreamDataset(LocalSource(tmp_path), on_error="skip"))
+    finally:
+        del SHARD_FORMATS["twice"]
+    assert len(got) == len(SAMPLES) + 2

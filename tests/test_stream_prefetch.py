@@ -155,7 +155,7 @@ def test_a_shard_is_leased_no_more_connections_than_it_has_parts():
     keep other shards from starting): one part per MIN_PART_BYTES, at most the budget."""
     from pyg_atompack.stream.loading import ShardLoader
     from pyg_atompack.stream.sources import ShardInfo
-    from pyg_atompack.transport.http import MIN_PART_BYTES
+    from pyg_atompack.transport.transfers import MIN_PART_BYTES
 
     class Ranged:
         def fetch_in_parts(self, shard, cancel, parts):  # pragma: no cover - not called

@@ -244,7 +244,7 @@ def test_every_shard_split_over_connections_keeps_the_token_off_the_cdn(server):
     from servers.http_server import make_samples
 
     from pyg_atompack.stream import RemoteSource, ShardStreamDataset, SourceOptions
-    from pyg_atompack.transport.http import MIN_PART_BYTES
+    from pyg_atompack.transport.transfers import MIN_PART_BYTES
 
     files = {}
     for shard in range(3):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from .base import RecordReader
 from .check import describe, verify
 from .errors import (
     AtpError,
@@ -78,6 +79,7 @@ __all__ = [
     "ReadOnlyError",
     "Reader",
     "RecordDecodeError",
+    "RecordReader",
     "RecoveredWriteWarning",
     "SchemaConflictError",
     "SchemaError",

@@ -1,17 +1,17 @@
-"""What every `.atp` reader shares: its access mode, use in ``with``, refused writes."""
+"""What the local `.atp` readers add to the reader contract: the access mode, refused writes."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
+from .base import RecordReader
 from .errors import ReadOnlyError
 
-_R = TypeVar("_R", bound="ReadOnlyReader")
 
-
-class ReadOnlyReader:
-    """Base of the read-only readers (:class:`~pyg_atompack.atp.Reader`,
-    :class:`~pyg_atompack.atp.ShardedReader`).
+class ReadOnlyReader(RecordReader):
+    """Base of the readers that share the writers' surface (:class:`~pyg_atompack.atp.Reader`,
+    :class:`~pyg_atompack.atp.ShardedReader`): a :class:`~pyg_atompack.atp.RecordReader`
+    with an access mode whose write methods are refused.
 
     A subclass sets ``_access``, defines :meth:`close` and says in
     :meth:`_read_only_message` how a refused write names it.
@@ -24,16 +24,6 @@ class ReadOnlyReader:
         """How records are read: ``"auto"``, ``"mmap"`` or ``"pread"`` (``"memory"`` for
         an in-memory image, ``"remote"`` for remote shards)."""
         return self._access
-
-    def close(self) -> None:
-        """Release what the reader holds (it reopens lazily on the next access)."""
-        raise NotImplementedError
-
-    def __enter__(self: _R) -> _R:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _read_only_message(self) -> str:
         raise NotImplementedError

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import batch as _batch
+from .base import RecordReader
 from .errors import AtpValueError
 from .fields import FieldInfo
 from .groups import Groups, read_groups
@@ -33,11 +34,6 @@ def find_shards(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     found = [p for p in root.rglob("*.atp") if p.is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _read_resolved(shard: Any, indices: np.ndarray, infos: dict[str, FieldInfo]) -> dict:
-    """``read_batch`` of one shard with fields already resolved against the union."""
-    return shard.read_resolved(indices, infos)
 
 
 def _check_access(access: str) -> None:
@@ -106,19 +102,20 @@ class ShardedReader(ReadOnlyReader):
         return reader
 
     @classmethod
-    def from_readers(cls, readers: Sequence[Any], name: str | None = None) -> ShardedReader:
+    def from_readers(cls, readers: Sequence[RecordReader],
+                     name: str | None = None) -> ShardedReader:
         """One logical dataset over already opened shard readers, in the given order.
 
         The shard *opener* is the caller's: local :class:`Reader` objects (mmap, pread,
         in-memory images) or remote ones such as
         :class:`pyg_atompack.remote.record_reader.RemoteAtpReader`; the global index and
         the batching are this class's for all of them: each shard is read once per
-        batch (with ``read_resolved(indices, infos)`` when it has one, so a remote shard
-        fetches all its records of the batch together).
+        batch (its ``read_resolved(indices, infos)``, so a remote shard fetches all its
+        records of the batch together).
 
         Args:
-            readers (Sequence[Any]): Objects with the reader interface (``len``, ``[i]``,
-                ``read_batch``, ``n_atoms``, ``fields``, ``name``).
+            readers (Sequence[RecordReader]): The shard readers (any
+                :class:`~pyg_atompack.atp.RecordReader`).
             name (str, optional): How messages name the dataset. (default: a bracketed list of the
                 shard names)
 
@@ -126,12 +123,18 @@ class ShardedReader(ReadOnlyReader):
             The reader.
 
         Raises:
-            AtpValueError: ``readers`` is empty.
+            AtpValueError: ``readers`` is empty, or holds something that is not a
+                :class:`~pyg_atompack.atp.RecordReader`.
         """
         readers = list(readers)
         if not readers:
             raise AtpValueError("from_readers needs at least one shard reader")
-        shown = [str(getattr(r, "name", r)) for r in readers]
+        strangers = [r for r in readers if not isinstance(r, RecordReader)]
+        if strangers:
+            raise AtpValueError(f"from_readers takes RecordReader objects; shard "
+                                f"{readers.index(strangers[0])} is a "
+                                f"{type(strangers[0]).__name__}")
+        shown = [r.name for r in readers]
         if name is None:
             name = "[" + (", ".join(shown) if len(shown) <= 3 else
                           f"{shown[0]}, ... {len(shown) - 2} more ..., {shown[-1]}") + "]"
@@ -141,7 +144,7 @@ class ShardedReader(ReadOnlyReader):
 
     def _open_shards(self, name: str, paths: Sequence[Any], access: str,
                      opened: bool = False) -> None:
-        self._root = name
+        self.name = name
         self._access = access
         self._shards = list(paths) if opened else [Reader(p, access=access) for p in paths]
         self._starts = np.concatenate([[0], np.cumsum([len(s) for s in self._shards])])
@@ -157,12 +160,12 @@ class ShardedReader(ReadOnlyReader):
     @property
     def shard_paths(self) -> list[str]:
         """Shard file paths in global order (None for shards that are not local files)."""
-        return [getattr(s, "path", None) for s in self._shards]
+        return [s.path for s in self._shards]
 
     @property
     def path(self) -> str:
         """The dataset directory (a bracketed file list for :meth:`from_paths`)."""
-        return self._root
+        return self.name
 
     def __len__(self) -> int:
         return self._starts_list[-1]
@@ -179,7 +182,7 @@ class ShardedReader(ReadOnlyReader):
         Raises:
             AtpIndexError: If ``i`` is out of range.
         """
-        i = molecule_index(i, self._starts_list[-1], self._root)
+        i = molecule_index(i, self._starts_list[-1], self.name)
         shard = bisect.bisect_right(self._starts_list, i) - 1
         return shard, i - self._starts_list[shard]
 
@@ -197,9 +200,7 @@ class ShardedReader(ReadOnlyReader):
             The decoded :class:`Molecule`.
         """
         shard, local = self.locate(i)
-        reader = self._shards[shard]
-        get = getattr(reader, "get", None)  # shards of from_readers() may lack it
-        return get(local) if get is not None else reader[local]
+        return self._shards[shard].get(local)
 
     def __iter__(self) -> Iterator[Molecule]:
         for shard in self._shards:
@@ -223,15 +224,15 @@ class ShardedReader(ReadOnlyReader):
             self._fields = merged
         return self._fields
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray,
-                   fields: Sequence[str] | None = None) -> dict[str, Any]:
-        """Decodes several molecules across shards into concatenated arrays.
+    def read_resolved(self, indices: Sequence[int] | np.ndarray,
+                      infos: dict[str, FieldInfo]) -> dict[str, Any]:
+        """Decodes several molecules across shards into concatenated arrays, each shard
+        read once (:meth:`RecordReader.read_batch` resolves the fields and calls this).
 
         Args:
             indices (Sequence[int] | np.ndarray): Global molecule indices, in the order
                 the result should follow (they may span shards and repeat).
-            fields (Sequence[str], optional): Fields to decode; :obj:`None` for all.
-                (default: :obj:`None`)
+            infos (dict[str, FieldInfo]): ``name -> FieldInfo`` to decode.
 
         Returns:
             dict[str, Any]: The same layout as :meth:`Reader.read_batch`.
@@ -239,10 +240,9 @@ class ShardedReader(ReadOnlyReader):
         Raises:
             AtpIndexError: If an index is out of range.
         """
-        infos = _batch.resolve_fields(self.fields, fields, self._root)
-        idx = _batch._normalize_indices(indices, len(self), self._root)
+        idx = _batch._normalize_indices(indices, len(self), self.name)
         if not len(idx):
-            return _read_resolved(self._shards[0], idx, infos)
+            return self._shards[0].read_resolved(idx, infos)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
         # one read per shard, whatever the order: a remote shard then fetches all its
         # records of the batch together; the result is put back in the asked order
@@ -253,7 +253,7 @@ class ShardedReader(ReadOnlyReader):
         for run in np.split(order, cuts):
             shard = int(shard_of[run[0]])
             local = idx[run] - self._starts[shard]
-            parts.append(_read_resolved(self._shards[shard], local, infos))
+            parts.append(self._shards[shard].read_resolved(local, infos))
         flat = _batch.concat_batches(parts)
         if len(parts) == 1 or not (np.diff(order) < 0).any():
             return flat
@@ -288,8 +288,8 @@ class ShardedReader(ReadOnlyReader):
             shard.close()
 
     def _read_only_message(self) -> str:
-        return f"{self._root}: sharded datasets are read-only"
+        return f"{self.name}: sharded datasets are read-only"
 
     def __repr__(self) -> str:
-        return (f"ShardedReader({self._root!r}, shards={len(self._shards)}, "
+        return (f"ShardedReader({self.name!r}, shards={len(self._shards)}, "
                 f"molecules={len(self)}, access={self._access!r})")

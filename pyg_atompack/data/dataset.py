@@ -39,10 +39,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _is_reader(source: Any) -> bool:
-    return hasattr(source, "read_batch") and hasattr(source, "fields")
-
-
 def _describe(source: Any) -> str:
     if isinstance(source, (list, tuple)):
         return f"[{len(source)} files]" if len(source) > 3 else repr([str(s) for s in source])
@@ -62,7 +58,7 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
     """
     remote = remote or {}
     cache = {k: remote[k] for k in ("cache_dir", "cache_bytes") if remote.get(k) is not None}
-    if _is_reader(source):
+    if isinstance(source, atp.RecordReader):
         return source
     if isinstance(source, (list, tuple)) and source and all(_is_url(s) for s in source):
         from pyg_atompack.remote.record_reader import open_remote_atp, range_readers
@@ -92,7 +88,7 @@ def _open_source(source: Any, access: str, remote: dict[str, Any] | None = None)
         return atp.open(path, access=access)
     raise TypeError(
         "AtompackDataset source must be a .atp path, a directory of shards, a list of "
-        "paths, a URL (hf://, http(s)://, an object store) or an open reader, got "
+        "paths, a URL (hf://, http(s)://, an object store) or an open atp.RecordReader, got "
         f"{type(source).__name__}"
     )
 
@@ -345,10 +341,8 @@ class AtompackDataset(Dataset):
         if self._kept is not None:
             idx = int(self._kept[idx])
         # get(): reader[idx] after a check that the file did not shrink under a mapped
-        # reader (a SIGBUS would kill the DataLoader worker); remote readers have none
-        reader = self.reader
-        get = getattr(reader, "get", None)
-        data = record_to_data(reader[idx] if get is None else get(idx), self.fields, self.dtype)
+        # reader (a SIGBUS would kill the DataLoader worker)
+        data = record_to_data(self.reader.get(idx), self.fields, self.dtype)
         return data if self.names is None else self.names.apply(data)
 
     def record_indices(self, positions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:

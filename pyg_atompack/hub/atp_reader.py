@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pyg_atompack.atp.base import RecordReader
 from pyg_atompack.atp.header import Header
 from pyg_atompack.atp.images import FileMeta
 from pyg_atompack.atp.reader import Reader
@@ -347,7 +348,7 @@ _PICKLED = ("_remote", "_ranges", "headers", "path_in_repo", "cache_dir", "backe
             "name", "_pages")
 
 
-class _DownloadedShard:
+class _DownloadedShard(RecordReader):
     """Shard opener of :class:`HubAtpReader`: a listed shard downloaded (verified) on its
     first read. Its length comes from its header; while it is not downloaded, its atom
     counts from its metadata (:func:`~pyg_atompack.remote.atp_meta.load_meta`) and its
@@ -403,9 +404,6 @@ class _DownloadedShard:
     def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
         return self.reader().read_resolved(indices, infos)
 
-    def close(self) -> None:
-        """Nothing of its own: the owner closes the downloaded readers."""
-
 
 class _PagedShard(_DownloadedShard):
     """Shard opener of :meth:`HubAtpReader.by_record`: only the records read are fetched,
@@ -432,9 +430,6 @@ class _PagedShard(_DownloadedShard):
     @property
     def n_atoms(self) -> np.ndarray:
         return self.reader().n_atoms
-
-    def read_resolved(self, indices: np.ndarray, infos: dict) -> dict:
-        return self.reader().read_resolved(indices, infos)
 
 
 def open_hub_atp(

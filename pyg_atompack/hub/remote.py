@@ -1,6 +1,6 @@
 """Revision resolution and file listing: the Hub API, called through the one transport.
 
-Requests made here (all through :mod:`pyg_atompack.transport.http`, so timeouts, retries
+Requests made here (all through :mod:`pyg_atompack.transport.transfers`, so timeouts, retries
 with backoff on 429 / 5xx / connection errors, proxies, the trust store, offline mode and
 the token headers of huggingface_hub's ``build_hf_headers`` apply):
 
@@ -39,7 +39,7 @@ from pyg_atompack.hub.errors import (
 from pyg_atompack.hub.uri import normalize_path_in_repo
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.files import RemoteFile
-from pyg_atompack.transport import http as transport
+from pyg_atompack.transport import transfers
 from pyg_atompack.transport.credentials import RequestHeaders, bind_headers, origin
 from pyg_atompack.transport.errors import (
     RemoteAuthError,
@@ -292,7 +292,7 @@ def resolve_revision(
     _check_repo_type(repo_type)
     tail = ("revision", quote(revision, safe="")) if revision else ()
     with translate_errors(repo_id, revision, None, repo_type=repo_type, endpoint=endpoint):
-        info, _ = transport.request_json(
+        info, _ = transfers.request_json(
             _api_url(endpoint, repo_type, repo_id, *tail) + "?expand=sha",
             headers=hub_headers(token, endpoint_url(endpoint)), policy=policy or HUB_POLICY)
     sha = info.get("sha") if isinstance(info, dict) else None
@@ -419,7 +419,7 @@ def list_remote_files(
         try:
             files = []
             while url:
-                page, page_headers = transport.request_json(url, headers=headers, policy=policy)
+                page, page_headers = transfers.request_json(url, headers=headers, policy=policy)
                 files += [e for e in page if isinstance(e, dict) and e.get("type") == "file"]
                 url = _next_link(page_headers, url)
         except TransportError as error:
@@ -427,7 +427,7 @@ def list_remote_files(
             if not root or getattr(error, "error_code", None) != "EntryNotFound" and \
                     error.status != 400:
                 raise
-            infos, _ = transport.request_json(
+            infos, _ = transfers.request_json(
                 _api_url(endpoint, repo_type, repo_id, "paths-info", rev), method="POST",
                 form={"paths": [root], "expand": "false"}, headers=headers, policy=policy)
             files = [e for e in infos if isinstance(e, dict) and e.get("type") == "file"

@@ -1,6 +1,6 @@
 """Byte transfers of listed remote files: HTTP range reads and verified downloads.
 
-Both go through the project's one transport (:mod:`pyg_atompack.transport.http`):
+Both go through the project's one transport (:mod:`pyg_atompack.transport.transfers`):
 timeouts, retries with backoff on connection errors, 408, 429 and 5xx, ``Range``
 resume, proxies and the trust store apply, and the Hub token is sent to the Hub's
 origin only, never to the CDN a large file is redirected to.
@@ -36,9 +36,10 @@ from pyg_atompack.hub.errors import HubIntegrityError
 from pyg_atompack.hub.remote import HUB_POLICY, describe_file
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.files import RemoteFile
-from pyg_atompack.transport import http as transport
+from pyg_atompack.transport import transfers
 from pyg_atompack.transport.errors import RemoteRangeError
 from pyg_atompack.transport.integrity import bytes_problem
+from pyg_atompack.transport.redact import redact_url
 from pyg_atompack.transport.retry import RetryPolicy
 
 
@@ -82,7 +83,7 @@ def fetch_range(
         return b""
     backend = backend_of(remote_file, token=token, policy=policy)
     with backend.errors(remote_file):
-        return transport.fetch_range(remote_file.url, start, length, policy=backend.retry,
+        return transfers.fetch_range(remote_file.url, start, length, policy=backend.retry,
                                      headers=backend.headers_for(remote_file))
 
 
@@ -129,7 +130,7 @@ def check_bytes(remote_file: RemoteFile, data: bytes | memoryview, *,
                             blob_id=remote_file.blob_id, verify=verify)
     if problem is not None:
         raise HubIntegrityError(f"{describe_file(remote_file)}: received {problem}",
-                                url=transport.redact_url(remote_file.url))
+                                url=redact_url(remote_file.url))
 
 
 def repo_cache_folder(cache_dir: str | os.PathLike | None, repo_id: str, repo_type: str) -> Path:

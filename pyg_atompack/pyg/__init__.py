@@ -45,7 +45,8 @@ with the one allow-list :data:`PYG_SAFE_GLOBALS` (:mod:`.pt`).
 Modules: :mod:`.fields` (names and ``fields=`` selections), :mod:`.names`
 (read-side renames and presets), :mod:`.data`
 (one ``Data`` per molecule), :mod:`.batch` (``Batch`` assembly), :mod:`.pt`,
-:mod:`.pt_index` and :mod:`.pt_archive` (``.pt`` files), :mod:`.samples` (samples
+:mod:`.pt_pickle`, :mod:`.pt_index`, :mod:`.pt_arriving` and :mod:`.pt_archive`
+(``.pt`` files), :mod:`.samples` (samples
 built when taken), :mod:`.budget` (batches by atom budget), :mod:`.errors`.
 """
 

@@ -41,7 +41,8 @@ from torch_geometric.data.storage import BaseStorage, EdgeStorage, GlobalStorage
 from pyg_atompack.transport.buffers import is_writable_buffer
 
 from .errors import PtPayloadError, UnsafePtPayloadError
-from .pt_index import NotLazyLayout, index_pt
+from .pt_index import index_pt
+from .pt_pickle import NotLazyLayout
 from .samples import CollatedSamples, bounds_problem
 
 __all__ = ["PYG_SAFE_GLOBALS", "as_samples", "decode_pt", "load_pt_object",

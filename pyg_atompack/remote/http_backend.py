@@ -173,7 +173,7 @@ class HTTPBackend(Backend):
             TransportError: The server could not be read (after retries).
         """
         from pyg_atompack.remote.manifest import ManifestError
-        from pyg_atompack.transport import http as transport
+        from pyg_atompack.transport import transfers
 
         if self.urls is not None:
             if not self.urls:
@@ -191,8 +191,8 @@ class HTTPBackend(Backend):
                 f"{where!r}: an http(s) URL must name a manifest.json, a directory ending in "
                 f"'/' that holds one, or a .pt / .atp file", url=where)
         where = redact_url(url)
-        body = transport.fetch(url, policy=self.retry, headers=self.headers,
-                               limit=transport.DOCUMENT_LIMIT)
+        body = transfers.fetch(url, policy=self.retry, headers=self.headers,
+                               limit=transfers.DOCUMENT_LIMIT)
         try:
             document = json.loads(bytes(body).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as error:
@@ -210,13 +210,13 @@ class HTTPBackend(Backend):
 
     def _sized(self, files: list[RemoteFile]) -> list[RemoteFile]:
         """``files``, each listed without a size asked for it and its version."""
-        from pyg_atompack.transport import http as transport
+        from pyg_atompack.transport import transfers
 
         def ask(file: RemoteFile) -> RemoteFile:
             if file.size is not None:
                 return file
             try:
-                found = transport.probe(file.url, policy=self.retry, headers=self.headers)
+                found = transfers.probe(file.url, policy=self.retry, headers=self.headers)
             except TransportError:
                 # its read fails the same way later, where the caller decides what happens
                 return file
@@ -243,61 +243,63 @@ class HTTPBackend(Backend):
     def read_into(self, file: RemoteFile, out: memoryview, start: int = 0, cancel: Any = None,
                   progress: Callable[[int], None] | None = None, pin: Any = None) -> None:
         """One retried, resumed range request into ``out``, bounded by it and pinned to
-        ``pin`` (a :class:`~pyg_atompack.transport.http.VersionPin`; default: the
+        ``pin`` (a :class:`~pyg_atompack.transport.transfers.VersionPin`; default: the
         listed version when the listing named one).
 
         Raises:
             TransportError: The transfer failed (names the redacted URL).
             RangeIgnoredError: The server answered with the whole body.
         """
-        from pyg_atompack.transport import http as transport
+        from pyg_atompack.transport import transfers
         from pyg_atompack.transport.buffers import ShardPart
+        from pyg_atompack.transport.http import NEVER
 
         if pin is None:
-            pin = transport.VersionPin(self._pinned(file))
+            pin = transfers.VersionPin(self._pinned(file))
         part = ShardPart(out, start, start + len(out), base=start, on_data=progress,
                          file_size=file.size)
         with self.errors(file):
-            transport.fill(file.url, part, policy=self.retry, cancel=cancel or transport.NEVER,
+            transfers.fill(file.url, part, policy=self.retry, cancel=cancel or NEVER,
                            headers=self.headers_for(file), pin=pin)
 
     def read_all(self, file: RemoteFile, cancel: Any = None) -> Any:
         """One plain ``GET`` of the whole file (resumed by range, bounded by the listed
-        size, or by :data:`~pyg_atompack.transport.http.UNLISTED_LIMIT` when unknown)."""
-        from pyg_atompack.transport import http as transport
+        size, or by :data:`~pyg_atompack.transport.transfers.UNLISTED_LIMIT` when unknown)."""
+        from pyg_atompack.transport import transfers
+        from pyg_atompack.transport.http import NEVER
 
         with self.errors(file):
-            return transport.fetch(file.url, policy=self.retry,
-                                   cancel=cancel or transport.NEVER,
+            return transfers.fetch(file.url, policy=self.retry,
+                                   cancel=cancel or NEVER,
                                    headers=self.headers_for(file), size=file.size,
-                                   limit=transport.UNLISTED_LIMIT)
+                                   limit=transfers.UNLISTED_LIMIT)
 
     def write_file(self, file: RemoteFile, path: Path) -> None:
         """One plain ``GET`` streamed into ``path``, pinned to the listed version and
         stopped at the first byte beyond the listed size."""
-        from pyg_atompack.transport import http as transport
+        from pyg_atompack.transport import transfers
         from pyg_atompack.transport.buffers import FileSink
 
         with self.errors(file), open(path, "wb") as handle:
             sink = FileSink(handle, limit=file.size)
-            transport.fill(file.url, sink, policy=self.retry, headers=self.headers_for(file),
+            transfers.fill(file.url, sink, policy=self.retry, headers=self.headers_for(file),
                            validator=self._pinned(file))
             sink.flush()
 
     def version_of(self, file: RemoteFile) -> RemoteFile:
         """``file`` with the version its server names now (a one-byte range request)."""
-        from pyg_atompack.transport import http as transport
+        from pyg_atompack.transport import transfers
 
         if file.version is not None:
             return file
         with self.errors(file):
-            found = transport.probe(file.url, policy=self.retry, headers=self.headers_for(file))
+            found = transfers.probe(file.url, policy=self.retry, headers=self.headers_for(file))
         return replace(file, version=found.validator)
 
     def range_reader(self, file: RemoteFile) -> Any:
         """A :class:`~pyg_atompack.remote.ranges.URLRangeReader` pinned to the version."""
         from pyg_atompack.remote.ranges import URLRangeReader
-        from pyg_atompack.transport.http import Probe
+        from pyg_atompack.transport.transfers import Probe
 
         known = Probe(file.size, file.version) if file.version else None
         return URLRangeReader(file.url, size=file.size, sha256=file.sha256,

@@ -6,7 +6,9 @@ process hangs on its first request once the parent has used it, which every Data
 worker started by ``fork`` would do; the fsspec clients work in a forked child given a
 client of their own (see ``docs/architecture.md``, "Object stores"). What differs
 between the stores (client options, the conditional range read, error codes) lives in
-:mod:`pyg_atompack.remote.objectstore_backends`; everything else is here, once.
+:mod:`pyg_atompack.remote.objectstore_backends`; how the stores' failures become the
+transport's errors in :mod:`pyg_atompack.remote.objectstore_errors`; everything else is
+here, once.
 
 :class:`ObjectStore` is one bucket prefix (or one object, or a ``manifest.json``):
 
@@ -62,19 +64,23 @@ from urllib.parse import urlsplit
 from pyg_atompack.remote import cache as remote_cache
 from pyg_atompack.remote.files import Backend, RemoteFile
 from pyg_atompack.remote.manifest import read_manifest_records
-from pyg_atompack.remote.objectstore_backends import BACKENDS, StoreHTTPError
+from pyg_atompack.remote.objectstore_backends import BACKENDS
+from pyg_atompack.remote.objectstore_errors import (
+    Truncated,
+    describe_transient,
+    is_transient,
+    requested_wait,
+    translate,
+)
 from pyg_atompack.transport.errors import (
-    RemoteAuthError,
     RemoteIntegrityError,
     RemoteNotFoundError,
     TransportError,
     UnsupportedURLError,
 )
 from pyg_atompack.transport.retry import (
-    RETRYABLE_STATUSES,
     RetryPolicy,
     TransientError,
-    server_wait,
     with_retries,
 )
 
@@ -98,13 +104,6 @@ _SECRET_OPTIONS = frozenset({"key", "secret", "token", "session_token", "passwor
                              "account_key", "sas_token", "connection_string",
                              "client_secret", "credential", "credentials", "aws_access_key_id",
                              "aws_secret_access_key", "aws_session_token"})
-# the stores' throttling / transient error codes (S3, then Azure; GCS says it with the
-# status alone); the statuses are the transport's RETRYABLE_STATUSES (408, 429, 5xx)
-_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError",
-                              "ServiceUnavailable", "Throttling", "ThrottlingException",
-                              "RequestLimitExceeded", "TooManyRequestsException",
-                              "ServerBusy", "OperationTimedOut"})
-
 
 def is_object_store_url(url: object) -> bool:
     """Whether ``url`` is a string with one of :data:`OBJECT_STORE_SCHEMES`."""
@@ -130,80 +129,6 @@ def _split_url(url: str) -> tuple[str, str, str]:
     return scheme, bucket, parts.path.strip("/")
 
 
-def _causes(error: BaseException):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def _client_error_info(error: BaseException) -> tuple[str | None, int | None]:
-    """(error code, HTTP status) of the store's answer behind ``error``, if any.
-
-    botocore's ``ClientError`` (S3), azure-core's ``HttpResponseError`` (Azure), gcsfs's
-    ``HttpError`` and the statuses it turns into built-in exceptions (GCS listings), and
-    :class:`~pyg_atompack.remote.objectstore_backends.StoreHTTPError` (GCS reads).
-    """
-    for cause in _causes(error):
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict) and "Error" in response:
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return response["Error"].get("Code"), status
-        if isinstance(cause, StoreHTTPError):
-            return cause.code, cause.status
-        status = getattr(cause, "status_code", None)  # azure-core
-        if isinstance(status, int):
-            code = getattr(cause, "error_code", None)
-            return (str(getattr(code, "value", code)) if code else None), status
-        module = type(cause).__module__ or ""
-        if module.startswith("gcsfs"):
-            code = getattr(cause, "code", None)
-            if isinstance(code, int):
-                return None, code
-        if module == "builtins" and isinstance(cause, OSError) and not isinstance(
-                cause, FileNotFoundError) and str(cause).startswith("Forbidden"):
-            return None, 403  # gcsfs: a 403 answer becomes OSError("Forbidden: ...")
-    return None, None
-
-
-def _is_transient(error: BaseException) -> bool:
-    code, status = _client_error_info(error)
-    if code is not None or status is not None:
-        return code in _TRANSIENT_CODES or status in RETRYABLE_STATUSES
-    names = {type(cause).__name__ for cause in _causes(error)}
-    transient_names = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                       "ConnectionClosedError", "ClientPayloadError",
-                       "ServerDisconnectedError", "ClientConnectorError", "ClientOSError",
-                       "IncompleteRead", "ResponseStreamingError", "FSTimeoutError",
-                       "TimeoutError", "ConnectionResetError", "ConnectionRefusedError",
-                       "BrokenPipeError", "ProxyConnectionError", "_Truncated",
-                       "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError",
-                       "ServiceRequestError", "ServiceResponseError", "IncompleteReadError",
-                       "ServiceRequestTimeoutError", "ServiceResponseTimeoutError",
-                       "ProxyError"}
-    return bool(names & transient_names)
-
-
-def _server_wait(error: BaseException) -> float | None:
-    """The wait the store asked for (``Retry-After``), from its answer if any."""
-    for cause in _causes(error):
-        if isinstance(cause, StoreHTTPError):
-            return server_wait({"Retry-After": cause.retry_after})
-        headers = getattr(getattr(cause, "response", None), "headers", None)
-        if headers is not None and hasattr(headers, "get"):  # azure-core's response
-            return server_wait({"Retry-After": headers.get("Retry-After")})
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict) and "Error" in response:
-            headers = response.get("ResponseMetadata", {}).get("HTTPHeaders") or {}
-            lowered = {str(k).lower(): v for k, v in headers.items()}
-            return server_wait({"Retry-After": lowered.get("retry-after"),
-                                "RateLimit": lowered.get("ratelimit")})
-    return None
-
-
-class _Truncated(Exception):
-    """The body ended before the requested range did."""
 
 
 class ObjectStore(Backend):
@@ -316,45 +241,6 @@ class ObjectStore(Backend):
         clone._fs, clone._pid, clone._lock = None, None, threading.Lock()
         return clone
 
-    # ------------------------------------------------------------------ errors
-    def _translate(self, error: BaseException, url: str) -> TransportError:
-        """One :class:`TransportError` subclass for a permanent ``error`` met at ``url``."""
-        if isinstance(error, TransportError):
-            return error
-        code, status = _client_error_info(error)
-        names = {type(cause).__name__ for cause in _causes(error)}
-        backend = BACKENDS[self.scheme]
-        if "NoCredentialsError" in names or "PartialCredentialsError" in names:
-            hint = (" (credentials given as options are not pickled: in spawned workers "
-                    "use the environment or a profile)" if self._secrets_dropped else "")
-            return RemoteAuthError(
-                f"{url}: no credentials found: {backend.credentials_hint}{hint}", url=url)
-        if code in ("NoSuchBucket", "ContainerNotFound"):
-            return RemoteNotFoundError(f"{url}: bucket {self.bucket!r} does not exist",
-                                       url=url, status=status)
-        if code in ("NoSuchKey", "404", "NotFound", "BlobNotFound") or status == 404 or (
-                code is None and isinstance(error, FileNotFoundError)):
-            return RemoteNotFoundError(f"{url}: no such object", url=url, status=status)
-        if code in ("PreconditionFailed", "412", "ConditionNotMet") or status == 412:
-            return RemoteIntegrityError(
-                f"{url}: the object changed since it was listed (ETag differs)",
-                url=url, status=status)
-        if status in (401, 403) or isinstance(error, PermissionError) or code in (
-                "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                "ExpiredToken", "InvalidToken"):
-            return RemoteAuthError(
-                f"{url}: access denied ({code or status or 'forbidden'}): check the "
-                f"credentials ({backend.credentials_hint}) and the bucket policy",
-                url=url, status=status)
-        return TransportError(f"{url}: {code or type(error).__name__}: {_first_line(error)}",
-                              url=url, status=status)
-
-    def _describe_transient(self, error: BaseException) -> str:
-        code, _ = _client_error_info(error)
-        endpoint = BACKENDS[self.scheme].endpoint(self)
-        where = _redact_endpoint(endpoint) if endpoint else "the default endpoint"
-        return f"{code or type(error).__name__} from {where}: {_first_line(error)}"
-
     def _retrying(self, url: str, operation: Callable[[], Any],
                   cancel: Cancel | None = None) -> Any:
         """Run ``operation`` under :attr:`retry` (the transport's one retry loop).
@@ -376,10 +262,12 @@ class ObjectStore(Backend):
             except Exception as error:  # noqa: BLE001 - classified and translated here
                 if cancel is not None:
                     cancel.raise_if_cancelled()
-                if _is_transient(error):
-                    raise TransientError(self._describe_transient(error),
-                                         retry_after=_server_wait(error)) from error
-                raise self._translate(error, url) from error
+                if is_transient(error):
+                    raise TransientError(
+                        describe_transient(error, BACKENDS[self.scheme].endpoint(self)),
+                        retry_after=requested_wait(error)) from error
+                raise translate(error, url, scheme=self.scheme, bucket=self.bucket,
+                                secrets_dropped=self._secrets_dropped) from error
 
         return with_retries(attempt, url=url, policy=self.retry, cancel=cancel)
 
@@ -591,7 +479,7 @@ class ObjectStore(Backend):
             if unregister is not None:
                 unregister()
         if received[0] != end - start:
-            raise _Truncated(f"connection closed after {start + received[0]} of {end} bytes")
+            raise Truncated(f"connection closed after {start + received[0]} of {end} bytes")
 
 
 
@@ -616,17 +504,6 @@ def _merge(public: dict, secret: dict) -> dict:
         merged[name] = _merge(merged.get(name, {}), value) if isinstance(value, dict) else value
     return merged
 
-
-def _redact_endpoint(endpoint: str) -> str:
-    parts = urlsplit(endpoint)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else endpoint
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]
 
 
 def _checked(url: str, objects: list[RemoteFile]) -> list[RemoteFile]:

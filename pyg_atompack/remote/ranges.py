@@ -8,7 +8,7 @@ wrap the transport's range reads:
 
 * :class:`FileRangeReader`: a local file (``os.preadv``);
 * :class:`URLRangeReader`: a plain HTTP(S) URL, through the resumable ranged transfer of
-  :mod:`pyg_atompack.transport.http` (a connection dropped mid-range resumes at the first
+  :mod:`pyg_atompack.transport.transfers` (a connection dropped mid-range resumes at the first
   missing byte, under the source's retry policy), pinned to the server's ``ETag`` /
   ``Last-Modified``;
 * :class:`BackendRangeReader`: any listed file through its backend's ``read_into``: an
@@ -173,7 +173,7 @@ class URLRangeReader(RangeAdapter):
         retry (RetryPolicy, optional): Retries and timeouts.
             (default: :class:`~pyg_atompack.transport.RetryPolicy` ``()``)
         name (str, optional): How messages name it. (default: the URL)
-        probe (Probe, optional): What a :func:`~pyg_atompack.transport.http.probe` of
+        probe (Probe, optional): What a :func:`~pyg_atompack.transport.transfers.probe` of
             the URL already told (size and validator). (default: :obj:`None`: probe
             when needed)
     """
@@ -196,11 +196,11 @@ class URLRangeReader(RangeAdapter):
         """The server's ``ETag`` / ``Last-Modified`` of the file (:obj:`None`: it sends
         neither); the first use asks the server."""
         if self._probe is None:
-            from pyg_atompack.transport import http as transport_http
+            from pyg_atompack.transport import transfers
             from pyg_atompack.transport.errors import RemoteIntegrityError
             from pyg_atompack.transport.retry import RetryPolicy
 
-            found = transport_http.probe(self.url, policy=self.retry or RetryPolicy(),
+            found = transfers.probe(self.url, policy=self.retry or RetryPolicy(),
                                          headers=self.headers)
             if found.size is not None and found.size != self.size:
                 raise RemoteIntegrityError(f"{self.name}: the server has {found.size} bytes, "
@@ -216,30 +216,31 @@ class URLRangeReader(RangeAdapter):
         return f"{base}|{validator}" if validator else base
 
     def _read(self, start: int, out: memoryview, cancel: Cancel | None) -> None:
-        from pyg_atompack.transport import http as transport_http
+        from pyg_atompack.transport import transfers
         from pyg_atompack.transport.buffers import RangeIgnoredError, ShardPart
+        from pyg_atompack.transport.http import NEVER
         from pyg_atompack.transport.retry import RetryPolicy
 
         known = self._probe
-        pin = transport_http.VersionPin(known.validator if known is not None else None)
-        policy, cancel = self.retry or RetryPolicy(), cancel or transport_http.NEVER
+        pin = transfers.VersionPin(known.validator if known is not None else None)
+        policy, cancel = self.retry or RetryPolicy(), cancel or NEVER
         # a part based at ``start`` lands byte ``start`` at out[0] and resumes a dropped
         # connection at the first byte not yet received
         part = ShardPart(out, start, start + len(out), base=start)
         try:
-            transport_http.fill(self.url, part, policy=policy, cancel=cancel,
+            transfers.fill(self.url, part, policy=policy, cancel=cancel,
                                 headers=self.headers, pin=pin)
         except RangeIgnoredError:
             # a server that ignores ranges (its answer was checked against the pin): the
             # bytes wanted are read off the front of its whole body
-            out[:] = transport_http.fetch_range(self.url, start, len(out), policy=policy,
+            out[:] = transfers.fetch_range(self.url, start, len(out), policy=policy,
                                                 cancel=cancel, headers=self.headers)
         if known is None:
             # the first read's answer names the version: later reads and the identity are
             # pinned to it without a probe of their own (opening a listing reads each
             # header this way, one request per shard; the caches ask the identity, so
             # probe, before their first read)
-            self._probe = transport_http.Probe(self.size, pin.version)
+            self._probe = transfers.Probe(self.size, pin.version)
 
 
 class BackendRangeReader(RangeAdapter):

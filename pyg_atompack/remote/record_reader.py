@@ -1,7 +1,7 @@
 """Random access to remote `.atp` files: only the records asked for cross the network.
 
-:class:`RemoteAtpReader` has the interface of :class:`pyg_atompack.atp.Reader` (``len``,
-``f[i]``, ``read_batch``, ``n_atoms``, ``fields``) over one :class:`RangeReader`. Its
+:class:`RemoteAtpReader` is a :class:`pyg_atompack.atp.RecordReader` (``len``, ``f[i]``,
+``read_batch``, ``n_atoms``, ``fields``) over one :class:`RangeReader`. Its
 metadata comes from :func:`~pyg_atompack.remote.atp_meta.load_meta` (fetched once per
 machine), its records from a :class:`~pyg_atompack.remote.block_cache.BlockCache`
 (pages on local disk, bounded by ``cache_bytes``, shared by the processes of a machine).
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pyg_atompack.atp import batch as _batch
+from pyg_atompack.atp.base import RecordReader
 from pyg_atompack.atp.errors import AtpError
 from pyg_atompack.atp.extensions import read_directory, read_payload
 from pyg_atompack.atp.groups import read_groups
@@ -43,7 +44,7 @@ from pyg_atompack.remote.ranges import RangeReader
 __all__ = ["RemoteAtpReader", "open_remote_atp", "range_readers"]
 
 
-class RemoteAtpReader:
+class RemoteAtpReader(RecordReader):
     """Read-only view of one remote `.atp` file, reading records through a disk cache.
 
     Args:
@@ -99,8 +100,6 @@ class RemoteAtpReader:
     def name(self) -> str:
         """How messages name the file."""
         return self.range_reader.name
-
-    path = None  # not a local file
 
     @property
     def header(self) -> Any:
@@ -167,23 +166,9 @@ class RemoteAtpReader:
         with _file_record_numbers(self.name, records):
             return self._image(records)[0]
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray,
-                   fields: Sequence[str] | None = None) -> dict[str, Any]:
-        """Decode several molecules, fetching only their records.
-
-        Args:
-            indices (Sequence[int] | np.ndarray): Molecule indices (negative allowed, any order,
-                repeats allowed).
-            fields (Sequence[str], optional): As for :meth:`pyg_atompack.atp.Reader.read_batch`.
-                (default: all)
-
-        Returns:
-            The flat dict of :meth:`pyg_atompack.atp.Reader.read_batch`.
-        """
-        return self.read_resolved(indices, _batch.resolve_fields(self.fields, fields, self.name))
-
     def read_resolved(self, indices: Sequence[int] | np.ndarray, infos: dict) -> dict[str, Any]:
-        """``read_batch`` with fields already resolved (what ``ShardedReader`` calls).
+        """Decode several molecules, fetching only their records (``read_batch`` with
+        fields already resolved: what ``ShardedReader`` calls).
 
         Args:
             indices (Sequence[int] | np.ndarray): Molecule indices.
@@ -197,15 +182,6 @@ class RemoteAtpReader:
         with _file_record_numbers(self.name, records):
             image = self._image(records)
             return image.read_resolved(np.searchsorted(records, idx), infos)
-
-    def close(self) -> None:
-        """Nothing to release: pages live on disk, metadata until the reader is dropped."""
-
-    def __enter__(self) -> RemoteAtpReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"RemoteAtpReader({self.name!r}, cache_bytes={self.cache_bytes})"

@@ -35,7 +35,7 @@ from pyg_atompack.stream.errors import (
 )
 from pyg_atompack.stream.open import open_source
 from pyg_atompack.stream.options import SourceOptions
-from pyg_atompack.stream.payloads import decode_shard
+from pyg_atompack.stream.payloads import ShardFormat, decode_shard, register_shard_format
 from pyg_atompack.stream.sources import (
     CancelToken,
     LocalSource,
@@ -56,6 +56,8 @@ __all__ = [
     "open_source",
     "ShardBuffer",
     "decode_shard",
+    "ShardFormat",
+    "register_shard_format",
     "StreamError",
     "ShardFetchError",
     "ShardIntegrityError",

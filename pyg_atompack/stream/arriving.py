@@ -5,7 +5,7 @@ sample waits for a whole file and its index (and, when downloads are slower than
 training, the last shard is trained on only after it has all arrived).
 :class:`ArrivingShard` downloads a shard in file order over the connections it may use
 into one buffer of the listed size, and feeds the filled prefix to the in-place indexer
-(:class:`~pyg_atompack.pyg.pt_index.ArrivingPt`): ``torch.save`` writes the pickle first
+(:class:`~pyg_atompack.pyg.pt_arriving.ArrivingPt`): ``torch.save`` writes the pickle first
 and the storages after it in sample order, so the shard's samples are indexed once its
 pickle has arrived and each one can be built once its storages have.
 ``SourceOptions(stream_shards=)`` picks the shards: the first of each iteration
@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from pyg_atompack.pyg.errors import PtPayloadError
-from pyg_atompack.pyg.pt_index import ArrivingPt, ArrivingPtSamples, NotLazyLayout
+from pyg_atompack.pyg.pt_arriving import ArrivingPt, ArrivingPtSamples
+from pyg_atompack.pyg.pt_pickle import NotLazyLayout
 from pyg_atompack.stream.errors import (
     ShardDecodeError,
     ShardFetchError,
@@ -51,8 +52,8 @@ from pyg_atompack.stream.errors import (
 from pyg_atompack.stream.prefetch import THREAD_NAME_PREFIX
 from pyg_atompack.stream.sources import CancelToken, ShardInfo
 from pyg_atompack.transport.buffers import RangeIgnoredError, allocate
-from pyg_atompack.transport.http import VersionPin
 from pyg_atompack.transport.integrity import bytes_problem
+from pyg_atompack.transport.transfers import VersionPin
 
 __all__ = ["ARRIVAL_WINDOW", "ArrivingShard", "arrival_order", "check_verify_before_use",
            "streams_as_it_arrives"]

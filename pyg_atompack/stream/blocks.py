@@ -49,7 +49,7 @@ from pyg_atompack.stream.splitting import StreamSlot
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.buffers import allocate
 from pyg_atompack.transport.errors import RemoteIntegrityError
-from pyg_atompack.transport.http import part_count
+from pyg_atompack.transport.transfers import part_count
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from pyg_atompack.stream.errors import (
     StreamCancelled,
     StreamError,
 )
-from pyg_atompack.stream.payloads import decode_shard, is_atp_shard
+from pyg_atompack.stream.payloads import decode_shard, shard_format
 from pyg_atompack.stream.sources import CancelToken, ShardInfo, Source
 from pyg_atompack.stream.trace import TraceRecorder
 from pyg_atompack.transport.buffers import RangeIgnoredError
-from pyg_atompack.transport.http import part_count
 from pyg_atompack.transport.integrity import bytes_problem
+from pyg_atompack.transport.transfers import part_count
 
 logger = logging.getLogger(__name__)
 
@@ -258,16 +258,7 @@ class ShardLoader:
             downloaded=downloaded)
 
     def _prepare(self, info: ShardInfo, data: bytes | bytearray) -> bytes | bytearray:
-        if is_atp_shard(info.name, data):
-            return data
-        if self.lazy_decode and isinstance(data, bytes):
-            return bytearray(data)  # lazily built samples need writable bytes
-        if not self.lazy_decode and not isinstance(data, bytes):
-            # one memcpy so torch reads the archive through io.BytesIO's C code instead
-            # of a Python file object; the caller's rebinding frees the download buffer
-            # before unpickling builds anything
-            return bytes(data)
-        return data
+        return shard_format(info.name, data).prepare(data, self.lazy_decode)
 
 
 def traced_load(recorder: TraceRecorder, position: int, key: int, info: ShardInfo, name: str,

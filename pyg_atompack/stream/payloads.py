@@ -1,4 +1,10 @@
-"""Decoding shard payloads (``.pt`` pickles and ``.atp`` images) into PyG samples.
+"""Decoding shard payloads into PyG samples: one table of shard formats.
+
+A :class:`ShardFormat` says what its shards look like (name suffixes, leading bytes)
+and how their bytes become samples; :func:`shard_format` walks the table
+(:data:`SHARD_FORMATS`, in registration order) by suffix first, then by magic bytes, as
+the converters' format table (:mod:`pyg_atompack.convert.registry`) does for files.
+A shard no format recognises is refused with a :class:`ShardDecodeError` naming it.
 
 ``.pt`` shards go through :func:`pyg_atompack.pyg.pt.decode_pt`, the project's one
 ``.pt`` path: a list of ``Data`` (tensors of their own, or views of one storage the
@@ -19,7 +25,8 @@ takes it (:class:`AtpShardSamples`); every record is validated when the shard is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch_geometric.data import Data
@@ -32,9 +39,8 @@ from pyg_atompack.pyg.pt import PYG_SAFE_GLOBALS, decode_pt
 from pyg_atompack.pyg.samples import BufferViewSamples
 from pyg_atompack.stream.errors import ShardDecodeError, UnsafePayloadError
 
-__all__ = ["PYG_SAFE_GLOBALS", "AtpShardSamples", "decode_shard", "is_atp_shard"]
-
-ATP_MAGIC = b"ATPK"
+__all__ = ["PYG_SAFE_GLOBALS", "SHARD_FORMATS", "AtpShardSamples", "ShardFormat", "decode_shard",
+           "register_shard_format", "shard_format"]
 
 
 class AtpShardSamples(BufferViewSamples):
@@ -61,7 +67,9 @@ class AtpShardSamples(BufferViewSamples):
 _VALIDATION_CHUNK = 64
 
 
-def _decode_atp(buffer: bytes | bytearray, name: str) -> AtpShardSamples:
+def _decode_atp(buffer: bytes | bytearray, name: str, trusted: bool = False,
+                lazy: bool = True) -> AtpShardSamples:
+    # records are decoded by the format layer: no pickle to trust, nothing to index
     try:
         # the reader takes the downloaded buffer over instead of copying it
         reader = atp.Reader.from_bytes(buffer, name=name, copy=False)
@@ -75,25 +83,109 @@ def _decode_atp(buffer: bytes | bytearray, name: str) -> AtpShardSamples:
     return AtpShardSamples(reader)
 
 
-def is_atp_shard(name: str, buffer: bytes | bytearray) -> bool:
-    """Whether a shard is an ``.atp`` image (by its name's suffix or its magic bytes).
+def _decode_pt(buffer: bytes | bytearray, name: str, trusted: bool,
+               lazy: bool) -> Sequence[BaseData]:
+    try:
+        return decode_pt(buffer, trusted=trusted, lazy=lazy)
+    except UnsafePtPayloadError as error:
+        raise UnsafePayloadError(
+            f"shard {name}: {error}, or pass trusted=True only if you trust where this "
+            f"shard comes from."
+        ) from None
+    except PtPayloadError as error:
+        raise ShardDecodeError(f"shard {name}: {error}") from error
+
+
+def _prepare_pt(buffer: bytes | bytearray, lazy: bool) -> bytes | bytearray:
+    if lazy and isinstance(buffer, bytes):
+        return bytearray(buffer)  # lazily built samples need writable bytes
+    if not lazy and not isinstance(buffer, bytes):
+        # one memcpy so torch reads the archive through io.BytesIO's C code instead
+        # of a Python file object; the caller's rebinding frees the download buffer
+        # before unpickling builds anything
+        return bytes(buffer)
+    return buffer
+
+
+def _as_downloaded(buffer: bytes | bytearray, lazy: bool) -> bytes | bytearray:
+    return buffer  # the .atp reader takes any buffer over as it is
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """A shard format the stream decodes, with the facts that recognise its shards.
 
     Args:
-        name (str): The shard's name.
-        buffer (bytes | bytearray): Its bytes.
+        name (str): The format's name (``"pt"``, ``"atp"``).
+        suffixes (tuple[str, ...]): Endings of its shards' names (``(".atp",)``); a
+            suffix decides before any magic bytes do, the longest one first.
+        magic (tuple[bytes, ...]): Prefixes of its shards' first bytes, tried when no
+            format claims the name's suffix.
+        decode (Callable): ``(buffer, name, trusted, lazy) -> samples``, raising
+            :class:`ShardDecodeError` or :class:`UnsafePayloadError` naming the shard.
+        prepare (Callable): ``(buffer, lazy) -> buffer``: the downloaded bytes as
+            ``decode`` reads them (the download is dropped before decoding starts).
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+    magic: tuple[bytes, ...]
+    decode: Callable[[bytes | bytearray, str, bool, bool], Sequence[BaseData]]
+    prepare: Callable[[bytes | bytearray, bool], bytes | bytearray]
+
+
+#: The shard formats by name, in registration order (the order detection tries them).
+SHARD_FORMATS: dict[str, ShardFormat] = {}
+
+
+def register_shard_format(fmt: ShardFormat) -> None:
+    """Add a shard format to :data:`SHARD_FORMATS` (a name registered again is replaced).
+
+    Args:
+        fmt (ShardFormat): The format.
+    """
+    SHARD_FORMATS[fmt.name] = fmt
+
+
+register_shard_format(ShardFormat("pt", (".pt",), (b"PK\x03\x04", b"\x80"), _decode_pt,
+                                  _prepare_pt))  # a zip archive, or a legacy pickle
+register_shard_format(ShardFormat("atp", (".atp",), (b"ATPK",), _decode_atp, _as_downloaded))
+
+
+def shard_format(name: str, buffer: bytes | bytearray) -> ShardFormat:
+    """The format of a shard: by its name's longest known suffix, else by its first bytes.
+
+    Args:
+        name (str): The shard's name (its URL or file name).
+        buffer (bytes | bytearray): Its bytes (only the first few are read).
 
     Returns:
-        :obj:`True` for ``.atp`` shards, :obj:`False` for everything read as ``.pt``.
+        The :class:`ShardFormat` that reads it.
+
+    Raises:
+        ShardDecodeError: No format recognises the shard (names the shard).
     """
-    return name.endswith(".atp") or bytes(buffer[:4]) == ATP_MAGIC
+    claimed = [(len(suffix), fmt) for fmt in SHARD_FORMATS.values() for suffix in fmt.suffixes
+               if name.endswith(suffix)]
+    if claimed:  # the longest suffix is the most specific (``.x.pt`` before ``.pt``)
+        return max(claimed, key=lambda pair: pair[0])[1]
+    head = bytes(buffer[:8])
+    for fmt in SHARD_FORMATS.values():
+        if head.startswith(fmt.magic):
+            return fmt
+    known = "; ".join(f"{fmt.name}: names ending in {', '.join(fmt.suffixes)} or bytes "
+                      f"starting with {', '.join(repr(m) for m in fmt.magic)}"
+                      for fmt in SHARD_FORMATS.values())
+    raise ShardDecodeError(f"shard {name}: not a shard format the stream reads (its first "
+                           f"bytes are {head!r}); known formats: {known}")
 
 
 def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False,
                  lazy: bool = True) -> Sequence[BaseData]:
     """Turn the bytes of one shard into an indexable sequence of PyG samples.
 
-    The format is chosen by the name's suffix (``.atp`` or anything else as ``.pt``);
-    an ``.atp`` payload is also recognised by its magic bytes.
+    The format is chosen by :func:`shard_format`: the name's suffix (``.pt``,
+    ``.atp``), else the leading bytes.
 
     Args:
         buffer (bytes | bytearray): The complete shard bytes. An ``.atp`` shard, and an indexed
@@ -112,16 +204,6 @@ def decode_shard(buffer: bytes | bytearray, name: str, *, trusted: bool = False,
 
     Raises:
         UnsafePayloadError: A ``.pt`` shard needs globals outside the allow-list.
-        ShardDecodeError: The bytes are not a readable shard.
+        ShardDecodeError: The bytes are not a readable shard, or no format recognises it.
     """
-    if is_atp_shard(name, buffer):
-        return _decode_atp(buffer, name)
-    try:
-        return decode_pt(buffer, trusted=trusted, lazy=lazy)
-    except UnsafePtPayloadError as error:
-        raise UnsafePayloadError(
-            f"shard {name}: {error}, or pass trusted=True only if you trust where this "
-            f"shard comes from."
-        ) from None
-    except PtPayloadError as error:
-        raise ShardDecodeError(f"shard {name}: {error}") from error
+    return shard_format(name, buffer).decode(buffer, name, trusted, lazy)

@@ -45,7 +45,7 @@ dropped; plain ``bytes`` work too, at the cost of one copy.
 
 A source that can also read byte ranges into a buffer, ``read_into(shard, buffer,
 start, end, cancel, progress, pin=None)`` (``progress(offset)`` called as bytes ``[start,
-offset)`` land; ``pin``, a :class:`~pyg_atompack.transport.http.VersionPin` shared by the
+offset)`` land; ``pin``, a :class:`~pyg_atompack.transport.transfers.VersionPin` shared by the
 ranges of one download, refuses a range from another version of the file), lets
 the dataset hand out a ``.pt`` shard's samples as its bytes arrive
 (:mod:`pyg_atompack.stream.arriving`); the shipped remote sources do.
@@ -403,7 +403,7 @@ class RemoteSource:
         Used for every shard a download can split over free connections
         (``SourceOptions(split_shards=)``): servers and stores cap the bandwidth of
         each connection. Each part resumes on its own; one failed part cancels the others.
-        Parts are at least :data:`~pyg_atompack.transport.http.MIN_PART_BYTES`.
+        Parts are at least :data:`~pyg_atompack.transport.transfers.MIN_PART_BYTES`.
 
         Args:
             shard (ShardInfo): One entry of :meth:`list_shards`.
@@ -414,7 +414,7 @@ class RemoteSource:
             The shard's bytes.
         """
         from pyg_atompack.transport.buffers import RangeIgnoredError
-        from pyg_atompack.transport.http import VersionPin, part_count
+        from pyg_atompack.transport.transfers import VersionPin, part_count
 
         parts = 1 if shard.size is None else part_count(shard.size, parts)
         if parts == 1:

@@ -5,7 +5,9 @@ layer, :mod:`pyg_atompack.remote`, builds on it). It owns:
 
 * :mod:`~pyg_atompack.transport.http`: the HTTP(S) client (its own :mod:`httpx` client,
   one per process and never shared across ``fork``), with per-request timeouts, per-hop
-  redirects, retries and ``Range`` resume, every body bounded by its listed size and every
+  redirects and prompt cancellation;
+* :mod:`~pyg_atompack.transport.transfers`: the bodies over it, with retries and ``Range``
+  resume, one version per download, every body bounded by its listed size and every
   transfer by a deadline;
 * :mod:`~pyg_atompack.transport.credentials`: request headers whose credentials are
   bound to the origins they were given for (:func:`bind_headers`);
