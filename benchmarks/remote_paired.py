@@ -1,9 +1,10 @@
 """Benchmark: the remote layer's streaming and random-access paths, for paired old/new runs.
 
 Uses only what every version of the library takes, a URL (and the record-block size,
-as each version takes it): ``ShardStreamDataset(url)`` over 16 ``.pt`` shards (a ``manifest.json``, whole shards fetched in parts over three
-connections, the first one handed out as it arrives) and over one 60 MB ``.atp`` file
-(record blocks of 4 MiB), and ``AtompackDataset(url)`` reading 1,500 uniformly random
+as each version takes it): ``ShardStreamDataset(url)`` over 16 ``.pt`` shards (a
+``manifest.json``, whole shards fetched in parts over three connections, the first one
+handed out as it arrives) and over one 60 MB ``.atp`` file (record blocks of 4 MiB),
+and ``AtompackDataset(url)`` reading 1,500 uniformly random
 records by range through a cold page cache. The files are written once under
 ``benchmarks/_work/remote_paired/`` (git-ignored) and served by the loopback
 ``ShardServer`` (``tests/servers/http_server.py``) in this process, without a bandwidth
