@@ -138,7 +138,7 @@ def render(result: dict, problems: list[str]) -> str:
         "# Reliability figures",
         "",
         "Produced by `benchmarks/soak.py` (`make soak`); rerun it to refresh this file.",
-        "Crash, fuzz and multi-rank results are tests, not figures: see README, Guarantees.",
+        "Crash, fuzz and multi-rank results are tests, not figures: see docs/guarantees.md.",
         "",
         "## Soak: streaming through a fault-injecting loopback server",
         "",

@@ -19,7 +19,7 @@ This module imports neither torch nor torch_geometric (numpy and
 :mod:`pyg_atompack.atp.types` only), and it lives outside ``data/`` so that a
 memmap → `.atp` conversion (:mod:`pyg_atompack.convert.memmap`) never loads the
 torch layer: torch_geometric replaces ``torch.index_select`` on import, which
-breaks metatrain's TorchScript readers afterwards (README, "Using it next to
+breaks metatrain's TorchScript readers afterwards (docs/guides/converting.md, "Using it next to
 metatrain"). :class:`~pyg_atompack.MemmapDataset` (:mod:`pyg_atompack.data.memmap`)
 reads through it too.
 """

@@ -19,8 +19,8 @@ from pyg_atompack.cli import main
 from pyg_atompack.convert import ConvertError, ReadOptions, convert, open_reader
 
 # metatrain writes the fixtures in a subprocess: in this process torch_geometric is
-# already imported, which breaks metatrain's writers (see README, "Using it next to
-# metatrain"). Three structures, target U0 with position and strain gradients (as
+# already imported, which breaks metatrain's writers (see docs/guides/converting.md,
+# "Using it next to metatrain"). Three structures, target U0 with position and strain gradients (as
 # metatrain's own training test names it), a plain target "gap", and in a second zip a
 # two-block spherical target "dipole".
 _METATRAIN_FIXTURES = """

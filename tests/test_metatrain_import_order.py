@@ -1,4 +1,5 @@
-"""The import-order trap next to metatrain (README, "Using it next to metatrain").
+"""The import-order trap next to metatrain (docs/guides/converting.md, "Using it next to
+metatrain").
 
 torch_geometric 2.8 replaces ``torch.index_select`` on import; metatensor's
 TorchScript functions compiled afterwards fail. Each case runs in a fresh

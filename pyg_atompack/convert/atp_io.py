@@ -278,8 +278,8 @@ class _Input:
 class CarriedMetadata:
     """The metadata frames of an `.atp` source, carried into `.atp` outputs.
 
-    Every metadata frame of every input file goes forward (README, "Formats in and
-    out"):
+    Every metadata frame of every input file goes forward (the converting guide,
+    "Formats in and out"):
 
     * **groups** (kind 3) are renumbered: an output holding source records
       ``start:stop`` gets each groups chunk with its members moved to the output's

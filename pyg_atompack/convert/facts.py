@@ -17,7 +17,8 @@ import numpy as np
 
 from pyg_atompack.atp.types import ATOM_AXIS_BUILTINS, BUILTINS
 
-#: Units of the builtin fields, the project's convention (README, ``Data`` attributes).
+#: Units of the builtin fields, the project's convention (docs/guides/local-files.md,
+#: ``Data`` attributes).
 UNITS = {name: field.unit for name, field in BUILTINS.items() if field.unit is not None}
 
 _PYTHON_DTYPES = {"float": "float64", "int": "int64", "bool": "bool", "str": "str"}

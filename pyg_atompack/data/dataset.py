@@ -176,7 +176,7 @@ class AtompackDataset(Dataset):
             a whole shard (verified against its sha256) the first time a record in it
             is read, for users with the disk to spare; :obj:`False` fetches only the
             records read, through the page cache (see "Big remote datasets" in the
-            README). :obj:`None` is :obj:`False`: one rule for ``hf://``, ``http(s)://``
+            training-at-scale guide). :obj:`None` is :obj:`False`: one rule for ``hf://``, ``http(s)://``
             and object stores. (default: :obj:`None`)
 
     Raises:

@@ -88,7 +88,7 @@ class ShardStreamDataset(IterableDataset):
     ``prefetch=2, concurrency=2`` each keep one shard ahead over one connection, so
     adding workers multiplies neither memory nor connections. Workers
     send their samples and batches to the main process packed into one buffer each
-    (:mod:`pyg_atompack.stream.handoff`) instead of one shared-memory segment per tensor.
+    (:mod:`pyg_atompack.pyg.handoff`) instead of one shared-memory segment per tensor.
 
     Traces: :attr:`trace` and :meth:`stats` describe the latest iteration (per-shard
     download / deserialise / consume times and a summary). DataLoader workers write
