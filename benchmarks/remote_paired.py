@@ -1,9 +1,10 @@
 """Benchmark: the remote layer's streaming and random-access paths, for paired old/new runs.
 
-Uses only what every version of the library takes, a URL: ``ShardStreamDataset(url)``
-over 16 ``.pt`` shards (a ``manifest.json``, whole shards fetched in parts over three
-connections, the first one handed out as it arrives) and over one 60 MB ``.atp`` file
-(record blocks of 4 MiB), and ``AtompackDataset(url)`` reading 1,500 uniformly random
+Uses only what every version of the library takes, a URL (and the record-block size,
+as each version takes it): ``ShardStreamDataset(url)`` over 16 ``.pt`` shards (a
+``manifest.json``, whole shards fetched in parts over three connections, the first one
+handed out as it arrives) and over one 60 MB ``.atp`` file (record blocks of 4 MiB),
+and ``AtompackDataset(url)`` reading 1,500 uniformly random
 records by range through a cold page cache. The files are written once under
 ``benchmarks/_work/remote_paired/`` (git-ignored) and served by the loopback
 ``ShardServer`` (``tests/servers/http_server.py``) in this process, without a bandwidth
@@ -52,7 +53,14 @@ def _run() -> dict:
     from servers.http_server import ShardServer
 
     from pyg_atompack import AtompackDataset
-    from pyg_atompack.stream import ShardStreamDataset, SourceOptions
+    from pyg_atompack.stream import ShardStreamDataset
+
+    try:  # the record-block size is a SourceOptions field since session 16; older
+        # checkouts (paired against) take it as a keyword
+        from pyg_atompack.stream import SourceOptions
+        block_options = {"options": SourceOptions(block_bytes=4 << 20)}
+    except ImportError:
+        block_options = {"block_bytes": 4 << 20}
 
     server = ShardServer(WORK).start()
     result = {}
@@ -66,9 +74,8 @@ def _run() -> dict:
             result["stream_pt_samples"] = samples
 
             started = time.perf_counter()
-            blocks = ShardStreamDataset(server.url("atp/big.atp"),
-                                        options=SourceOptions(block_bytes=4 << 20), prefetch=2,
-                                        concurrency=3)
+            blocks = ShardStreamDataset(server.url("atp/big.atp"), prefetch=2, concurrency=3,
+                                        **block_options)
             records = sum(1 for _ in blocks)
             result["stream_blocks_s"] = time.perf_counter() - started
             result["stream_blocks_records"] = records

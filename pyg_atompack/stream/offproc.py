@@ -15,6 +15,14 @@ thread only receives finished items:
   The consumer unpickles the message and rebuilds the item as views of the arena's
   chunks (~0.1 ms for a batch of 32 molecules); the chunks go back to the child when the
   item dies. No thread of the consumer's process takes part: it receives on ``next()``.
+* **Chunks of samples.** Unbatched samples go up to ``CHUNK_SAMPLES`` (or
+  ``CHUNK_BYTES``) a message, packed as columns (:mod:`~pyg_atompack.stream.samplechunks`):
+  one message per sample cost the consumer ~110 µs a sample (a pipe read, an unpickling
+  and a rebuild each) and made the default 1.5-1.6x slower than in-process retrieval
+  on a fast consumer (``benchmarks/remote_paired.py``). The loop that builds samples
+  sends a chunk when it is full; a flusher thread sends the samples it holds as soon as
+  that loop has added none for ``FLUSH_IDLE_S`` (it waits for a shard, or for room
+  ahead), so a sample ready in the child never waits for later ones.
 * **Depth.** The child's prefetcher runs one shard deeper than ``prefetch``: its own
   consumer (the loop that builds items) is done with a shard once the shard's items are
   built, and with one job slot more a shard downloads while the previous one decodes
@@ -24,12 +32,13 @@ thread only receives finished items:
   ``prefetch + 2`` decoded shards in the child (one more than in-process) while the
   consumer is slower than retrieval.
 * **Bound.** At most :data:`AHEAD_ITEMS` batches (:data:`AHEAD_SAMPLES` samples) are
-  built ahead of the consumer (a semaphore the consumer releases per item received),
+  built ahead of the consumer (a semaphore the consumer releases per item handed out),
   on top of the stream's own ``prefetch + 1`` decoded shards in the child.
 * **Order and resume.** The child runs the stream of the same (rank, worker) slot, so
   items and their order are those of in-process iteration. Every message carries the
-  samples the item hands out (and the shards it completes); the consumer's process
-  replays them on its own :class:`~pyg_atompack.stream.progress.StreamProgress`, so
+  samples each of its items hands out (and the shards it completes); the consumer's
+  process replays them item by item on its own
+  :class:`~pyg_atompack.stream.progress.StreamProgress`, so
   ``state_dict()`` describes the items the consumer received, not those built ahead.
 * **Traces.** The consumer's process times consumption and the consumer's steps (the
   wait meter); the child's per-shard download and decoding times arrive with its last
@@ -69,9 +78,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pyg_atompack.pyg.arena import Arena
-from pyg_atompack.pyg.handoff import pack, use_arena
+from pyg_atompack.pyg.handoff import use_arena
 from pyg_atompack.stream.errors import RetrievalProcessError
 from pyg_atompack.stream.progress import StreamProgress
+from pyg_atompack.stream.samplechunks import CHUNK_SAMPLES, Chunker, unpack_items
 from pyg_atompack.stream.trace import StepWaitMeter, TraceRecorder
 
 if TYPE_CHECKING:
@@ -82,7 +92,7 @@ RETRIEVAL_CHOICES = ("auto", "process", "threads")
 #: Batches the child builds ahead of the consumer.
 AHEAD_ITEMS = 8
 #: Samples it builds ahead when the stream yields samples.
-AHEAD_SAMPLES = 64
+AHEAD_SAMPLES = 128
 #: Address space of the child's arena (only the chunks in use become resident).
 ARENA_BYTES = 256 << 20
 #: Seconds a closing iteration waits for the child to stop before killing it.
@@ -176,16 +186,6 @@ class _ForwardLogs(logging.Handler):
             self.handleError(record)
 
 
-def _pack_item(marks: list, item: Any) -> bytes:
-    # every tensor in one buffer (in the arena when large); an object that cannot be
-    # packed is pickled whole, its tensors by value: nothing may need this process alive
-    packed = pack(item, share=False)
-    if packed is None:
-        return pickle.dumps((marks, None, pickle.dumps(item, pickle.HIGHEST_PROTOCOL)),
-                            pickle.HIGHEST_PROTOCOL)
-    return pickle.dumps((marks, packed, None), pickle.HIGHEST_PROTOCOL)
-
-
 def _watch(dataset: ShardStreamDataset, sender: _Sender, stop: int, stopping: threading.Event,
            parent: int) -> None:
     # a stop or the parent's death ends the child at once, wherever its stream waits (a
@@ -219,13 +219,16 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
     # one decodes, which one connection needs to keep downloading (see the module doc)
     dataset.prefetch += 1
     dataset.device_feed = None  # the parent moves items to the device (CUDA never forks)
+    batches = dataset.batch_size is not None or dataset.max_atoms is not None
+    chunker = Chunker(lambda body: sender.send(_ITEM, body),
+                      1 if batches else CHUNK_SAMPLES, arena)
     try:
         iterator = dataset._iterate_here()
         progress = dataset._progress
         progress.__class__ = _LoggedProgress  # same fields; marks are now noted too
         progress.log = []
         for item in iterator:
-            while not ahead.acquire(timeout=0.25):  # the consumer is AHEAD_ITEMS behind
+            while not ahead.acquire(timeout=0.25):  # the consumer is far enough behind
                 if stopping.is_set():
                     break
                 if os.getppid() != parent:  # orphaned: nobody will read
@@ -233,14 +236,18 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
             if stopping.is_set():
                 break
             marks, progress.log = progress.log, []
-            message = _pack_item(marks, item)
+            chunker.add(marks, item)
             del item
-            sender.send(_ITEM, message)
         else:
             iterator = None  # ran to its end (its finally has run)
+        if stopping.is_set():
+            return
+        chunker.close()
     except BaseException as error:  # noqa: BLE001 - every failure goes to the consumer
         if stopping.is_set():
             return
+        with contextlib.suppress(BaseException):  # what failed may be the sending itself
+            chunker.close()  # the items built before the failure come first
         with contextlib.suppress(OSError):
             sender.send(_ERROR, _pickled_error(error))
         return
@@ -308,8 +315,8 @@ class ChildStream:
         self.trace: dict | None = None
         self._closed = False
 
-    def receive(self) -> tuple[list, Any] | None:
-        """The next item and its progress marks; :obj:`None` at the stream's end."""
+    def receive(self) -> tuple[list[list], list] | None:
+        """The next chunk of items and the progress marks of each; :obj:`None` at the end."""
         while True:
             try:
                 raw = self._receive.recv_bytes()
@@ -321,12 +328,8 @@ class ChildStream:
                 ) from None
             kind, body = raw[:1], memoryview(raw)[1:]
             if kind == _ITEM:
-                self._ahead.release()
-                marks, packed, whole = pickle.loads(body)
-                if packed is None:
-                    return marks, pickle.loads(whole)
-                rebuild, arguments = packed
-                return marks, rebuild(*arguments)
+                marks, columnar, packed = pickle.loads(body)
+                return marks, unpack_items(columnar, packed)
             if kind == _LOG:
                 _log(body)
                 continue
@@ -340,6 +343,10 @@ class ChildStream:
             error = pickle.loads(raw_error)
             error.add_note(f"(raised in the retrieval process of {self.name})")
             raise error
+
+    def handed_out(self) -> None:
+        """One item left for the consumer: the child may build one more."""
+        self._ahead.release()
 
     def close(self) -> None:
         """Stop the child (if still running), collect its trace, release the pipe."""
@@ -438,31 +445,36 @@ def _consume(dataset: ShardStreamDataset, channel: ChildStream, progress: Stream
             received = channel.receive()
             if received is None:
                 break
-            marks, item = received
-            finishing = []
-            for position, sample in marks:
-                if sample is None:
-                    progress.mark_complete(position)
-                    finishing.append(position)
-                    continue
-                if position not in started:  # its first sample: consuming it starts
-                    started.add(position)
-                    record = recorder.record(position, plan.shards[position], "")
-                    if record.consume_start_s is None:
-                        record.consume_start_s = recorder.now()
-                progress.mark_sample(position, sample)
-            last = marks[-1][0] if marks else None
-            del marks, received
-            if meter is not None:
-                meter.received(last)
-            yield item
-            del item
-            if meter is not None:
-                meter.asked()
-            if finishing:
-                now = recorder.now()
-                for position in finishing:
-                    recorder.record(position, plan.shards[position], "").consume_finish_s = now
+            chunk_marks, items = received
+            del received
+            items.reverse()  # handed out from the end: each leaves the list as it goes
+            for marks in chunk_marks:
+                item = items.pop()
+                finishing = []
+                for position, sample in marks:
+                    if sample is None:
+                        progress.mark_complete(position)
+                        finishing.append(position)
+                        continue
+                    if position not in started:  # its first sample: consuming it starts
+                        started.add(position)
+                        record = recorder.record(position, plan.shards[position], "")
+                        if record.consume_start_s is None:
+                            record.consume_start_s = recorder.now()
+                    progress.mark_sample(position, sample)
+                last = marks[-1][0] if marks else None
+                del marks
+                channel.handed_out()
+                if meter is not None:
+                    meter.received(last)
+                yield item
+                del item
+                if meter is not None:
+                    meter.asked()
+                if finishing:
+                    now = recorder.now()
+                    for position in finishing:
+                        recorder.record(position, plan.shards[position], "").consume_finish_s = now
         progress.finished = channel.finished
     finally:
         channel.close()
