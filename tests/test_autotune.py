@@ -96,6 +96,21 @@ def test_default_tuner_keeps_prefetch_and_tunes_connections() -> None:
         StreamTuner(None, MB)
 
 
+def test_takes_reported_by_the_consumers_process_alone_time_consumption() -> None:
+    # the retrieval process (stream/offproc.py) builds items ahead of the consumer: its
+    # prefetcher's takes come as fast as samples are built and must not count as C
+    tuner = StreamTuner(None, MB, prefetch=1, max_concurrency=8)
+    tuner.takes_reported_elsewhere()
+    tuner.downloaded(connections=8, seconds=0.01)  # D1 = 0.08 s
+    for index, now in enumerate((0.0, 0.001, 0.002, 0.003)):  # the child, building
+        tuner.taken(index, 0.0, now=now)
+    assert tuner.consume_s is None and tuner.concurrency == 8
+    for index, now in enumerate((5.0, 6.0, 7.5, 8.5)):  # the consumer's process
+        tuner.taken(index, 0.5 if index == 2 else 0.0, now=now, elsewhere=True)
+    assert tuner.consume_s == pytest.approx(1.0)  # 1.5 s between takes, 0.5 s waited
+    assert tuner.concurrency == 1
+
+
 def test_unsplit_downloads_need_prefetch_and_memory_caps_it() -> None:
     roomy = StreamTuner(memory_budget=1000 * MB, shard_bytes=MB)
     roomy.downloaded(connections=1, seconds=0.4)  # D1 = 0.4 s, one connection per shard
@@ -225,9 +240,11 @@ def test_default_stream_opens_more_connections_while_downloads_are_the_bottlenec
 
 @pytest.fixture
 def fast_link(tmp_path):
-    # 6 shards of ~330 KB over connections of 20 MB/s: ~0.02 s per shard on one
-    # connection, while the consumer spends ~0.15 s on it
-    names = write_pt_shards(tmp_path, [20] * 6, atoms=300)
+    # 12 shards of ~330 KB over connections of 20 MB/s: ~0.02 s per shard on one
+    # connection, while the consumer spends ~0.15 s on it. More samples than the
+    # retrieval process builds ahead (stream/offproc.py's AHEAD_SAMPLES): the later
+    # shards download once the consumer's pace is measured
+    names = write_pt_shards(tmp_path, [20] * 12, atoms=300)
     for server in serve_directory(tmp_path, bandwidth=20_000_000):
         yield server, names
 
@@ -238,12 +255,14 @@ def test_default_stream_keeps_one_connection_while_the_consumer_is_the_bottlenec
     source = RemoteSource(server.url("manifest.json"), retry=FAST)
     dataset = ShardStreamDataset(source)
     ids = shard_ids(dataset, consume_s=0.15 / 20)
-    assert ids == [shard * 1000 + i for shard in range(6) for i in range(20)]
+    assert ids == [shard * 1000 + i for shard in range(12) for i in range(20)]
     tuned = dataset.stats()["autotune"]
     assert tuned["concurrency"] == 1, tuned
     assert tuned["single_connection_s"] < tuned["consume_s"]
+    # the consumer's time per shard, not the time to build its samples ahead of it
+    assert tuned["consume_s"] > 0.1, tuned
     # once measured, shards come whole over one connection each
-    assert len(server.requests_for("shard-0005.pt")) == 1
+    assert len(server.requests_for("shard-0011.pt")) == 1
     # an explicit concurrency is kept as given: nothing tuned
     fixed = ShardStreamDataset(source, concurrency=2)
     shard_ids(fixed, consume_s=0.0)

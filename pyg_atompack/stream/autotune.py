@@ -105,6 +105,7 @@ class StreamTuner:
         self._prefetcher: Any = None
         self._last_take: float | None = None
         self._takes = 0
+        self._takes_elsewhere = False
         self._lock = threading.Lock()
         self._origin = time.monotonic()
         self._note("start", "nothing measured: every connection on the first shard, "
@@ -153,15 +154,31 @@ class StreamTuner:
                                                  float(max(1, connections)))
         self._retune("download")
 
-    def taken(self, index: int, wait_s: float, now: float | None = None) -> None:
+    def takes_reported_elsewhere(self) -> None:
+        """From now on only :meth:`taken` calls with ``elsewhere=True`` time consumption.
+
+        The retrieval process (:mod:`~pyg_atompack.stream.offproc`) builds items ahead of
+        the consumer, up to a bound that may hold several shards: its prefetcher's takes
+        time the building, not the consumer. The consumer's process reports its own takes
+        instead.
+        """
+        self._takes_elsewhere = True
+
+    def taken(self, index: int, wait_s: float, now: float | None = None, *,
+              elsewhere: bool = False) -> None:
         """The consumer took result ``index`` after waiting ``wait_s`` seconds for it.
 
         Args:
             index (int): The job's index.
-            wait_s (float): Seconds it was blocked.
+            wait_s (float): Seconds it was blocked since its previous take.
             now (float, optional): :func:`time.monotonic` of the take.
                 (default: :obj:`None`, now)
+            elsewhere (bool, optional): Reported by the consumer's process rather than
+                by the prefetcher (see :meth:`takes_reported_elsewhere`).
+                (default: :obj:`False`)
         """
+        if self._takes_elsewhere and not elsewhere:
+            return
         now = time.monotonic() if now is None else now
         with self._lock:
             self._takes += 1

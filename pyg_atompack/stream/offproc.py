@@ -40,6 +40,12 @@ thread only receives finished items:
   process replays them item by item on its own
   :class:`~pyg_atompack.stream.progress.StreamProgress`, so
   ``state_dict()`` describes the items the consumer received, not those built ahead.
+* **Tuning.** The child's autotuner (:mod:`~pyg_atompack.stream.autotune`) sets its
+  connections from ``D1 / C``. The child builds up to :data:`AHEAD_SAMPLES` samples
+  ahead, several shards of small ones, so its own takes would time the building and make
+  ``C`` tiny (8-16 connections where one is right): the consumer's process reports each
+  shard it starts, and the seconds it waited since the previous one, on a pipe of its
+  own, and only those reports time ``C``.
 * **Traces.** The consumer's process times consumption and the consumer's steps (the
   wait meter); the child's per-shard download and decoding times arrive with its last
   message and are merged onto the same clock when the iteration ends or is closed.
@@ -69,6 +75,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -95,6 +102,9 @@ AHEAD_ITEMS = 8
 AHEAD_SAMPLES = 128
 #: Address space of the child's arena (only the chunks in use become resident).
 ARENA_BYTES = 256 << 20
+#: A take the consumer's process reports to the child: shard position, seconds waited
+#: since the previous take, :func:`time.monotonic` of the take.
+_TAKE = struct.Struct("<qdd")
 #: Seconds a closing iteration waits for the child to stop before killing it.
 STOP_WAIT_S = 2.0
 #: How often the child checks that its parent is alive.
@@ -201,8 +211,18 @@ def _watch(dataset: ShardStreamDataset, sender: _Sender, stop: int, stopping: th
     os._exit(0)
 
 
+def _hear_takes(tuner: Any, pace: int) -> None:
+    # the consumer's process reports each shard it starts (_TAKE records) until it closes
+    # its end; the tuner times consumption from them (StreamTuner.takes_reported_elsewhere)
+    with os.fdopen(pace, "rb", buffering=0) as reader:
+        while len(raw := reader.read(_TAKE.size)) == _TAKE.size:
+            position, wait_s, now = _TAKE.unpack(raw)
+            tuner.taken(position, wait_s, now=now, elsewhere=True)
+
+
 def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
-                stop_pipe: tuple[int, int], arena: Arena, parent: int) -> None:
+                stop_pipe: tuple[int, int], pace_pipe: tuple[int, int], arena: Arena,
+                parent: int) -> None:
     """The child: iterate the stream here and send every item to the parent."""
     use_arena(arena)  # large buffers go into the shared arena
     sender = _Sender(connection)
@@ -210,6 +230,8 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
     logger.handlers, logger.propagate = [_ForwardLogs(sender)], False  # logged by the parent
     stop, writer = stop_pipe
     os.close(writer)
+    pace, pace_writer = pace_pipe
+    os.close(pace_writer)
     stopping = threading.Event()
     threading.Thread(target=_watch, args=(dataset, sender, stop, stopping, parent),
                      daemon=True, name="pyg_atompack-stream-watch").start()
@@ -224,6 +246,11 @@ def _child_main(dataset: ShardStreamDataset, connection: Any, ahead: Any,
                       1 if batches else CHUNK_SAMPLES, arena)
     try:
         iterator = dataset._iterate_here()
+        tuner = dataset._recorder.tuner
+        if tuner is not None:  # built above; nothing is taken before the first next()
+            tuner.takes_reported_elsewhere()
+            threading.Thread(target=_hear_takes, args=(tuner, pace), daemon=True,
+                             name="pyg_atompack-stream-pace").start()
         progress = dataset._progress
         progress.__class__ = _LoggedProgress  # same fields; marks are now noted too
         progress.log = []
@@ -304,13 +331,17 @@ class ChildStream:
         batches = dataset.batch_size is not None or dataset.max_atoms is not None
         self._ahead = context.Semaphore(AHEAD_ITEMS if batches else AHEAD_SAMPLES)
         self._stop = os.pipe()  # the parent writes a byte to stop the child
+        pace = os.pipe()  # the parent reports the consumer's takes (_TAKE) to the child
         self.process = context.Process(
             target=_child_main, name="pyg_atompack-stream",
-            args=(dataset, send, self._ahead, self._stop, self.arena, os.getpid()),
+            args=(dataset, send, self._ahead, self._stop, pace, self.arena, os.getpid()),
             daemon=True)
         self.process.start()
         send.close()  # the child holds the only writer: its death reads as end of file
         os.close(self._stop[0])
+        os.close(pace[0])
+        self._pace = pace[1]
+        os.set_blocking(self._pace, False)  # the consumer never waits on a report
         self.finished = False
         self.trace: dict | None = None
         self._closed = False
@@ -348,6 +379,13 @@ class ChildStream:
         """One item left for the consumer: the child may build one more."""
         self._ahead.release()
 
+    def took(self, position: int, wait_s: float) -> None:
+        """The consumer started shard ``position`` after waiting ``wait_s`` seconds in
+        all since it started the previous one: the child's tuner times consumption."""
+        # CLOCK_MONOTONIC is one clock for every process of the machine
+        with contextlib.suppress(OSError):  # a full pipe or a child gone: no report
+            os.write(self._pace, _TAKE.pack(position, wait_s, time.monotonic()))
+
     def close(self) -> None:
         """Stop the child (if still running), collect its trace, release the pipe."""
         if self._closed:
@@ -356,6 +394,7 @@ class ChildStream:
         with contextlib.suppress(OSError):
             os.write(self._stop[1], b"x")
         os.close(self._stop[1])
+        os.close(self._pace)
         self._ahead.release()  # wake it if it waits for room
         deadline = time.monotonic() + STOP_WAIT_S
         try:
@@ -438,11 +477,14 @@ def _consume(dataset: ShardStreamDataset, channel: ChildStream, progress: Stream
     meter = recorder.meter
     plan = dataset.plan(progress.slot)
     started: set[int] = set()
+    waited = 0.0  # seconds spent waiting for items since the latest shard started
     try:
         if meter is not None:
             meter.asked()
         while True:
+            asked = time.monotonic()
             received = channel.receive()
+            waited += time.monotonic() - asked
             if received is None:
                 break
             chunk_marks, items = received
@@ -458,6 +500,8 @@ def _consume(dataset: ShardStreamDataset, channel: ChildStream, progress: Stream
                         continue
                     if position not in started:  # its first sample: consuming it starts
                         started.add(position)
+                        channel.took(position, waited)
+                        waited = 0.0
                         record = recorder.record(position, plan.shards[position], "")
                         if record.consume_start_s is None:
                             record.consume_start_s = recorder.now()
