@@ -11,6 +11,7 @@ This griffe extension rewrites every docstring of the package once it is loaded:
   a role holding a value (:obj:`None`, :obj:`5.0`) becomes code;
 * ``Text::`` followed by an indented block becomes ``Text:`` and a fenced code block
   (highlighted as Python, or as a shell session for command lines);
+* a simple table (columns under runs of ``=``) becomes a Markdown table;
 * a module constant documented by ``#:`` comments above it (Sphinx's form) gets them
   as its docstring, and a public name bound to another (``Structure = Molecule``)
   says whose name it is, so both have an entry in the reference.
@@ -134,6 +135,50 @@ def fence_literal_blocks(text: str) -> str:
     return "\n".join(out)
 
 
+BORDER = re.compile(r"^(?P<indent> *)=+(?: +=+)+ *$")
+
+
+def markdown_tables(text: str) -> str:
+    """Turn reStructuredText simple tables into Markdown tables.
+
+    A simple table is framed by border lines of ``=`` runs, one run a column, with a
+    second border under its header row; a cell spans its column's run (the last column
+    runs to the end of the line).
+
+    Args:
+        text (str): A docstring.
+
+    Returns:
+        The docstring with Markdown tables.
+    """
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        top = BORDER.match(lines[i])
+        ends = [j for j in range(i + 1, len(lines)) if lines[j].strip() == lines[i].strip()]
+        if top is None or len(ends) < 2:
+            out.append(lines[i])
+            i += 1
+            continue
+        starts = [m.start() for m in re.finditer(r"=+", lines[i])]
+        header, rows = lines[i + 1:ends[0]], lines[ends[0] + 1:ends[1]]
+        pad = top["indent"]
+        titles = zip(*(_cells(line, starts) for line in header))
+        out.append(pad + "| " + " | ".join(" ".join(title) for title in titles) + " |")
+        out.append(pad + "|" + "---|" * len(starts))
+        out += [pad + "| " + " | ".join(_cells(row, starts)) + " |"
+                for row in rows if row.strip()]
+        i = ends[1] + 1
+    return "\n".join(out)
+
+
+def _cells(line: str, starts: list[int]) -> list[str]:
+    # a cell runs from its column's start to the next one's (the last to the line's end)
+    bounds = [*starts[1:], None]
+    return [line[a:b].strip().replace("|", "\\|") for a, b in zip(starts, bounds)]
+
+
 def comment_docstring(obj: griffe.Object) -> str | None:
     """The ``#:`` comment lines right above an attribute, or what it is another name for.
 
@@ -174,5 +219,6 @@ class SphinxRoles(griffe.Extension):
             if obj.is_attribute and obj.docstring is None and (text := comment_docstring(obj)):
                 obj.docstring = griffe.Docstring(text, parent=obj)
             if obj.docstring is not None:
-                obj.docstring.value = rewrite_roles(fence_literal_blocks(obj.docstring.value), obj)
+                obj.docstring.value = rewrite_roles(
+                    markdown_tables(fence_literal_blocks(obj.docstring.value)), obj)
             stack.extend(member for member in obj.members.values() if not member.is_alias)

@@ -181,6 +181,10 @@ def _toc_items(items: Any) -> Iterator[Any]:
         yield from _toc_items(item.children)
 
 
+MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->",
+                     re.DOTALL)
+
+
 def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
     """Head a tutorial with its download link and its outputs' origin; fix its contents.
 
@@ -199,10 +203,13 @@ def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
         **kwargs (optional): Other arguments of the event.
 
     Returns:
-        The HTML, unchanged.
+        The HTML, without the template's MathJax loader on tutorials.
     """
     if not page.file.src_uri.startswith("tutorials/") or not page.file.src_uri.endswith(".ipynb"):
         return html
+    # mkdocs-jupyter's template loads MathJax from a CDN whatever the notebook holds; the
+    # notebooks write their formulas in HTML, and the site loads nothing from elsewhere
+    html = MATHJAX.sub("", html)
     items = list(_toc_items(page.toc))
     headings = HEADING.findall(html)
     if len(items) == len(headings):  # otherwise left alone; tests/test_docs_site.py would say

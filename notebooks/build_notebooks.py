@@ -625,15 +625,20 @@ an HTTP server on `127.0.0.1` that simulates a slow remote store, compares seque
 loading with prefetching, draws the per-shard timeline, and shows what happens when
 the server misbehaves.
 
-**The timing model.** With download times $D_i$ and compute times $C_i$ per shard,
+**The timing model.** With download times D<sub>i</sub> and compute times C<sub>i</sub> per shard,
 loading each shard only when it is needed costs
 
-$$T_\text{sequential} \approx \sum_i D_i + \sum_i C_i ,$$
+<p align="center">
+T<sub>sequential</sub> ≈ Σ<sub>i</sub> D<sub>i</sub> + Σ<sub>i</sub> C<sub>i</sub> ,
+</p>
 
-while a one-stage pipeline that fetches shard $i+1$ during the computation on shard $i$
+while a one-stage pipeline that fetches shard <i>i</i>+1 during the computation on shard <i>i</i>
 costs
 
-$$T_\text{pipelined} \approx D_0 + \sum_{i} \max(D_{i+1}, C_i) + C_\text{last} ,$$
+<p align="center">
+T<sub>pipelined</sub> ≈ D<sub>0</sub> + Σ<sub>i</sub> max(D<sub>i+1</sub>, C<sub>i</sub>)
++ C<sub>last</sub> ,
+</p>
 
 so at best the smaller of the two sums disappears behind the larger.
 
@@ -734,7 +739,7 @@ for name, (seconds, stats, _) in runs.items():
 
 # %% [markdown]
 Check the model against the sequential run's own per-shard times: the one-stage
-formula predicts the `prefetch=1` wall time from the measured $D_i$ and $C_i$.
+formula predicts the `prefetch=1` wall time from the measured D<sub>i</sub> and C<sub>i</sub>.
 
 # %%
 _, _, sequential_trace = runs["prefetch=0, concurrency=1"]
@@ -848,8 +853,8 @@ SCHNET_MD17 = r'''
 
 `examples/schnet_md17.py` trains a SchNet model (Schütt et al., 2017) on the energies
 and forces of an aspirin trajectory, the MD17 workload (Chmiela et al., 2017), while
-the shards stream from a throttled HTTP server: shard $i+1$ downloads while the model
-trains on shard $i$. Here we call its importable `run()` in a configuration small
+the shards stream from a throttled HTTP server: shard <i>i</i>+1 downloads while the model
+trains on shard <i>i</i>. Here we call its importable `run()` in a configuration small
 enough for a CPU in well under a minute, then plot the loss curve, the force parity
 on the held-out shard, and the per-shard overlap table.
 
@@ -915,7 +920,7 @@ model = metrics["model"]  # the trained SchNet, for the parity plot below
 # %% [markdown]
 ## 3. Loss curve
 
-The training loss is $\mathrm{MSE}(E) + w\,\mathrm{MSE}(F)$ on normalised energies,
+The training loss is MSE(E) + w · MSE(F) on normalised energies,
 averaged over the steps of each epoch.
 
 # %%
@@ -934,7 +939,7 @@ plt.show()
 ## 4. Force parity on the held-out shard
 
 The last shard was never trained on. We stream it from the cached shard directory
-with `LocalSource`, predict forces as $-\partial E / \partial \mathbf{r}$ and plot them
+with `LocalSource`, predict forces as −∂E/∂<b>r</b> and plot them
 against the reference, one point per force component.
 
 # %%

@@ -42,6 +42,10 @@ PUBLIC_MODULES = {
     "pyg_atompack.atp": "atp",
     "pyg_atompack.convert": "convert",
     "pyg_atompack.stream": "stream",
+    "pyg_atompack.pyg": "pyg",
+    "pyg_atompack.remote": "remote",
+    "pyg_atompack.remote.backends": "remote",
+    "pyg_atompack.data": "pyg_atompack",  # its classes are the top level's
     "pyg_atompack.graph": "graph",
     "pyg_atompack.hub": "hub",
     "pyg_atompack.transport": "transport",
@@ -141,6 +145,24 @@ def test_the_site_builds_strictly_with_every_page_of_the_nav(site: Path):
 
 def test_internal_links_and_anchors_resolve(site: Path):
     assert broken_links(site) == []
+
+
+FOREIGN_LOAD = re.compile(
+    r"<(?:script|img|iframe)\b[^>]*\bsrc=[\"']?(?:https?:)?//"
+    r"|<link\b[^>]*\bhref=[\"']?(?:https?:)?//"
+    r"|@import\s+(?:url\()?[\"']?(?:https?:)?//", re.IGNORECASE)
+
+
+def test_no_page_loads_anything_from_another_origin(site: Path):
+    # a reader offline, or behind a firewall, gets every page whole; nobody learns who
+    # reads it (fonts, scripts, stylesheets and formulas all come with the site)
+    pages = sorted(site.rglob("*.html")) + sorted(site.rglob("*.css"))
+    assert len(pages) > 20
+    loading = [f"{path.relative_to(site)}: {match.group(0)}" for path in pages
+               for match in FOREIGN_LOAD.finditer(path.read_text(encoding="utf-8"))]
+    assert loading == []
+    streaming = (site / "tutorials" / "03_streaming" / "index.html").read_text(encoding="utf-8")
+    assert "T<sub>sequential</sub>" in streaming and "MathJax" not in streaming
 
 
 def test_link_check_finds_missing_pages_and_anchors(tmp_path: Path):
@@ -306,6 +328,31 @@ def test_sphinx_roles_and_literal_blocks_become_markdown():
         ```
 
         More text.""")
+
+
+def test_simple_tables_become_markdown_tables():
+    doc = textwrap.dedent("""\
+        Attributes:
+
+        ==========  ======  ======================
+        attribute   shape   source
+        ==========  ======  ======================
+        ``z``       ``[N]`` atomic numbers
+        ``pos``     [N, 3]  positions | in Å
+        ==========  ======  ======================
+
+        After.""")
+    assert griffe_roles.markdown_tables(doc) == textwrap.dedent("""\
+        Attributes:
+
+        | attribute | shape | source |
+        |---|---|---|
+        | ``z`` | ``[N]`` | atomic numbers |
+        | ``pos`` | [N, 3] | positions \\| in Å |
+
+        After.""")
+    # a lone line of = runs (no closing borders) is left as it is
+    assert griffe_roles.markdown_tables("a\n===  ===\nb") == "a\n===  ===\nb"
 
 
 # ------------------------------------------------- docstrings of the public API

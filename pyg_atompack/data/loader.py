@@ -69,7 +69,35 @@ def _pass_through(batch: Batch) -> Batch:
     return batch
 
 
-class _BatchFetcher(torch.utils.data.Dataset):
+class _Fetcher(torch.utils.data.Dataset):
+    """Turns one list of positions (or a tuple of lists) into batches inside a worker.
+
+    Subclasses build one batch in :meth:`_batch`; this class hands it over, through the
+    worker's shared-memory arena (:mod:`pyg_atompack.pyg.handoff`) when there is one.
+    """
+
+    #: one shared-memory arena per worker, set by the loader before it forks them
+    arenas: list[Arena] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a spawned worker cannot map the main process's arenas: it sends through pipes
+        return {**self.__dict__, "arenas": None}
+
+    def __getitem__(self, positions: Sequence[int]) -> Batch:
+        return self.__getitems__(positions)
+
+    def __getitems__(self, positions: Sequence[int] | tuple[list[int], ...]
+                     ) -> Batch | BatchBundle:
+        install_in_worker(self.arenas)
+        if isinstance(positions, tuple):  # several batches, handed over as one item
+            return BatchBundle([self._batch(batch) for batch in positions])
+        return self._batch(positions)
+
+    def _batch(self, positions: Sequence[int]) -> Batch:
+        raise NotImplementedError
+
+
+class _BatchFetcher(_Fetcher):
     """Turns one list of dataset positions into one ``Batch`` inside a worker."""
 
     def __init__(
@@ -92,12 +120,6 @@ class _BatchFetcher(torch.utils.data.Dataset):
         # Positions -> record indices (view, pre_filter), computed once here
         # instead of once per batch.
         self.records = dataset.record_indices()
-        # one shared-memory arena per worker, set by the loader before it forks them
-        self.arenas: list[Arena] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a spawned worker cannot map the main process's arenas: it sends through pipes
-        return {**self.__dict__, "arenas": None}
 
     @staticmethod
     def _stored(names: AttributeNames | None, attributes: list[str]) -> list[str]:
@@ -115,17 +137,6 @@ class _BatchFetcher(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.records)
-
-    def __getitem__(self, positions: Sequence[int]) -> Batch:
-        return self.__getitems__(positions)
-
-    def __getitems__(self, positions: Sequence[int] | tuple[list[int], ...]
-                     ) -> Batch | BatchBundle:
-        # in a DataLoader worker, the batch leaves packed, through its arena (pyg.handoff)
-        install_in_worker(self.arenas)
-        if isinstance(positions, tuple):  # several batches, handed over as one item
-            return BatchBundle([self._batch(batch) for batch in positions])
-        return self._batch(positions)
 
     def _batch(self, positions: Sequence[int]) -> Batch:
         dataset = self.dataset
@@ -147,7 +158,7 @@ class _BatchFetcher(torch.utils.data.Dataset):
         return batch if self.all_names is None else self.all_names.apply(batch)
 
 
-class _GroupFetcher(torch.utils.data.Dataset):
+class _GroupFetcher(_Fetcher):
     """Turns one list of group positions into one ``Batch`` of their members."""
 
     def __init__(self, dataset: AtompackGroupDataset, follow_batch: Sequence[str],
@@ -156,23 +167,9 @@ class _GroupFetcher(torch.utils.data.Dataset):
         self.follow_batch = list(follow_batch)
         self.exclude_keys = list(exclude_keys)
         self.names = names
-        self.arenas: list[Arena] | None = None  # as _BatchFetcher's
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "arenas": None}
 
     def __len__(self) -> int:
         return len(self.dataset)
-
-    def __getitem__(self, positions: Sequence[int]) -> Batch:
-        return self.__getitems__(positions)
-
-    def __getitems__(self, positions: Sequence[int] | tuple[list[int], ...]
-                     ) -> Batch | BatchBundle:
-        install_in_worker(self.arenas)
-        if isinstance(positions, tuple):  # several batches, handed over as one item
-            return BatchBundle([self._batch(batch) for batch in positions])
-        return self._batch(positions)
 
     def _batch(self, positions: Sequence[int]) -> Batch:
         return self.dataset.fetch(positions, self.names, self.exclude_keys, self.follow_batch)

@@ -10,8 +10,9 @@ from .errors import FieldSelectionError
 
 __all__ = ["BUILTIN_FIELDS", "attribute_name", "resolve_fields"]
 
-# `.atp` builtin field -> Data attribute, in the order attributes are set on a Data
-# (derived from the one table, pyg_atompack.atp.types.BUILTINS).
+#: Each builtin `.atp` field and the ``Data`` attribute it becomes, in the order the
+#: attributes are set on a ``Data`` (derived from the one table,
+#: :data:`pyg_atompack.atp.types.BUILTINS`).
 BUILTIN_FIELDS: dict[str, str] = {name: field.attribute for name, field in BUILTINS.items()}
 _ALWAYS_READ = ("atomic_numbers", "positions")
 # node-level builtins (atomic numbers become ``z`` apart, as int64)

@@ -38,18 +38,39 @@ class AttributeNames:
     float32: frozenset[str] = frozenset()
 
     def output_name(self, attribute: str) -> str:
-        """The name ``attribute`` of the project's table has in the output."""
+        """The name ``attribute`` of the project's table has in the output.
+
+        Args:
+            attribute (str): A name of the project's attribute table (e.g. ``forces``).
+
+        Returns:
+            The name the produced ``Data`` carries it under.
+        """
         return self.rename.get(attribute, attribute)
 
     def stored_name(self, attribute: str) -> str:
-        """The project's name of an output attribute (the inverse of :meth:`output_name`)."""
+        """The project's name of an output attribute (the inverse of :meth:`output_name`).
+
+        Args:
+            attribute (str): A name the produced ``Data`` carries.
+
+        Returns:
+            The project's name for it (itself when it is not renamed).
+        """
         for stored, shown in self.rename.items():
             if shown == attribute:
                 return stored
         return attribute
 
     def then(self, other: AttributeNames | None) -> AttributeNames:
-        """These names followed by ``other`` (applied to this output) as one mapping."""
+        """These names followed by ``other`` (applied to this output) as one mapping.
+
+        Args:
+            other (AttributeNames): Names applied after these (:obj:`None`: these alone).
+
+        Returns:
+            AttributeNames: One mapping from the project's names to the final ones.
+        """
         if other is None:
             return self
         stored = set(self.rename) | {self.stored_name(a) for a in other.rename}
@@ -153,7 +174,15 @@ def resolve_names(
 def names_transform(
     names: AttributeNames | None, transform: Callable[[Any], Any] | None
 ) -> Callable[[Any], Any] | None:
-    """One picklable callable: rename first, then the user's ``transform``."""
+    """One picklable callable: rename first, then the user's ``transform``.
+
+    Args:
+        names (AttributeNames): The renaming (:obj:`None`: none).
+        transform (Callable): The user's transform (:obj:`None`: none).
+
+    Returns:
+        The callable, or ``transform`` itself when there is nothing to rename.
+    """
     if names is None:
         return transform
     return _Renamed(names, transform)

@@ -141,7 +141,14 @@ class RemoteAtpReader(RecordReader):
         return list(self._directory)
 
     def read_metadata(self, frame: Any) -> bytes:
-        """The payload of one of :attr:`metadata_frames`, its CRC-32 checked."""
+        """The payload of one of :attr:`metadata_frames`, its CRC-32 checked.
+
+        Args:
+            frame (MetaFrame): One entry of :attr:`metadata_frames`.
+
+        Returns:
+            bytes: The frame's payload.
+        """
         return read_payload(self._bytes, frame, self.name)
 
     @property

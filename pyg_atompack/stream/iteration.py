@@ -175,9 +175,7 @@ def hand_out(dataset: ShardStreamDataset, plan: StreamPlan | BlockPlan, slot: St
             for position, index in [(position, index) for position, index, _ in unit]:
                 if position not in started:  # its first sample: consuming it starts
                     started.add(position)
-                    record = recorder.record(position, plan.shards[position], "")
-                    if record.consume_start_s is None:
-                        record.consume_start_s = recorder.now()
+                    recorder.consumption_started(position, plan.shards[position])
                 progress.mark_sample(position, index)
                 pending[position] -= 1
                 if pending[position] == 0:
@@ -210,11 +208,7 @@ def hand_out(dataset: ShardStreamDataset, plan: StreamPlan | BlockPlan, slot: St
         prefetcher.close()
         ahead.close()
         recorder.wait_s = prefetcher.wait_s
-        now = recorder.now()
-        for position in pending:  # shards cut short by a quota, break or error
-            record = recorder.record(position, plan.shards[position], "")
-            if record.consume_start_s is not None and record.consume_finish_s is None:
-                record.consume_finish_s = now
+        recorder.cut_short(pending)  # shards cut short by a quota, break or error
         dataset._progress = progress
         if get_worker_info() is not None:
             name = f"epoch{dataset.epoch:06d}-rank{slot.rank}-worker{slot.worker}.json"

@@ -502,9 +502,7 @@ def _consume(dataset: ShardStreamDataset, channel: ChildStream, progress: Stream
                         started.add(position)
                         channel.took(position, waited)
                         waited = 0.0
-                        record = recorder.record(position, plan.shards[position], "")
-                        if record.consume_start_s is None:
-                            record.consume_start_s = recorder.now()
+                        recorder.consumption_started(position, plan.shards[position])
                     progress.mark_sample(position, sample)
                 last = marks[-1][0] if marks else None
                 del marks
@@ -523,7 +521,4 @@ def _consume(dataset: ShardStreamDataset, channel: ChildStream, progress: Stream
     finally:
         channel.close()
         _merge_child_trace(recorder, channel.trace)
-        now = recorder.now()
-        for record in recorder._records.values():  # shards cut short by a break or error
-            if record.consume_start_s is not None and record.consume_finish_s is None:
-                record.consume_finish_s = now
+        recorder.cut_short()  # shards cut short by a break or error

@@ -295,6 +295,23 @@ class TraceRecorder:
                                                      worker=self.worker)
             return self._records[position]
 
+    def consumption_started(self, position: int, shard_index: int) -> None:
+        """The consumer took the first sample of the shard at ``position``."""
+        record = self.record(position, shard_index, "")
+        if record.consume_start_s is None:
+            record.consume_start_s = self.now()
+
+    def cut_short(self, positions: Iterable[int] | None = None) -> None:
+        """End the consumption of shards started but not finished (a quota, ``break`` or
+        error ended the iteration), at ``positions`` (:obj:`None`: any)."""
+        now = self.now()
+        with self._lock:
+            records = (self._records.values() if positions is None else
+                       [self._records[p] for p in positions if p in self._records])
+            for record in records:
+                if record.consume_start_s is not None and record.consume_finish_s is None:
+                    record.consume_finish_s = now
+
     def shard_alive(self, delta: int) -> None:
         """Count a decoded shard coming to life (+1) or being released (-1)."""
         with self._lock:
