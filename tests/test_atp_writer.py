@@ -352,3 +352,11 @@ def test_rejected_key_leaves_the_schema_untouched(tmp_path, call):
     with atp.open(path) as f:
         assert len(f) == 1 and f[0].properties == {"ok": 2.0}
         assert [key for _, key in f.schema.entries] == ["ok"]
+
+
+def test_a_missing_directory_is_named_as_the_user_wrote_it(tmp_path):
+    target = tmp_path / "not-made-yet" / "data.atp"
+    with pytest.raises(FileNotFoundError) as raised:
+        atp.Writer(target)
+    assert str(target) in str(raised.value) and ".writing-" not in str(raised.value)
+    assert not (tmp_path / "not-made-yet").exists()

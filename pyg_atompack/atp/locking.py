@@ -275,6 +275,9 @@ def _sibling(path: str, mode: int | None) -> tuple[BinaryIO, str]:
                          | getattr(os, "O_CLOEXEC", 0), 0o666)
         except FileExistsError:
             continue
+        except OSError as error:  # name the file the caller asked for, not the hidden one
+            raise type(error)(error.errno, f"cannot write {path!r}: {error.strerror}") \
+                from None
         if mode is not None:
             with contextlib.suppress(OSError):
                 os.fchmod(fd, stat.S_IMODE(mode))
